@@ -1,0 +1,5 @@
+import sys
+
+from gspo.cli import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""Advantage estimators: group-relative (GRPO, GSPO, GSPO-token) and GAE (PPO).
+
+    from gspo.advantages import group_advantages, gae
+    adv = group_advantages(rewards, group_size=8)            # (B,) one per response
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)  # (B, T) per token
+
+Group layout: a batch of B responses holds B // G groups, each G contiguous rows sampled for
+the same prompt (rows 0..G-1 are prompt 0, rows G..2G-1 prompt 1, ...). The rollout code
+produces exactly this layout.
+
+Left out: reward shaping and reward normalisation across steps (running statistics); rewards
+arrive here already scored for this batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+ADV_SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Â_i = (r_i - mean_group(r)) / (std + eps), one per response; `(B,)` in, `(B,)` out.
+
+    scale:
+        "group": std over the response's own group (GRPO/GSPO, the paper's Â_i).
+        "batch": std over the whole batch (robust when a group's spread is tiny).
+        "none":  no scaling, only the group mean is subtracted (Dr. GRPO).
+    The std is the sample standard deviation (Bessel's correction, as torch.std, TRL and verl).
+    A group whose rewards are all equal carries no signal: its advantages are exactly 0.
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(ADV_SCALES)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be one per response, shape (B,), got {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"batch of {rewards.numel()} rewards is not a whole number of groups of size {group_size}"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    r = rewards.view(-1, group_size).to(torch.float64)  # (B/G, G), float64 so equal rewards stay equal
+    centered = r - r.mean(-1, keepdim=True)  # (B/G, G)
+    if scale == "group":
+        adv = centered / (r.std(-1, keepdim=True) + eps) if group_size > 1 else centered
+    elif scale == "batch":
+        adv = centered / (rewards.to(torch.float64).std() + eps) if rewards.numel() > 1 else centered
+    else:
+        adv = centered
+    flat = r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True)  # (B/G, 1) no spread in the group
+    adv = torch.where(flat, torch.zeros_like(adv), adv)  # (B/G, G)
+    return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)  # (B,)
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation over right-padded completions.
+
+    Args:
+        rewards: (B,) one reward per response, placed at its last completion token, or
+            (B, T) per-token rewards (e.g. a sequence reward plus a per-token KL penalty).
+        values: (B, T) the critic's value of each completion position.
+        mask: (B, T) 1.0 on completion tokens, 0.0 on padding; completions are right-padded
+            (each row's ones form a prefix), the end of a response is terminal.
+
+    Returns:
+        advantages: (B, T), 0 on padding.
+        returns: (B, T) advantages + values, the critic's regression target; 0 on padding.
+
+    δ_t = r_t + γ V_{t+1} - V_t   (V after the last completion token is 0: terminal)
+    Â_t = δ_t + γ λ Â_{t+1}
+    """
+    mask = mask.to(values.dtype)
+    B, T = mask.shape
+    if values.shape != (B, T):
+        raise ValueError(f"values must be (B, T)={(B, T)}, got {tuple(values.shape)}")
+    if rewards.dim() == 1:
+        last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,) index of each row's last completion token
+        token_rewards = torch.zeros_like(values)  # (B, T)
+        token_rewards[torch.arange(B), last] = rewards.to(values.dtype) * (mask.sum(-1) > 0)
+    elif rewards.shape == (B, T):
+        token_rewards = rewards.to(values.dtype)  # (B, T)
+    else:
+        raise ValueError(f"rewards must be (B,) or (B, T)={(B, T)}, got {tuple(rewards.shape)}")
+
+    values = values * mask  # (B, T)
+    token_rewards = token_rewards * mask  # (B, T)
+    adv = torch.zeros_like(values)  # (B, T)
+    next_value = values.new_zeros(B)  # (B,)
+    next_adv = values.new_zeros(B)  # (B,)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]  # (B,) zero on padding: terminal
+        next_value = values[:, t]  # (B,) already zero on padding
+        adv[:, t] = next_adv
+    returns = (adv + values) * mask  # (B, T)
+    return adv, returns
+
+
+def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
+    """Normalise `(B, T)` values to zero mean and unit variance over masked positions (PPO)."""
+    mask = mask.to(values.dtype)
+    n = mask.sum().clamp(min=1.0)
+    mean = (values * mask).sum() / n
+    var = ((values - mean).square() * mask).sum() / n
+    out = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask

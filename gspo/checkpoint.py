@@ -1,0 +1,157 @@
+"""Run directories and checkpoints, written so that a run killed at any moment resumes.
+
+    run_dir/
+      config.yaml            the resolved configuration
+      metrics.jsonl          one JSON object per step
+      samples.jsonl          a few prompts, completions and rewards per step
+      summary.json           accuracy before/after, wall time (written at the end)
+      checkpoints/step-000020/
+        config.json, model.safetensors, tokenizer files   (save_pretrained: loads with HF)
+        trainer_state.pt     optimizer, LR scheduler, RNG states, step, eval_before
+        config.yaml          the run's configuration
+
+Atomicity: a checkpoint is written into `checkpoints/.tmp-step-N/`, flushed to disk, and
+renamed to `step-N` in one `os.replace`; a directory named `step-N` is therefore always
+complete. Files that are rewritten (summary.json, config.yaml, the trimmed jsonl logs) go
+through a temporary file and a rename too. Appended logs (metrics.jsonl, samples.jsonl) may
+hold steps past the last checkpoint when a run dies; `resume` trims them back so that the
+resumed run appends exactly what an uninterrupted run would have written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def json_clean(obj):
+    """NaN and inf are not JSON: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_clean(v) for v in obj]
+    return obj
+
+
+def append_jsonl(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        return
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(json_clean(row)) + "\n")
+        f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut short by a kill: everything from here on is discarded
+    return rows
+
+
+def trim_jsonl(path: Path, max_step: int) -> None:
+    """Keep only rows with step <= max_step (rewritten atomically)."""
+    if not path.exists():
+        return
+    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / "trainer_state.pt").exists():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1][1] if dirs else None
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, config_yaml: str, keep: int,
+                    extra_models: dict | None = None) -> Path:
+    """Write checkpoint `step` atomically; delete all but the newest `keep` checkpoints.
+
+    extra_models: name -> model saved with save_pretrained into a sub-directory (e.g. a critic).
+    """
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for name, extra in (extra_models or {}).items():
+        extra.save_pretrained(tmp / name)
+    (tmp / "config.yaml").write_text(config_yaml)
+    torch.save(state, tmp / "trainer_state.pt")
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    if final.exists():  # same step written again (e.g. re-run of the final save)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for _, old in checkpoint_dirs(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove checkpoint directories left half-written by a killed run."""
+    root = run_dir / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)

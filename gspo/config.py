@@ -1,0 +1,260 @@
+"""The training configuration: one typed dataclass, the single source of truth.
+
+Each field's docstring is its `--help` text (parsed by `tyro`). A run's configuration comes
+from, in order: the defaults below, then a YAML file (`--config run.yaml`, keys are the field
+names), then command-line flags (`--group-size 16`). Fields left as None are derived after
+parsing (`resolve`): the clip range comes from the algorithm's preset. The resolved config is
+saved as `config.yaml` in the run directory and in every checkpoint, and `validate` rejects
+bad values with a one-line message naming the field before any work starts.
+
+    from gspo.config import TrainConfig, resolve
+    cfg = resolve(TrainConfig(algorithm="grpo", steps=50))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from gspo.losses import AGG_MODES
+
+Algorithm = Literal["gspo", "grpo", "gspo_token"]
+
+# Clip ranges (clip_low, clip_high): the paper's §5.1 for gspo and grpo; gspo_token shares
+# GSPO's ranges because its ratio has the same value s_i.
+PRESETS: dict[str, dict] = {
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
+    "grpo": {"clip_low": 0.2, "clip_high": 0.27},
+    "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4},
+}
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the field."""
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train -------------------------------------------------------------------
+    algorithm: Algorithm = "gspo"
+    """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2) or gspo_token (Eq. 13). Sets the preset clip range."""
+    model: str = "tiny"
+    """Built-in model name (tiny) or the path of a local Hugging Face causal LM directory."""
+    task: str = "arithmetic"
+    """Built-in task: arithmetic (sums and differences of 3-digit numbers) or addition."""
+
+    # --- rollout --------------------------------------------------------------------------
+    steps: int = 60
+    """Training steps; each step is one rollout batch and all the updates it feeds."""
+    prompts_per_step: int = 32
+    """Distinct prompts sampled per step."""
+    group_size: int = 8
+    """Completions sampled per prompt (G); advantages are relative to the group."""
+    max_new_tokens: int = 8
+    """Longest completion, in tokens; longer ones are cut and marked truncated."""
+    temperature: float = 1.0
+    """Sampling temperature; the same temperature scales the logits of training log-probs."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off)."""
+
+    # --- policy update -------------------------------------------------------------------
+    num_minibatches: int = 4
+    """Minibatches per rollout batch; the paper uses 4, so all but the first update are off-policy."""
+    epochs: int = 1
+    """Passes over the rollout batch."""
+    clip_low: float | None = None
+    """Ratio clipped below at 1 - clip_low (None: the algorithm's preset, 3e-4 for gspo, 0.2 for grpo)."""
+    clip_high: float | None = None
+    """Ratio clipped above at 1 + clip_high (None: the algorithm's preset, 4e-4 for gspo, 0.27 for grpo)."""
+    loss_agg: str = "seq-mean-token-mean"
+    """Loss aggregation: seq-mean-token-mean (each response once, the paper's), token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)."""
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: group std (the paper's), batch std, or none (Dr. GRPO)."""
+    beta: float = 0.0
+    """KL penalty coefficient against the initial policy (the paper uses 0)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty."""
+    old_logp: Literal["recompute", "sampling"] = "recompute"
+    """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4)."""
+
+    # --- optimiser -----------------------------------------------------------------------
+    lr: float = 1e-4
+    """AdamW learning rate (peak, after warm-up)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm (0 = off)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warm-up, advanced once per training step."""
+    warmup_steps: int = 5
+    """Training steps of linear learning-rate warm-up from 0."""
+
+    # --- evaluation ----------------------------------------------------------------------
+    eval_size: int = 500
+    """Held-out problems for greedy accuracy, before and after training."""
+    eval_every: int = 0
+    """Also evaluate every N steps (0 = only before and after)."""
+
+    # --- run -----------------------------------------------------------------------------
+    seed: int = 0
+    """Seed for prompts, sampling and minibatch order; a run is deterministic on CPU for a seed."""
+    output_dir: str | None = None
+    """Run directory (None: runs/<algorithm>-<date>-<time>)."""
+    save_every: int = 20
+    """Checkpoint every N steps (and always at the end); 0 = only at the end."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (the newest)."""
+    samples_per_step: int = 4
+    """Completions per step written to samples.jsonl."""
+    device: str = "cpu"
+    """Device for the policy: cpu, cuda, cuda:N."""
+    threads: int = 0
+    """CPU threads for torch (0 = torch's default)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ConfigError with a one-line message for the first bad value."""
+    from gspo.tasks import TASKS
+
+    def need(ok: bool, name: str, msg: str):
+        if not ok:
+            raise ConfigError(f"{name}: {msg} (got {getattr(cfg, name)!r})")
+
+    need(cfg.algorithm in PRESETS, "algorithm", f"must be one of {', '.join(PRESETS)}")
+    need(cfg.task in TASKS, "task", f"must be one of {', '.join(TASKS)}")
+    need(cfg.steps >= 0, "steps", "must be >= 0")
+    need(cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
+    need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)")
+    need(cfg.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+    need(cfg.temperature > 0, "temperature", "must be > 0 for sampling")
+    need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(cfg.num_minibatches >= 1, "num_minibatches", "must be >= 1")
+    batch = cfg.prompts_per_step * cfg.group_size
+    need(batch % cfg.num_minibatches == 0, "num_minibatches",
+         f"must divide the rollout batch prompts_per_step * group_size = {batch}")
+    need(cfg.epochs >= 1, "epochs", "must be >= 1")
+    for name in ("clip_low", "clip_high"):
+        v = getattr(cfg, name)
+        need(v is None or v >= 0, name, "must be >= 0")
+    need(cfg.clip_low is None or cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio is clipped at 1 - clip_low > 0)")
+    need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
+    need(cfg.beta >= 0, "beta", "must be >= 0")
+    need(cfg.lr > 0, "lr", "must be > 0")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
+    need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    need(cfg.eval_size >= 1, "eval_size", "must be >= 1")
+    need(cfg.eval_every >= 0, "eval_every", "must be >= 0")
+    need(cfg.save_every >= 0, "save_every", "must be >= 0")
+    need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
+    need(cfg.samples_per_step >= 0, "samples_per_step", "must be >= 0")
+    need(cfg.threads >= 0, "threads", "must be >= 0")
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """Validate, then fill the derived fields: the clip range from the preset, the run directory."""
+    validate(cfg)
+    out = dataclasses.replace(cfg)
+    for key, value in PRESETS[cfg.algorithm].items():
+        if getattr(out, key) is None:
+            setattr(out, key, value)
+    if out.output_dir is None:
+        out.output_dir = str(Path("runs") / f"{out.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# YAML
+# ----------------------------------------------------------------------------------------------
+
+
+def to_dict(cfg: TrainConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["adam_betas"] = list(d["adam_betas"])
+    return d
+
+
+def save_yaml(cfg: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def _coerce(value, tp, where: str):
+    """Check a YAML value against a field's type annotation; return it converted."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: unexpected null")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported field type {tp}")
+
+
+def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
+    """A TrainConfig from a YAML mapping of field names to values, over `base` (or the defaults)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}:{line} not valid YAML ({getattr(e, 'problem', None) or e})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(data).__name__}")
+    hints = typing.get_type_hints(TrainConfig)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ConfigError(f"{path}: unknown option {key!r}")
+        values[name] = _coerce(value, hints[name], f"{path}: {key}")
+    return dataclasses.replace(base or TrainConfig(), **values)

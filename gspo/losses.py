@@ -1,0 +1,276 @@
+"""Policy losses by name: PPO, GRPO, GSPO and GSPO-token, their aggregation, and KL estimators.
+
+Every loss is a pure function of `(B, T)` tensors plus explicit scalars. Nothing here reads a
+config object. The formulas follow the GSPO paper (Qwen team, arXiv 2507.18071); the equation
+numbers in the comments are the paper's.
+
+    from gspo.losses import policy_loss
+    loss, metrics = policy_loss("gspo", logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4)
+
+A loss is computed in two steps:
+
+1. `TOKEN_LOSSES[name]` gives a per-token loss `(B, T)` (for GSPO every token of a response
+   carries that response's single sequence-level term) together with the ratio that was
+   clipped and where its gradient was cut.
+2. `aggregate(per_token, mask, mode)` reduces it to a scalar. The mode is whatever the caller
+   asked for, for every loss; the default `"seq-mean-token-mean"` is the paper's weighting
+   (Eq. 2 and Eq. 5: each response counts once, whatever its length).
+
+Left out on purpose: entropy bonuses (they need the full distribution, not just the sampled
+token's log-prob) and the value loss, which lives with the critic (`gspo.value`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Tensor = torch.Tensor
+
+# log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp(): e^20 ≈ 4.9e8 is
+# far outside any clip range, so the objective is unchanged wherever it is finite, and
+# exp() can never overflow to inf (which would then give inf * 0 = NaN in the masked sums).
+LOG_RATIO_CLAMP = 20.0
+
+AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+@dataclass
+class TokenLoss:
+    """What a per-token loss function returns, before aggregation."""
+
+    loss: Tensor  # (B, T) per-token loss to minimise; any value at masked positions
+    ratio: Tensor  # (B, T) the ratio that is clipped (w_{i,t}, or s_i broadcast over tokens)
+    clipped_low: Tensor  # (B, T) bool: gradient cut because ratio < 1 - clip_low and adv < 0
+    clipped_high: Tensor  # (B, T) bool: gradient cut because ratio > 1 + clip_high and adv > 0
+
+
+def _safe_exp(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> TokenLoss:
+    """-min(r·A, clip(r, 1-ε_low, 1+ε_high)·A), elementwise over broadcastable tensors."""
+    surr = ratio * adv  # (B, T) or (B,)
+    surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # (B, T) or (B,)
+    loss = -torch.minimum(surr, surr_clipped)  # (B, T) or (B,)
+    with torch.no_grad():
+        # the min() picks the clipped (constant) branch exactly in these two cases
+        clipped_low = (ratio < 1.0 - clip_low) & (adv < 0)
+        clipped_high = (ratio > 1.0 + clip_high) & (adv > 0)
+    return TokenLoss(loss, ratio, clipped_low, clipped_high)
+
+
+def _token_advantages(advantages: Tensor, mask: Tensor, name: str) -> Tensor:
+    if advantages.dim() == 1:
+        return advantages.unsqueeze(-1).expand_as(mask)  # (B,) -> (B, T)
+    if advantages.shape != mask.shape:
+        raise ValueError(f"{name}: advantages must be (B,) or (B, T)={tuple(mask.shape)}, got {tuple(advantages.shape)}")
+    return advantages
+
+
+def token_level_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> TokenLoss:
+    """PPO (Eq. 1) and GRPO (Eq. 2): token ratios w_{i,t}, each token clipped on its own.
+
+    w_{i,t} = π_θ(y_{i,t}|x, y_{i,<t}) / π_θold(y_{i,t}|x, y_{i,<t})
+    per-token term: min(w_{i,t} Â, clip(w_{i,t}, 1-ε_low, 1+ε_high) Â)
+    """
+    adv = _token_advantages(advantages, mask, "ppo/grpo")  # (B, T)
+    ratio = _safe_exp(logp - old_logp)  # (B, T)  w_{i,t}
+    return _clipped_surrogate(ratio, adv, clip_low, clip_high)
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """log s_i = (1/|y_i|) Σ_t log w_{i,t}  (Eq. 7, in log space). Empty rows give 0."""
+    length = mask.sum(-1).clamp(min=1.0)  # (B,)  |y_i|
+    return ((logp - old_logp) * mask).sum(-1) / length  # (B,)
+
+
+def gspo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> TokenLoss:
+    """GSPO (Eq. 5): one clipped term per response, with the length-normalised sequence ratio.
+
+    s_i = (π_θ(y_i|x) / π_θold(y_i|x))^(1/|y_i|) = exp((1/|y_i|) Σ_t log w_{i,t})
+    per-response term: min(s_i Â_i, clip(s_i, 1-ε_low, 1+ε_high) Â_i)
+
+    The term is broadcast over the response's tokens so that the named aggregation modes
+    apply; under "seq-mean-token-mean" each response then counts exactly once, as in Eq. 5.
+    """
+    if advantages.dim() != 1:
+        raise ValueError(
+            f"gspo: advantages must be one per sequence, shape (B,), got {tuple(advantages.shape)}; "
+            "use 'gspo_token' for per-token advantages"
+        )
+    ratio = _safe_exp(sequence_log_ratio(logp, old_logp, mask))  # (B,)  s_i
+    seq = _clipped_surrogate(ratio, advantages, clip_low, clip_high)  # fields (B,)
+
+    def per_token(x: Tensor) -> Tensor:
+        return x.unsqueeze(-1).expand_as(mask)  # (B,) -> (B, T)
+
+    return TokenLoss(per_token(seq.loss), per_token(seq.ratio), per_token(seq.clipped_low), per_token(seq.clipped_high))
+
+
+def gspo_token_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+) -> TokenLoss:
+    """GSPO-token (Eq. 13-14): GRPO's form with s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})].
+
+    The value of s_{i,t} is s_i for every token, and its gradient w.r.t. log π_θ(y_{i,t}) is s_i,
+    so with Â_{i,t} = Â_i this equals GSPO in value, clipping decision and gradient.
+    """
+    adv = _token_advantages(advantages, mask, "gspo_token")  # (B, T)
+    log_s = sequence_log_ratio(logp, old_logp, mask).detach()  # (B,)  sg[log s_i]
+    # sg[s_i] · exp(logp - sg[logp]): the log is log s_i + (logp - sg[logp]), clamped as one
+    log_ratio = log_s.unsqueeze(-1) + (logp - logp.detach())  # (B, T), value log s_i
+    ratio = _safe_exp(log_ratio)  # (B, T)  s_{i,t}
+    return _clipped_surrogate(ratio, adv, clip_low, clip_high)
+
+
+TOKEN_LOSSES: dict[str, Callable[..., TokenLoss]] = {
+    "ppo": token_level_loss,
+    "grpo": token_level_loss,
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+}
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
+    """Reduce a per-token `(B, T)` tensor to a scalar over completion tokens.
+
+    - "seq-mean-token-mean": mean over responses of each response's token mean (the paper's
+      Eq. 2/5 weighting; each response counts once). Rows with no completion token are not
+      responses and are left out of the mean.
+    - "token-mean": sum over all completion tokens / number of completion tokens; a response
+      weighs in proportion to its length.
+    - "seq-mean-token-sum": mean over responses of each response's token sum; long responses
+      weigh more, in proportion to their length.
+    - "seq-mean-token-sum-norm" (Dr. GRPO): token sums divided by the constant `max_len`, then
+      the mean over responses; no length-dependent normaliser at all.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+    masked = values * mask  # (B, T)
+    if mode == "token-mean":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    seq_len = mask.sum(-1)  # (B,)
+    n_seqs = (seq_len > 0).sum().clamp(min=1)  # responses with at least one completion token
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / seq_len.clamp(min=1.0)  # (B,)
+    elif mode == "seq-mean-token-sum":
+        per_seq = masked.sum(-1)  # (B,)
+    else:
+        if max_len is None or max_len <= 0:
+            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len > 0 (the fixed generation length)")
+        per_seq = masked.sum(-1) / max_len  # (B,)
+    return per_seq.sum() / n_seqs
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ; `(B, T)` in, `(B, T)` out.
+
+    With log ρ = log π_ref - log π_θ:
+    - k1 = -log ρ                 (unbiased, high variance, can be negative)
+    - k2 = ½ (log ρ)²             (biased, low variance)
+    - k3 = ρ - 1 - log ρ          (unbiased, low variance, always ≥ 0)
+    """
+    log_rho = ref_logp - logp  # (B, T)
+    if estimator == "k1":
+        return -log_rho
+    if estimator == "k2":
+        return 0.5 * log_rho.square()
+    if estimator == "k3":
+        return _safe_exp(log_rho) - 1.0 - log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    raise ValueError(f"unknown KL estimator {estimator!r}; valid estimators: {', '.join(KL_ESTIMATORS)}")
+
+
+def policy_loss(
+    name: str,
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    agg: str | None = None,
+    max_len: int | None = None,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped policy loss `name`, aggregated with `agg`, plus metrics.
+
+    Args:
+        name: "ppo", "grpo", "gspo" or "gspo_token".
+        logp: (B, T) log π_θ of the sampled tokens (with gradient).
+        old_logp: (B, T) log π_θold of the same tokens (the sampling policy; no gradient needed).
+        advantages: (B,) per response, or (B, T) per token (ppo, grpo, gspo_token).
+        mask: (B, T) 1.0 on completion tokens, 0.0 on padding.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        agg: aggregation mode (see `aggregate`); None means "seq-mean-token-mean".
+        max_len: the fixed length for "seq-mean-token-sum-norm".
+        ref_logp: (B, T) log π_ref for the KL penalty; required when beta > 0.
+        beta: KL coefficient; the penalty β·KL is added per token before aggregation.
+        kl_estimator: "k1", "k2" or "k3".
+
+    Returns:
+        loss: scalar to minimise (the negative of the objective, plus β·KL).
+        metrics: Python floats, see README "Metrics".
+    """
+    if name not in TOKEN_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; valid losses: {', '.join(TOKEN_LOSSES)}")
+    if clip_low < 0 or clip_high < 0:
+        raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
+    if not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2:
+        raise ValueError(
+            f"logp, old_logp and mask must share one (B, T) shape, got "
+            f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    agg = agg or "seq-mean-token-mean"
+    mask = mask.to(logp.dtype)
+    old_logp = old_logp.detach()
+    out = TOKEN_LOSSES[name](logp, old_logp, advantages.detach(), mask, clip_low=clip_low, clip_high=clip_high)
+    pg_loss = aggregate(out.loss, mask, agg, max_len=max_len)
+    loss = pg_loss
+
+    metrics: dict[str, float] = {}
+    if beta != 0.0 or ref_logp is not None:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs")
+        kl = kl_penalty(logp, ref_logp.detach(), kl_estimator)  # (B, T)
+        kl_loss = aggregate(kl, mask, agg, max_len=max_len)
+        loss = pg_loss + beta * kl_loss
+        metrics["kl/ref"] = float(kl_loss.detach())
+        metrics["loss/kl"] = float(beta * kl_loss.detach())
+    metrics.update(_ratio_metrics(out, logp, old_logp, mask))
+    metrics["loss/policy"] = float(pg_loss.detach())
+    return loss, metrics
+
+
+@torch.no_grad()
+def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    """Clip fractions and ratio statistics over completion tokens (each token counts once)."""
+    on = mask > 0  # (B, T)
+    n = on.sum().clamp(min=1).to(logp.dtype)
+    low = (out.clipped_low & on).sum() / n
+    high = (out.clipped_high & on).sum() / n
+    ratio = out.ratio[on]  # (N,)
+    log_w = (logp - old_logp)[on].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (N,)
+    # k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: w - 1 - log w, with w = π_θ/π_old
+    kl_old_new = (torch.exp(log_w) - 1.0 - log_w).mean() if log_w.numel() else log_w.new_zeros(())
+    empty = ratio.numel() == 0
+    return {
+        "clip/frac": float(low + high),
+        "clip/low_frac": float(low),
+        "clip/high_frac": float(high),
+        "ratio/mean": float("nan") if empty else float(ratio.mean()),
+        "ratio/min": float("nan") if empty else float(ratio.min()),
+        "ratio/max": float("nan") if empty else float(ratio.max()),
+        "kl/old_new": float(kl_old_new),
+    }

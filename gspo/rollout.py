@@ -1,0 +1,174 @@
+"""Sampling groups of completions with their log-probs, and recomputing those log-probs.
+
+    from gspo.rollout import generate, completion_logprobs
+    ro = generate(model, prompt_ids, group_size=8, max_new_tokens=8, temperature=1.0,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    logp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask,
+                               temperature=1.0)   # (B, T), equals ro.logp in fp32
+
+Layout. Prompts are left-padded to a common width P and completions right-padded to T, so
+every completion starts at column P; row b holds prompt b // G (groups are contiguous).
+Position ids count real tokens only (cumsum of the attention mask), in sampling and in
+training alike, so a padded row computes exactly what it would alone.
+
+Log-probs are those of the temperature-scaled distribution, log softmax(logits / τ), recorded
+while sampling; top-p truncation changes which tokens can be drawn but not the recorded
+log-prob (as in TRL and verl), so recorded and recomputed log-probs agree.
+
+The sampling loop prefills each distinct prompt once and shares its KV cache across the G
+samples of its group, computes logits only for the last position, and runs under
+`torch.inference_mode`.
+
+Left out: vLLM and other inference engines; beam search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Rollout:
+    """G completions for each of N prompts, B = N·G rows, groups contiguous."""
+
+    prompt_ids: Tensor  # (B, P) left-padded prompt tokens
+    prompt_mask: Tensor  # (B, P) 1 on real prompt tokens
+    completion_ids: Tensor  # (B, T) right-padded sampled tokens (pad after EOS)
+    completion_mask: Tensor  # (B, T) 1.0 on completion tokens, EOS included
+    logp: Tensor  # (B, T) log-prob of each sampled token at sampling time; 0 on padding
+    lengths: Tensor  # (B,) completion lengths (number of ones in completion_mask)
+    truncated: Tensor  # (B,) bool: stopped by max_new_tokens before an EOS
+    group_size: int
+
+    @property
+    def input_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], 1)  # (B, P+T)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask.to(self.prompt_mask.dtype)], 1)  # (B, P+T)
+
+    def select(self, idx: Tensor) -> "Rollout":
+        """Rows `idx` (for minibatches); the group layout no longer holds for the result."""
+        return Rollout(
+            self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
+            self.logp[idx], self.lengths[idx], self.truncated[idx], self.group_size,
+        )
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists to one width: (ids (N, P), mask (N, P))."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that count real tokens only: (B, L) attention mask -> (B, L) positions."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+    """Draw one token per row from `logits` (B, V); returns (tokens (B,), log-probs (B,)).
+
+    temperature == 0 means greedy; the returned log-prob is then that of τ = 1.
+    """
+    logits = logits.float()  # (B, V)
+    logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)  # (B, V)
+    if temperature == 0:
+        tokens = logits.argmax(-1)  # (B,)
+    else:
+        probs = logprobs.exp()  # (B, V)
+        if top_p < 1.0:
+            sorted_p, order = probs.sort(-1, descending=True)  # (B, V)
+            # drop a token once the mass before it already reaches top_p (the first always stays)
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # (B, V)
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)  # (B, V)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample `group_size` completions for each prompt (token id lists) with a KV cache."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    G = group_size
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
+    pos = position_ids_from_mask(prompt_mask)  # (N, P)
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    if G > 1:  # one prefill per prompt, shared by its G samples
+        cache.batch_repeat_interleave(G)
+    logits = out.logits[:, -1].repeat_interleave(G, 0)  # (B, V)
+    prompt_ids = prompt_ids.repeat_interleave(G, 0)  # (B, P)
+    prompt_mask = prompt_mask.repeat_interleave(G, 0)  # (B, P)
+    next_pos = pos[:, -1].repeat_interleave(G, 0) + 1  # (B,)
+    B = prompt_ids.shape[0]
+
+    tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)  # (B, T)
+    logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)  # (B, T)
+    done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
+    lengths = torch.zeros(B, dtype=torch.long, device=device)  # (B,)
+    attn = prompt_mask  # (B, P + t), grows by one column per step
+    n_steps = 0
+    for t in range(max_new_tokens):
+        tok, lp = sample_token(logits, temperature, top_p, generator)  # (B,), (B,)
+        tok = tok.masked_fill(done, pad_token_id)
+        tokens[:, t] = tok
+        logp[:, t] = lp.masked_fill(done, 0.0)
+        lengths += (~done).long()
+        done |= tok == eos_token_id
+        n_steps = t + 1
+        if bool(done.all()) or t == max_new_tokens - 1:
+            break
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (B, P+t+1)
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]  # (B, V)
+        next_pos = next_pos + 1
+
+    model.train(was_training)
+    tokens, logp = tokens[:, :n_steps], logp[:, :n_steps]  # (B, T)
+    completion_mask = (torch.arange(n_steps, device=device)[None, :] < lengths[:, None]).float()  # (B, T)
+    return Rollout(prompt_ids, prompt_mask, tokens, completion_mask, logp, lengths, ~done, G)
+
+
+def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
+                        *, temperature: float = 1.0) -> Tensor:
+    """log π(y_t | x, y_<t) / τ-scaled, for the last T columns of `input_ids`; (B, T).
+
+    One forward pass over prompt + completion; logits are computed only for the T positions
+    that predict completion tokens, never for the prompt.
+    """
+    T = completion_mask.shape[1]
+    pos = position_ids_from_mask(attention_mask)  # (B, P+T)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
+                logits_to_keep=T + 1)
+    logits = out.logits[:, :-1].float()  # (B, T, V) position j predicts token j+1
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -T:, None]).squeeze(-1)  # (B, T)
+    return logp * completion_mask

@@ -1,0 +1,127 @@
+"""Build the built-in tiny model shipped in gspo/assets/tiny (about 4 minutes on 2 CPU cores).
+
+    python scripts/make_tiny_model.py                  # writes gspo/assets/tiny
+    python scripts/make_tiny_model.py --out /tmp/tiny  # somewhere else
+
+What it makes. A 4-layer Qwen3 (0.8M parameters, character tokenizer built locally with
+`tokenizers`) warm-started by supervised training on the built-in arithmetic task's
+training problems (never its test split), where answers that need a carry or a borrow are
+written, with probability `--bug-rate` (0.6), with one of the two classic schoolchild
+mistakes instead:
+
+    forgot to carry       58+67  -> 15    (each column's digit sum mod 10)
+    smaller from larger   52-17  -> 45    (each column's |difference|)
+
+The model learns both the right method and the bug, and prefers the bug where it applies.
+Greedy decoding therefore gets only the no-carry problems right (about a fifth of them),
+while sampling finds the right answer often: rewards vary within a group, which is the
+regime where RL with group-relative advantages improves a model quickly (it sharpens what
+the model already knows). The README's figures come from this model.
+
+Deterministic: the same seed, torch version and thread count give the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gspo.evaluation import evaluate  # noqa: E402
+from gspo.models import ASSETS, build_char_tokenizer, tiny_config  # noqa: E402
+from gspo.tasks import get_task  # noqa: E402
+
+
+def buggy_answer(a: int, b: int, op: str) -> str:
+    """Column-wise arithmetic without carries (+) or with smaller-from-larger digits (-).
+
+    >>> buggy_answer(58, 67, "+"), buggy_answer(52, 17, "-"), buggy_answer(12, 3, "+")
+    ('15', '45', '15')
+    """
+    da, db = str(a)[::-1], str(b)[::-1]
+    cols = []
+    for i in range(max(len(da), len(db))):
+        x = int(da[i]) if i < len(da) else 0
+        y = int(db[i]) if i < len(db) else 0
+        cols.append((x + y) % 10 if op == "+" else abs(x - y))
+    return str(int("".join(str(c) for c in reversed(cols))))
+
+
+def sft_batch(problems, tokenizer, rng: random.Random, bug_rate: float):
+    """Token ids, attention mask and labels (completion tokens only) for one SFT batch."""
+    seqs, starts = [], []
+    for p in problems:
+        a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", p.prompt).groups()
+        bug = buggy_answer(int(a), int(b), op)
+        answer = bug if bug != p.answer and rng.random() < bug_rate else p.answer
+        prompt = tokenizer(p.prompt)["input_ids"]
+        seqs.append(prompt + tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id])
+        starts.append(len(prompt))
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (s, start) in enumerate(zip(seqs, starts)):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+        labels[i, start:len(s)] = torch.tensor(s[start:])
+    return ids, mask, labels
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ASSETS / "tiny"))
+    ap.add_argument("--task", default="arithmetic")
+    ap.add_argument("--steps", type=int, default=4000)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--bug-rate", type=float, default=0.6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    tokenizer = build_char_tokenizer()
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(tiny_config(len(tokenizer)))
+    task = get_task(args.task)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    warmup = 100
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / args.steps))
+    t0 = time.time()
+    model.train()
+    for step in range(args.steps):
+        # a stream of its own (seed 10_000 + ...), never the test split
+        problems = task.train_batch(step, args.batch_size, seed=10_000 + args.seed)
+        ids, mask, labels = sft_batch(problems, tokenizer, rng, args.bug_rate)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if (step + 1) % 500 == 0:
+            print(f"step {step + 1}/{args.steps} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
+    model.eval()
+    res = evaluate(model, tokenizer, task, n=1000, k=8)
+    print(f"greedy accuracy {res['accuracy']:.3f}  sample accuracy {res['sample_accuracy']:.3f}  "
+          f"pass@8 {res['pass@8']:.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"saved to {out}")
+
+
+if __name__ == "__main__":
+    main()

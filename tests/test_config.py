@@ -1,0 +1,79 @@
+"""Config: presets, validation messages, YAML loading."""
+
+import dataclasses
+
+import pytest
+
+from gspo.config import ConfigError, TrainConfig, load_yaml, resolve, save_yaml
+
+
+def test_presets_fill_clip_ranges():
+    assert (resolve(TrainConfig(algorithm="gspo")).clip_low, resolve(TrainConfig(algorithm="gspo")).clip_high) == (3e-4, 4e-4)
+    grpo = resolve(TrainConfig(algorithm="grpo"))
+    assert (grpo.clip_low, grpo.clip_high, grpo.beta) == (0.2, 0.27, 0.0)
+    tok = resolve(TrainConfig(algorithm="gspo_token"))
+    assert (tok.clip_low, tok.clip_high) == (3e-4, 4e-4)
+    # an explicit value wins over the preset
+    assert resolve(TrainConfig(algorithm="grpo", clip_high=0.28)).clip_high == 0.28
+
+
+def test_paper_defaults():
+    cfg = resolve(TrainConfig())
+    assert cfg.algorithm == "gspo" and cfg.num_minibatches == 4 and cfg.beta == 0.0
+    assert cfg.loss_agg == "seq-mean-token-mean"
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"group_size": 1}, "group_size"),
+    ({"clip_low": -0.1}, "clip_low"),
+    ({"clip_high": -1e-4}, "clip_high"),
+    ({"clip_low": 1.0}, "clip_low"),
+    ({"algorithm": "dpo"}, "algorithm"),
+    ({"task": "chess"}, "task"),
+    ({"prompts_per_step": 3, "group_size": 5, "num_minibatches": 4}, "num_minibatches"),
+    ({"loss_agg": "sum"}, "loss_agg"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"lr": 0.0}, "lr"),
+    ({"epochs": 0}, "epochs"),
+    ({"top_p": 1.5}, "top_p"),
+])
+def test_invalid_values_are_rejected_with_the_field_name(changes, field):
+    with pytest.raises(ConfigError) as e:
+        resolve(dataclasses.replace(TrainConfig(), **changes))
+    msg = str(e.value)
+    assert msg.startswith(field + ":") and "\n" not in msg
+
+
+def test_minibatch_message_names_the_batch():
+    with pytest.raises(ConfigError, match="= 15"):
+        resolve(TrainConfig(prompts_per_step=3, group_size=5, num_minibatches=4))
+
+
+def test_yaml_round_trip(tmp_path):
+    cfg = resolve(TrainConfig(algorithm="grpo", steps=7, adam_betas=(0.8, 0.95), output_dir=str(tmp_path / "r")))
+    save_yaml(cfg, tmp_path / "c.yaml")
+    assert load_yaml(tmp_path / "c.yaml") == cfg
+
+
+def test_yaml_values_and_errors(tmp_path):
+    p = tmp_path / "run.yaml"
+    p.write_text("algorithm: grpo\ngroup-size: 4\nlr: 1\nclip_low: null\n")
+    cfg = load_yaml(p)
+    assert (cfg.algorithm, cfg.group_size, cfg.lr, cfg.clip_low) == ("grpo", 4, 1.0, None)
+    cases = {
+        "group_size: eight\n": "group_size: expected an integer, got 'eight'",
+        "group_size: true\n": "group_size: expected an integer",
+        "lr: fast\n": "lr: expected a number",
+        "algorithm: ppo2\n": "algorithm: expected one of gspo, grpo, gspo_token",
+        "bogus: 1\n": "unknown option 'bogus'",
+        "- 1\n- 2\n": "expected a mapping",
+        "adam_betas: [0.9]\n": "adam_betas: expected a list of 2 values",
+        "a: [1\n": "not valid YAML",
+    }
+    for text, msg in cases.items():
+        p.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_yaml(p)
+        assert msg in str(e.value) and str(p) in str(e.value), (text, str(e.value))
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_yaml(tmp_path / "missing.yaml")

@@ -1,0 +1,144 @@
+"""Rollout: recorded log-probs, layout, stopping, sampling options."""
+
+import pytest
+import torch
+
+from gspo.rollout import completion_logprobs, generate, left_pad, position_ids_from_mask, sample_token
+
+PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
+
+
+def encode(tok, texts):
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def test_recorded_logprobs_equal_recomputation(tiny_random, char_tokenizer):
+    # fp32: the log-probs recorded while sampling (KV cache, one token at a time) equal one
+    # full forward pass over prompt + completion, to 1e-5
+    tok = char_tokenizer
+    g = torch.Generator().manual_seed(0)
+    for temperature in (1.0, 0.7):
+        ro = generate(tiny_random, encode(tok, PROMPTS), group_size=3, max_new_tokens=6, temperature=temperature,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+        with torch.no_grad():
+            logp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask,
+                                       temperature=temperature)
+        assert ro.completion_mask.sum() > 0
+        torch.testing.assert_close(logp, ro.logp, rtol=1e-5, atol=1e-5)
+        assert (ro.logp[ro.completion_mask == 0] == 0).all()
+
+
+def test_group_layout_and_shapes(tiny_random, char_tokenizer):
+    tok = char_tokenizer
+    g = torch.Generator().manual_seed(1)
+    ro = generate(tiny_random, encode(tok, PROMPTS), group_size=4, max_new_tokens=5,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    B = len(PROMPTS) * 4
+    assert ro.prompt_ids.shape[0] == B and ro.completion_ids.shape[0] == B
+    assert ro.completion_ids.shape[1] <= 5
+    # rows b and b' hold the same prompt exactly when b // G == b' // G
+    texts = tok.batch_decode(ro.prompt_ids, skip_special_tokens=True)
+    assert texts == [p for p in PROMPTS for _ in range(4)]
+    assert torch.equal(ro.lengths, ro.completion_mask.sum(1).long())
+
+
+def test_stops_at_eos_and_flags_truncation(char_tokenizer):
+    # A model whose only output is EOS from the 2nd completion token on: bias the LM head.
+    from tests.conftest import random_tiny_model
+
+    tok = char_tokenizer
+    model = random_tiny_model(tok)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # tied with embeddings: fine for this test
+    ro = generate(model, encode(tok, PROMPTS), group_size=2, max_new_tokens=3, temperature=0.0,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    # all logits equal: argmax picks token 0 (<pad>) forever, never EOS -> truncated at 3
+    assert ro.truncated.all() and (ro.lengths == 3).all()
+
+    eos = tok.eos_token_id
+    g = torch.Generator().manual_seed(0)
+    logits = torch.full((2, len(tok)), -1e4)
+    logits[:, eos] = 0.0
+    tokens, lp = sample_token(logits, 1.0, 1.0, g)
+    assert (tokens == eos).all() and torch.allclose(lp, torch.zeros(2), atol=1e-6)
+
+
+def test_eos_ends_rows_independently(tiny_random, char_tokenizer):
+    tok = char_tokenizer
+    g = torch.Generator().manual_seed(3)
+    ro = generate(tiny_random, encode(tok, PROMPTS * 4), group_size=4, max_new_tokens=8,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    for b in range(ro.completion_ids.shape[0]):
+        L = int(ro.lengths[b])
+        row = ro.completion_ids[b]
+        if not ro.truncated[b]:
+            assert row[L - 1] == tok.eos_token_id  # EOS is the last completion token
+            assert (row[:L - 1] != tok.eos_token_id).all()
+        assert (row[L:] == tok.pad_token_id).all()
+
+
+def test_left_padding_changes_nothing(tiny_random, char_tokenizer):
+    # A prompt's greedy completion and its log-probs are the same alone and in a padded batch.
+    tok = char_tokenizer
+    prompts = encode(tok, PROMPTS)
+    batch = generate(tiny_random, prompts, group_size=1, max_new_tokens=5, temperature=0.0,
+                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for i, p in enumerate(prompts):
+        alone = generate(tiny_random, [p], group_size=1, max_new_tokens=5, temperature=0.0,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        L = int(alone.lengths[0])
+        assert torch.equal(batch.completion_ids[i, :L], alone.completion_ids[0, :L])
+        torch.testing.assert_close(batch.logp[i, :L], alone.logp[0, :L], rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_is_seeded(tiny_random, char_tokenizer):
+    tok = char_tokenizer
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return generate(tiny_random, encode(tok, PROMPTS), group_size=4, max_new_tokens=6,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g).completion_ids
+
+    assert torch.equal(run(5), run(5))
+    assert not torch.equal(run(5), run(6))
+
+
+def test_top_p_keeps_the_nucleus_only():
+    # probabilities 0.5, 0.3, 0.15, 0.05; top_p = 0.7 keeps {0.5, 0.3} (0.5 < 0.7 <= 0.8)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    tokens, lp = sample_token(logits, 1.0, 0.7, g)
+    assert set(tokens.tolist()) == {0, 1}
+    # the recorded log-prob is the untruncated one (log 0.5 or log 0.3), as in recomputation
+    expected = torch.log(torch.tensor([0.5, 0.3]))[tokens]
+    torch.testing.assert_close(lp, expected)
+    # frequencies follow the renormalised nucleus 0.5/0.8 = 0.625 (binomial sd ≈ 0.0077)
+    assert abs((tokens == 0).float().mean().item() - 0.625) < 0.03
+
+
+def test_greedy_picks_argmax_and_records_tau1_logprob():
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    tokens, lp = sample_token(logits, 0.0, 1.0, None)
+    assert tokens.tolist() == [1]
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1)[:, 1])
+
+
+def test_left_pad_and_positions():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert position_ids_from_mask(mask).tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_temperature_scales_training_logprobs(tiny_random, char_tokenizer, temperature):
+    # the training log-probs use the sampling temperature: log softmax(logits / τ)
+    tok = char_tokenizer
+    ro = generate(tiny_random, encode(tok, PROMPTS[:1]), group_size=1, max_new_tokens=3, temperature=0.0,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask,
+                                 temperature=temperature)
+        logits = tiny_random(input_ids=ro.input_ids).logits[0, -ro.completion_ids.shape[1] - 1:-1]
+        ref = torch.log_softmax(logits / temperature, -1).gather(-1, ro.completion_ids[0][:, None]).squeeze(-1)
+    torch.testing.assert_close(lp[0], ref * ro.completion_mask[0], rtol=1e-5, atol=1e-5)

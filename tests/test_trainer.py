@@ -1,0 +1,143 @@
+"""The training loop: exact resume after SIGKILL, determinism, checkpoint files, metrics."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gspo import checkpoint as ckpt
+from gspo.config import TrainConfig
+from gspo.trainer import lr_factor, mean_metrics, train
+
+FAST = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "16", "--no-progress"]
+REQUIRED_METRICS = {"step", "reward/mean", "reward/std", "clip/frac", "clip/low_frac", "clip/high_frac", "ratio/mean",
+                    "kl/old_new", "completion/mean_length", "grad_norm", "time/step_seconds", "time/rollout_seconds"}
+
+
+def gspo(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "gspo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, **kw)
+
+
+def deterministic(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
+    steps = 8
+    args = ["train", *FAST, "--steps", str(steps), "--save-every", "1", "--keep-checkpoints", "3"]
+    full = gspo(*args, "--output-dir", str(tmp_path / "full"))
+    out, err = full.communicate(timeout=300)
+    assert full.returncode == 0, err
+
+    run = tmp_path / "killed"
+    p = gspo(*args, "--output-dir", str(run))
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    killed_at = len(ckpt.read_jsonl(metrics))
+    assert 3 <= killed_at < steps, "the kill must land mid-run"
+    assert not (run / "summary.json").exists()
+
+    r = gspo("train", "--resume", str(run))
+    out, err = r.communicate(timeout=300)
+    assert r.returncode == 0, err
+    a = deterministic(ckpt.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = deterministic(ckpt.read_jsonl(metrics))
+    assert [row["step"] for row in b] == list(range(1, steps + 1))
+    assert a == b
+    sa = json.loads((tmp_path / "full" / "summary.json").read_text())
+    sb = json.loads((run / "summary.json").read_text())
+    assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
+    wa = ckpt.latest_checkpoint(tmp_path / "full")
+    wb = ckpt.latest_checkpoint(run)
+    from safetensors.torch import load_file
+
+    ta, tb = load_file(wa / "model.safetensors"), load_file(wb / "model.safetensors")
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    # samples.jsonl holds each step exactly once, too
+    steps_logged = [row["step"] for row in ckpt.read_jsonl(run / "samples.jsonl")]
+    assert steps_logged == sorted(steps_logged) and set(steps_logged) == set(range(1, steps + 1))
+
+
+@pytest.mark.slow
+def test_run_directory_contents(tmp_path):
+    cfg = TrainConfig(steps=2, prompts_per_step=4, group_size=4, eval_size=16, save_every=1, keep_checkpoints=1,
+                      output_dir=str(tmp_path / "run"), progress=False, eval_every=1)
+    summary = train(cfg, log=lambda *a: None)
+    run = tmp_path / "run"
+    assert {p.name for p in run.iterdir()} == {"config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json",
+                                               "checkpoints"}
+    rows = ckpt.read_jsonl(run / "metrics.jsonl")
+    assert len(rows) == 2 and REQUIRED_METRICS <= set(rows[0])
+    assert "eval/accuracy" in rows[0]  # eval_every=1, before the last step
+    assert [d.name for _, d in ckpt.checkpoint_dirs(run)] == ["step-000002"]  # keep_checkpoints=1
+    last = ckpt.latest_checkpoint(run)
+    assert {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.pt", "config.yaml"} <= {
+        p.name for p in last.iterdir()}
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk["eval_before"]["accuracy"] == summary["eval_before"]["accuracy"]
+    assert set(on_disk) >= {"eval_before", "eval_after", "wall_seconds"}
+    # the checkpoint loads with plain transformers
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(last)
+    # samples: 4 per step
+    assert len(ckpt.read_jsonl(run / "samples.jsonl")) == 8
+    # an existing, non-empty run directory is never overwritten
+    before = (run / "metrics.jsonl").read_text()
+    with pytest.raises(FileExistsError):
+        train(cfg, log=lambda *a: None)
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_lr_schedule_by_hand():
+    # warm-up 4 steps to lr, then cosine over the remaining 8 of 12 steps
+    cfg = TrainConfig(steps=12, warmup_steps=4, lr_schedule="cosine")
+    f = lr_factor(cfg)
+    # LambdaLR counter c during step k = c + 1
+    assert [f(c) for c in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi / 8)).item()))  # k=5: progress 1/8
+    assert f(11) == pytest.approx(0.0, abs=1e-12)  # k=12: progress 1
+    cfg = TrainConfig(steps=10, warmup_steps=0, lr_schedule="linear")
+    assert lr_factor(cfg)(4) == pytest.approx(0.5)  # k=5: 1 - 5/10
+    assert lr_factor(TrainConfig(warmup_steps=0))(7) == 1.0
+
+
+def test_mean_metrics():
+    h = [{"clip/frac": 0.0, "ratio/min": 1.0, "ratio/max": 1.0}, {"clip/frac": 0.5, "ratio/min": 0.9, "ratio/max": float("nan")}]
+    m = mean_metrics(h)
+    assert m == {"clip/frac": 0.25, "ratio/min": 0.9, "ratio/max": 1.0}
+
+
+def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / "step-000002").mkdir(parents=True)
+    (root / "step-000002" / "trainer_state.pt").write_bytes(b"x")
+    (root / ".tmp-step-000004").mkdir()  # killed while writing
+    (root / "step-000003").mkdir()  # no trainer_state.pt: not complete
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step-000002"
+    ckpt.clean_partial(tmp_path)
+    assert not (root / ".tmp-step-000004").exists()
+
+
+def test_jsonl_cut_short_by_a_kill_is_trimmed(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    assert [r["step"] for r in ckpt.read_jsonl(p)] == [1, 2]
+    ckpt.trim_jsonl(p, 1)
+    assert p.read_text() == '{"step": 1, "a": 1}\n'
+    ckpt.append_jsonl(p, [{"step": 2, "x": float("nan")}])
+    assert ckpt.read_jsonl(p)[-1] == {"step": 2, "x": None}
