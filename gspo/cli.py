@@ -1,7 +1,8 @@
 """`gspo` command line: a thin layer that parses flags into a config and calls the library.
 
     gspo train [--config run.yaml] [--resume RUN_DIR] [--algorithm grpo --steps 100 ...]
-    gspo eval --model DIR [--task arithmetic --n 500 --k 8]
+    gspo eval --model DIR [--k 8] [any data/reward option of gspo train]
+    gspo plot RUN_DIR [RUN_DIR ...] --metrics reward/mean,clip/frac --output plot.png
 
 Every `gspo train` flag is a field of `gspo.config.TrainConfig` (its docstring is the help).
 Errors in flags, config files or values print one line, `gspo <command>: error: ...`, and
@@ -17,7 +18,6 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Annotated
 
 import tyro
 
@@ -27,7 +27,8 @@ USAGE = """usage: gspo <command> [options]
 
 commands:
   train   train a policy with GSPO, GRPO or GSPO-token (gspo train --help)
-  eval    greedy accuracy and pass@k of a model on a task's test split (gspo eval --help)
+  eval    greedy accuracy and pass@k of a model on a task's evaluation rows (gspo eval --help)
+  plot    plot metrics of one or more runs against the step (gspo plot --help)
 """
 
 
@@ -92,6 +93,46 @@ def _take(args: list[str], flag: str) -> tuple[str | None, list[str]]:
     return value, out
 
 
+def _list_flags(cls) -> set[str]:
+    """Flags of tuple[X, ...] fields: they take several values."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    out = set()
+    for f in dataclasses.fields(cls):
+        args = typing.get_args(hints[f.name])
+        if typing.get_origin(hints[f.name]) is tuple and len(args) == 2 and args[1] is Ellipsis:
+            out.add("--" + f.name.replace("_", "-"))
+    return out
+
+
+def _merge_repeated(args: list[str], list_flags: set[str]) -> list[str]:
+    """`--reward a --reward b` -> `--reward a b` (tyro would keep only the last)."""
+    values: dict[str, list[str]] = {}
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a in list_flags:
+            j = i + 1
+            while j < len(args) and not args[j].startswith("--"):
+                j += 1
+            if a not in values:
+                values[a] = []
+                out.append(a)
+                out.append(values[a])  # placeholder, filled below
+            values[a].extend(args[i + 1:j])
+            i = j
+            continue
+        out.append(a)
+        i += 1
+    flat: list[str] = []
+    for x in out:
+        flat.extend(x if isinstance(x, list) else [x])
+    return flat
+
+
 def cmd_train(args: list[str]) -> int:
     from gspo.trainer import train
 
@@ -106,7 +147,7 @@ def cmd_train(args: list[str]) -> int:
         if any(a in ("-h", "--help") for a in args):
             print("Options may also come from a YAML file: --config FILE (keys are option names with underscores).\n"
                   "Continue a run: gspo train --resume RUN_DIR\n")
-        cfg = _parse(TrainConfig, args, "gspo train", default=base)
+        cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=base)
         summary = train(cfg)
     _print_summary(summary)
     return 0
@@ -121,43 +162,65 @@ def _print_summary(summary: dict) -> None:
         print(f"final checkpoint: {summary['final_checkpoint']}")
 
 
-@dataclass
-class EvalArgs:
-    model: str
-    """Built-in model name or a model directory (e.g. a run's checkpoints/step-000060)."""
-    task: str = "arithmetic"
-    """Built-in task."""
-    n: int = 500
-    """Test problems."""
-    k: int = 8
-    """Samples per problem for pass@k (0 = greedy accuracy only)."""
-    temperature: float = 1.0
-    """Sampling temperature for pass@k."""
-    max_new_tokens: int = 8
-    """Longest completion."""
-    seed: int = 0
-    """Seed for sampling (pass@k)."""
-    device: str = "cpu"
-    """Device."""
-
-
 def cmd_eval(args: list[str]) -> int:
-    from gspo.evaluation import evaluate
-    from gspo.models import load_policy
-    from gspo.tasks import get_task
+    """Evaluate --model on the task's (or dataset's) evaluation rows with the run's rewards."""
+    import dataclasses
 
-    a = _parse(EvalArgs, args, "gspo eval")
-    if a.n < 1 or a.k < 0 or a.temperature <= 0:
-        raise ConfigError("n must be >= 1, k >= 0 and temperature > 0")
-    task = get_task(a.task)
-    model, tok = load_policy(a.model, device=a.device)
-    res = evaluate(model, tok, task, n=a.n, k=a.k, temperature=a.temperature, max_new_tokens=a.max_new_tokens,
-                   seed=a.seed)
-    print(json.dumps({"model": a.model, "task": a.task, **res}))
+    from gspo.config import resolve
+    from gspo.evaluation import evaluate
+    from gspo.models import DTYPES, load_policy, resolve_device
+    from gspo.trainer import task_and_rewards
+
+    config_file, args = _take(args, "--config")
+    k_arg, args = _take(args, "--k")
+    try:
+        k = int(k_arg) if k_arg is not None else 8
+    except ValueError:
+        raise UsageError(f"--k: expected an integer, got {k_arg!r}") from None
+    if k < 0:
+        raise UsageError(f"--k: must be >= 0, got {k}")
+    if any(a in ("-h", "--help") for a in args):
+        print("gspo eval: greedy accuracy and pass@k of --model on the evaluation rows of --task or --dataset.\n"
+              "Takes the data, reward, model and sampling options of gspo train, plus --k K (samples per\n"
+              "problem for pass@k, default 8; 0 = greedy only). A LoRA adapter directory loads onto its base.\n")
+    base = load_yaml(config_file) if config_file else TrainConfig()
+    parsed = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo eval", default=base)
+    cfg = resolve(dataclasses.replace(parsed, output_dir="-"))
+    task, rewards = task_and_rewards(cfg)
+    model, tok = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
+    res = evaluate(model, tok, task, rewards, n=cfg.eval_size, k=k, temperature=cfg.temperature,
+                   max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, progress=cfg.progress)
+    print(json.dumps({"model": cfg.model, "task": cfg.dataset or cfg.task, **res}))
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval}
+@dataclass
+class PlotArgs:
+    runs: tyro.conf.Positional[tuple[str, ...]]
+    """Run directories to compare."""
+    metrics: str = "reward/mean,clip/frac"
+    """Comma-separated metric names (see README, Metrics); eval/accuracy uses summary.json too."""
+    output: str = "gspo-plot.png"
+    """PNG file to write."""
+    smooth: int = 1
+    """Trailing moving average over N steps (1 = raw)."""
+    title: str | None = None
+    """Figure title."""
+
+
+def cmd_plot(args: list[str]) -> int:
+    from gspo.plot import plot_runs
+
+    a = _parse(PlotArgs, args, "gspo plot")
+    if not a.runs:
+        raise UsageError("give at least one run directory")
+    out = plot_runs(a.runs, [m.strip() for m in a.metrics.split(",") if m.strip()], a.output,
+                    smooth_n=a.smooth, title=a.title)
+    print(f"wrote {out}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot}
 
 
 def main(argv: list[str] | None = None) -> int:

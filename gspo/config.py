@@ -48,7 +48,27 @@ class TrainConfig:
     model: str = "tiny"
     """Built-in model name (tiny) or the path of a local Hugging Face causal LM directory."""
     task: str = "arithmetic"
-    """Built-in task: arithmetic (sums and differences of 3-digit numbers) or addition."""
+    """Built-in task: arithmetic (sums and differences of 3-digit numbers) or addition. Ignored with --dataset."""
+
+    # --- your own data and rewards -------------------------------------------------------
+    dataset: str | None = None
+    """Training data: a .jsonl, .json, .csv, .tsv or .parquet file, or a datasets directory (save_to_disk or data files). None: the built-in --task."""
+    dataset_split: str = "train"
+    """Split to train on, for a dataset directory with several splits."""
+    eval_dataset: str | None = None
+    """Evaluation data (same formats). None: --eval-split if given, else a fixed held-out slice of --dataset."""
+    eval_split: str | None = None
+    """Split to evaluate on, for a dataset directory with several splits (e.g. test)."""
+    prompt_column: str = "prompt"
+    """Dataset column holding the prompt: a string, or a list of chat messages (gets the chat template)."""
+    answer_column: str = "answer"
+    """Dataset column holding the reference answer (string or number) that rewards compare to; passed to rewards as `answer`."""
+    reward: tuple[str, ...] = ()
+    """Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length) or module:function / file.py:function. Empty: the task's default (exact_integer for the built-in tasks, exact_match for a dataset). The first reward is the accuracy reported by evaluation."""
+    reward_weights: tuple[float, ...] = ()
+    """One weight per --reward; the training reward is their weighted sum (empty: all 1)."""
+    format_pattern: str = r"<think>.*?</think>\s*<answer>.*?</answer>"
+    """Regular expression the whole completion must match for the `format` reward."""
 
     # --- rollout --------------------------------------------------------------------------
     steps: int = 60
@@ -57,8 +77,8 @@ class TrainConfig:
     """Distinct prompts sampled per step."""
     group_size: int = 8
     """Completions sampled per prompt (G); advantages are relative to the group."""
-    max_new_tokens: int = 8
-    """Longest completion, in tokens; longer ones are cut and marked truncated."""
+    max_new_tokens: int | None = None
+    """Longest completion, in tokens; longer ones are cut and marked truncated (None: the task's default, 8 for arithmetic, 256 for a dataset)."""
     temperature: float = 1.0
     """Sampling temperature; the same temperature scales the logits of training log-probs."""
     top_p: float = 1.0
@@ -98,6 +118,20 @@ class TrainConfig:
     warmup_steps: int = 5
     """Training steps of linear learning-rate warm-up from 0."""
 
+    # --- model ---------------------------------------------------------------------------
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute dtype of the policy (log-softmax and the loss are always float32)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, more time."""
+    lora_r: int = 0
+    """LoRA rank (0 = train all weights). With LoRA only the adapters train and checkpoints hold only the adapter."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """Modules that get adapters: all-linear, or names such as q_proj v_proj."""
+
     # --- evaluation ----------------------------------------------------------------------
     eval_size: int = 500
     """Held-out problems for greedy accuracy, before and after training."""
@@ -116,11 +150,15 @@ class TrainConfig:
     samples_per_step: int = 4
     """Completions per step written to samples.jsonl."""
     device: str = "cpu"
-    """Device for the policy: cpu, cuda, cuda:N."""
+    """Device for the policy: cpu, cuda, cuda:N, or auto (cuda when available)."""
     threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar."""
+    report_to: tuple[Literal["tensorboard", "wandb"], ...] = ()
+    """Also log metrics to tensorboard (run_dir/tensorboard) and/or wandb; metrics.jsonl is always written."""
+    wandb_project: str = "gspo"
+    """Weights & Biases project (set WANDB_MODE=offline to log without a network)."""
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -132,11 +170,19 @@ def validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"{name}: {msg} (got {getattr(cfg, name)!r})")
 
     need(cfg.algorithm in PRESETS, "algorithm", f"must be one of {', '.join(PRESETS)}")
-    need(cfg.task in TASKS, "task", f"must be one of {', '.join(TASKS)}")
+    need(cfg.dataset is not None or cfg.task in TASKS, "task", f"must be one of {', '.join(TASKS)} (or give --dataset)")
+    need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward), "reward_weights",
+         f"needs one weight per --reward ({len(cfg.reward)} rewards)")
+    need(cfg.lora_r >= 0, "lora_r", "must be >= 0")
+    need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
+    need(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
+    need(len(cfg.lora_target_modules) >= 1, "lora_target_modules", "needs at least one module name")
+    need(cfg.device == "auto" or cfg.device.split(":")[0] in ("cpu", "cuda", "mps"), "device",
+         "must be cpu, cuda, cuda:N, mps or auto")
     need(cfg.steps >= 0, "steps", "must be >= 0")
     need(cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
     need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)")
-    need(cfg.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+    need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
     need(cfg.temperature > 0, "temperature", "must be > 0 for sampling")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.num_minibatches >= 1, "num_minibatches", "must be >= 1")
@@ -169,6 +215,11 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     for key, value in PRESETS[cfg.algorithm].items():
         if getattr(out, key) is None:
             setattr(out, key, value)
+    if out.max_new_tokens is None:
+        from gspo.data import DatasetTask
+        from gspo.tasks import get_task
+
+        out.max_new_tokens = DatasetTask.default_max_new_tokens if out.dataset else get_task(out.task).default_max_new_tokens
     if out.output_dir is None:
         out.output_dir = str(Path("runs") / f"{out.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}")
     return out
@@ -180,9 +231,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
 
 
 def to_dict(cfg: TrainConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["adam_betas"] = list(d["adam_betas"])
-    return d
+    """Plain YAML/JSON-able values (tuples become lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
 def save_yaml(cfg: TrainConfig, path: Path) -> None:
@@ -212,6 +262,12 @@ def _coerce(value, tp, where: str):
         return value
     if origin is tuple:
         args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
+            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+                value = [value]  # a single value for a list option
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(f"{where}: expected a list, got {value!r}")
+            return tuple(_coerce(v, args[0], where) for v in value)
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
         return tuple(_coerce(v, a, where) for v, a in zip(value, args))

@@ -1,48 +1,74 @@
-"""Held-out evaluation: greedy accuracy and pass@k on a task's test split.
+"""Held-out evaluation: greedy accuracy (and pass@k) on a task's evaluation rows.
 
     from gspo.evaluation import evaluate
-    evaluate(model, tokenizer, task, n=500)            # {"accuracy": 0.62, "n": 500}
-    evaluate(model, tokenizer, task, n=500, k=8)       # adds "pass@8" and "sample_accuracy"
+    evaluate(model, tokenizer, task, rewards, n=500)        # {"accuracy": 0.62, "reward": 0.62, "n": 500}
+    evaluate(model, tokenizer, task, rewards, n=500, k=8)   # adds "pass@8" and "sample_accuracy"
 
-pass@k uses the unbiased estimator of Chen et al. (2021) from k samples per problem at the
-given temperature: with k samples it is the fraction of problems with at least one correct.
+`accuracy` is the mean of the *first* reward over greedy completions (for a 0/1 verifier, the
+fraction answered correctly); `reward` is the mean weighted sum of all rewards. `pass@k` is
+the fraction of rows where at least one of k samples (at `temperature`) gets a first reward
+of 1; `sample_accuracy` the mean first reward over those samples.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
+from gspo.rewards import Reward, score_completions
 from gspo.rollout import generate
 
 
-def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
-    return [tokenizer(p)["input_ids"] for p in prompts]
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """Token ids of a prompt: plain text as is, chat messages through the chat template."""
+    if isinstance(prompt, list):
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    return [encode_prompt(tokenizer, p) for p in prompts]
+
+
+def decode_completions(tokenizer, ro) -> tuple[list[str], list[list[int]]]:
+    """Completion texts (special tokens dropped) and token ids (padding dropped, EOS kept)."""
+    ids = [row[: int(n)].tolist() for row, n in zip(ro.completion_ids, ro.lengths)]
+    return tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True), ids
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, task, *, n: int = 500, k: int = 0, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int = 256, seed: int = 0) -> dict:
-    problems = task.test_set(n)
-    correct = 0.0
-    pass_k = 0.0
-    sample_correct = 0.0
+def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: int = 0, temperature: float = 1.0,
+             max_new_tokens: int = 8, batch_size: int = 128, seed: int = 0, progress: bool = False) -> dict:
+    examples = task.test_set(n)
+    first = rewards[0].name
+    acc = total = pass_k = sample_acc = 0.0
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for start in range(0, len(problems), batch_size):
-        chunk = problems[start:start + batch_size]
-        prompts = encode_prompts(tokenizer, [p.prompt for p in chunk])
+    starts = range(0, len(examples), batch_size)
+    if progress and len(starts) > 1 and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        starts = tqdm(starts, desc="gspo eval", unit="batch", leave=False)
+    for start in starts:
+        chunk = examples[start:start + batch_size]
+        prompts = encode_prompts(tokenizer, [ex.prompt for ex in chunk])
         ro = generate(model, prompts, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
-        correct += sum(task.reward(c, p) for c, p in zip(texts, chunk))
+        texts, ids = decode_completions(tokenizer, ro)
+        weighted, per = score_completions(rewards, chunk, texts, ids, 1)
+        acc += sum(per[first])
+        total += sum(weighted)
         if k > 0:
             ro = generate(model, prompts, group_size=k, max_new_tokens=max_new_tokens, temperature=temperature,
                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, generator=gen)
-            texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
-            r = torch.tensor([task.reward(c, chunk[i // k]) for i, c in enumerate(texts)]).view(len(chunk), k)
-            pass_k += float((r.max(1).values > 0).sum())
-            sample_correct += float(r.mean(1).sum())
-    out = {"accuracy": correct / len(problems), "n": len(problems)}
+            texts, ids = decode_completions(tokenizer, ro)
+            _, per = score_completions(rewards, chunk, texts, ids, k)
+            r = torch.tensor(per[first]).view(len(chunk), k)
+            pass_k += float((r >= 1.0).any(1).sum())
+            sample_acc += float(r.mean(1).sum())
+    out = {"accuracy": acc / len(examples), "reward": total / len(examples), "n": len(examples)}
     if k > 0:
-        out[f"pass@{k}"] = pass_k / len(problems)
-        out["sample_accuracy"] = sample_correct / len(problems)
+        out[f"pass@{k}"] = pass_k / len(examples)
+        out["sample_accuracy"] = sample_acc / len(examples)
     return out

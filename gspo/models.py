@@ -1,20 +1,25 @@
 """Loading policies: any local Hugging Face causal LM, or a built-in tiny model by name.
 
     from gspo.models import load_policy
-    model, tokenizer = load_policy("tiny")            # the built-in, shipped with the package
-    model, tokenizer = load_policy("/path/to/hf/dir")  # anything AutoModelForCausalLM loads
+    model, tokenizer = load_policy("tiny")                     # the built-in, shipped with gspo
+    model, tokenizer = load_policy("/path/to/hf/dir", dtype=torch.bfloat16)
+    model, tokenizer = load_policy("runs/x/checkpoints/step-000060")   # full model or LoRA adapter
 
 The built-in models live in `gspo/assets/<name>/` as ordinary `save_pretrained` folders and
 are loaded with the same `from_pretrained` code as a user's model. They are produced by
 `scripts/make_tiny_model.py` (a short supervised warm-start on the arithmetic task, from a
 fixed seed), so they start partially competent: rewards vary within a group, which is what
-group-relative advantages need. Nothing is ever fetched from a hub.
+group-relative advantages need. Nothing is ever fetched from a hub (`local_files_only`).
 
-Left out: quantisation and multi-device placement.
+A directory holding a PEFT LoRA adapter (`adapter_config.json`) is loaded as its base model
+plus the adapter. `add_lora` wraps a model for LoRA training.
+
+Left out: quantisation and multi-device placement (see the distributed issue).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -25,6 +30,11 @@ BUILTIN_MODELS = {"tiny": ASSETS / "tiny"}
 # one token per character; the vocabulary covers every built-in task
 CHARS = "0123456789+-*=() "
 SPECIAL = ("<pad>", "<eos>", "<unk>")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model path that cannot be trained; the message is one line naming it."""
 
 
 def build_char_tokenizer():
@@ -64,32 +74,106 @@ def tiny_config(vocab_size: int, **overrides):
     return Qwen3Config(**kw)
 
 
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as given (checked)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r}: CUDA is not available on this machine (use --device cpu or auto)")
+    return dev
+
+
 def resolve_model_path(name_or_path: str) -> Path:
     if name_or_path in BUILTIN_MODELS:
         path = BUILTIN_MODELS[name_or_path]
         if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"built-in model {name_or_path!r} is missing from {path}; run scripts/make_tiny_model.py"
-            )
+            raise ModelError(f"built-in model {name_or_path!r} is missing from {path}; run scripts/make_tiny_model.py")
         return path
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
         valid = ", ".join(BUILTIN_MODELS)
-        raise FileNotFoundError(f"model {name_or_path!r}: no such directory (built-in models: {valid})")
-    if not (path / "config.json").exists():
-        raise FileNotFoundError(f"model {path}: no config.json, not a Hugging Face model directory")
+        raise ModelError(f"model {name_or_path}: no such directory (built-in models: {valid})")
+    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        raise ModelError(f"model {path}: no config.json, not a Hugging Face model directory")
     return path
 
 
-def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a causal LM and its tokenizer with `from_pretrained`; returns (model, tokenizer)."""
+def check_causal_lm(path: Path) -> None:
+    """Fail with one line unless `path` holds a config AutoModelForCausalLM can build."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelError(f"model {path}: config.json is not valid JSON ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not model_type:
+        raise ModelError(f"model {path}: config.json has no 'model_type'; not a Hugging Face model")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(f"model {path}: model_type {model_type!r} is not a causal language model "
+                         "(AutoModelForCausalLM cannot load it)")
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ModelError(f"model {path}: cannot read its config ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ModelError(f"model {path}: cannot load its tokenizer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    if tokenizer.eos_token_id is None:
+        raise ModelError(f"model {path}: the tokenizer has no EOS token; completions could never end")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                base_model: str | None = None, trainable_adapter: bool = False):
+    """Load a causal LM (or base model + LoRA adapter) and its tokenizer; returns (model, tokenizer).
+
+    base_model: for an adapter directory, the base to load it onto (default: the adapter's
+    recorded base_model_name_or_path).
+    """
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
     path = resolve_model_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if (path / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base_name = base_model or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if not base_name:
+            raise ModelError(f"model {path}: LoRA adapter without a recorded base model; pass the base with --model")
+        base, _ = load_policy(base_name, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").exists() else resolve_model_path(base_name))
+        model = PeftModel.from_pretrained(base, path, is_trainable=trainable_adapter).to(device)
+        return model, tokenizer
+    check_causal_lm(path)
+    tokenizer = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
     return model, tokenizer
+
+
+def add_lora(model, *, r: int, alpha: float, dropout: float, target_modules: list[str]):
+    """Wrap `model` with trainable LoRA adapters (PEFT); the base weights are frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules[0] if list(target_modules) == ["all-linear"] else list(target_modules)
+    try:
+        cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
+        return get_peft_model(model, cfg)
+    except ValueError as e:
+        raise ModelError(f"lora_target_modules {list(target_modules)}: {' '.join(str(e).split())[:200]}") from None
+
+
+def unwrap(model):
+    """The underlying transformers model of a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

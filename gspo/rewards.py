@@ -1,18 +1,312 @@
-"""Verifiers: plain functions `(completion, answer) -> float` in [0, 1].
+"""Rewards: verifiers and the plumbing that applies them to a batch of completions.
 
->>> exact_integer(" 415", "415")
-1.0
->>> exact_integer("4150", "415")
-0.0
->>> exact_integer("", "0")
-0.0
+A reward function is batched and TRL-compatible:
 
-Left out here: reward plumbing for user datasets (several weighted rewards, per-row columns).
+    def my_reward(completions: list, **columns) -> list[float]: ...
+
+`completions[i]` is the i-th completion: a string, or for a conversational prompt a list with
+one assistant message `[{"role": "assistant", "content": "..."}]`. Every dataset column
+arrives as a keyword argument holding one value per completion (`answer=[...]`, plus any
+other column), together with `prompts` and `completion_ids` (token id lists). Accept
+`**kwargs` to ignore what you do not use.
+
+Built-ins are written as plain per-completion functions (with doctests) and made batched by
+`per_completion`:
+
+| name | reward |
+| --- | --- |
+| `exact_match` | 1.0 if the completion, stripped, equals the answer as a string |
+| `exact_integer` | the same, used by the built-in arithmetic task |
+| `numeric_match` | 1.0 if the last number in the completion equals the numeric answer (1e-6 relative) |
+| `math_verify` | 1.0 if `math-verify` finds the completion's answer equivalent to the gold answer |
+| `format` | 1.0 if the completion matches `--format-pattern` (a regex, full match, DOTALL) |
+| `length` | −(completion tokens / max_new_tokens), in [−1, 0]: a length penalty |
+
+User rewards are given as `package.module:function` or `path/to/file.py:function`.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
-def exact_integer(completion: str, answer: str) -> float:
-    """1.0 when the completion, stripped of surrounding whitespace, spells the answer exactly."""
-    return 1.0 if completion.strip() == answer.strip() and answer.strip() != "" else 0.0
+RewardFn = Callable[..., list]
+
+
+class RewardError(ValueError):
+    """A reward function misbehaved; the message names the reward and the dataset row."""
+
+
+def completion_text(completion: Any) -> str:
+    """The text of a completion: a string, or the content of a list of chat messages.
+
+    >>> completion_text("42")
+    '42'
+    >>> completion_text([{"role": "assistant", "content": "42"}])
+    '42'
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list):
+        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
+    return str(completion)
+
+
+def per_completion(fn: Callable[..., float]) -> RewardFn:
+    """Make a batched reward from `fn(completion_text, **row) -> float`."""
+
+    @functools.wraps(fn)
+    def batched(completions: list, **columns) -> list[float]:
+        keys = list(columns)
+        return [fn(completion_text(c), **{k: columns[k][i] for k in keys}) for i, c in enumerate(completions)]
+
+    batched.per_completion = fn
+    return batched
+
+
+# ----------------------------------------------------------------------------------------------
+# Built-in verifiers, one completion at a time
+# ----------------------------------------------------------------------------------------------
+
+
+def _exact(completion: str, answer: Any = None, **_) -> float:
+    """1.0 when the stripped completion equals the stripped answer (compared as strings).
+
+    >>> _exact(" Paris ", answer="Paris"), _exact("paris", answer="Paris"), _exact("7", answer=7)
+    (1.0, 0.0, 1.0)
+    """
+    if answer is None:
+        return 0.0
+    gold = str(answer).strip()
+    return 1.0 if gold != "" and completion.strip() == gold else 0.0
+
+
+def exact_integer(completion: str, answer: Any = None, **_) -> float:
+    """1.0 when the completion, stripped of surrounding whitespace, spells the answer exactly.
+
+    >>> exact_integer(" 415", "415"), exact_integer("4150", "415"), exact_integer("", "0")
+    (1.0, 0.0, 0.0)
+    """
+    return _exact(completion, answer)
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _to_float(text: Any) -> float | None:
+    try:
+        return float(str(text).replace(",", "").strip())
+    except ValueError:
+        return None
+
+
+def _numeric(completion: str, answer: Any = None, **_) -> float:
+    """1.0 when the last number in the completion equals the answer (relative tolerance 1e-6).
+
+    >>> _numeric("so the total is 1,250.", answer="1250"), _numeric("3.50", answer=3.5), _numeric("x", answer=1)
+    (1.0, 1.0, 0.0)
+    """
+    gold = _to_float(answer)
+    found = _NUMBER.findall(completion)
+    if gold is None or not found:
+        return 0.0
+    guess = _to_float(found[-1].rstrip("."))
+    if guess is None:
+        return 0.0
+    return 1.0 if math.isclose(guess, gold, rel_tol=1e-6, abs_tol=1e-9) else 0.0
+
+
+def _math_verify(completion: str, answer: Any = None, **_) -> float:
+    """1.0 when math-verify finds the completion's final answer equivalent to the gold one.
+
+    >>> _math_verify(r"so x = \\boxed{\\frac{1}{2}}", answer="0.5"), _math_verify("4", answer="5")
+    (1.0, 0.0)
+    """
+    from math_verify import parse, verify
+
+    if answer is None:
+        return 0.0
+    gold = parse(str(answer) if str(answer).startswith("$") else f"${answer}$")
+    if not gold:
+        gold = parse(str(answer))
+    pred = parse(completion)
+    return 1.0 if gold and pred and verify(gold, pred) else 0.0
+
+
+DEFAULT_FORMAT_PATTERN = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+
+def format_reward(pattern: str) -> RewardFn:
+    """1.0 when the whole completion matches `pattern` (DOTALL), else 0.0.
+
+    >>> f = format_reward(r"<answer>\\d+</answer>")
+    >>> f(["<answer>12</answer>", "12"])
+    [1.0, 0.0]
+    """
+    regex = re.compile(pattern, re.DOTALL)
+
+    def _format(completion: str, **_) -> float:
+        return 1.0 if regex.fullmatch(completion.strip()) else 0.0
+
+    out = per_completion(_format)
+    out.__name__ = "format"
+    return out
+
+
+def length_penalty(max_new_tokens: int) -> RewardFn:
+    """−(completion tokens / max_new_tokens): 0 for an empty completion, −1 at the limit.
+
+    >>> length_penalty(8)(["a", "b"], completion_ids=[[1, 2], [1, 2, 3, 4, 5, 6, 7, 8]])
+    [-0.25, -1.0]
+    """
+
+    def length(completions: list, completion_ids: list | None = None, **_) -> list[float]:
+        if completion_ids is None:  # character count as a stand-in
+            return [-min(1.0, len(completion_text(c)) / max_new_tokens) for c in completions]
+        return [-min(1.0, len(ids) / max_new_tokens) for ids in completion_ids]
+
+    return length
+
+
+exact_match = per_completion(_exact)
+exact_match.__name__ = "exact_match"
+numeric_match = per_completion(_numeric)
+numeric_match.__name__ = "numeric_match"
+math_verify = per_completion(_math_verify)
+math_verify.__name__ = "math_verify"
+
+BUILTIN_REWARDS = ("exact_match", "exact_integer", "numeric_match", "math_verify", "format", "length")
+
+
+# ----------------------------------------------------------------------------------------------
+# Resolving names, weights, and applying rewards to a batch
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Reward:
+    name: str  # metric name: reward/<name>/mean
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def load_reward(spec: str, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_tokens: int = 256) -> Reward:
+    """A reward by built-in name, `package.module:function`, or `path/to/file.py:function`."""
+    if spec in BUILTIN_REWARDS:
+        fn = {
+            "exact_match": exact_match,
+            "exact_integer": per_completion(exact_integer),
+            "numeric_match": numeric_match,
+            "math_verify": math_verify,
+            "format": format_reward(format_pattern),
+            "length": length_penalty(max_new_tokens),
+        }[spec]
+        if spec == "math_verify":
+            try:
+                import math_verify as _  # noqa: F401
+            except ImportError:
+                raise RewardError("reward 'math_verify' needs the math-verify package: pip install 'gspo[rewards]'") from None
+        return Reward(spec, fn)
+    if ":" not in spec:
+        raise RewardError(f"unknown reward {spec!r}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                          "package.module:function, or path/to/file.py:function")
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise RewardError(f"reward {spec!r}: no such file {path}")
+        mod_name = f"gspo_user_reward_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:  # the user's module failed to import
+            raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        raise RewardError(f"reward {spec!r}: {target} has no function {attr!r}")
+    return Reward(attr, fn)
+
+
+def load_rewards(specs: list[str], weights: list[float] | None, **kw) -> list[Reward]:
+    if weights and len(weights) != len(specs):
+        raise RewardError(f"reward_weights: {len(weights)} weights for {len(specs)} rewards; give one per --reward")
+    rewards = [load_reward(s, **kw) for s in specs]
+    names = [r.name for r in rewards]
+    for i, r in enumerate(rewards):  # unique metric names
+        if names.count(r.name) > 1:
+            r.name = f"{r.name}_{i}"
+        if weights:
+            r.weight = float(weights[i])
+    return rewards
+
+
+def _failing_row(r: Reward, completions: list, kwargs: dict[str, list], sources: list[str]) -> str:
+    """Call the reward one completion at a time to find the row that makes it raise."""
+    for i in range(len(completions)):
+        try:
+            r.fn(completions[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items()})
+        except Exception:
+            return sources[i]
+    return f"a batch of {sources[0]} ... {sources[-1]} (no single row raises alone)"
+
+
+def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, list], sources: list[str]) -> tuple[list[float], dict[str, list[float]]]:
+    """Run every reward over the batch; returns (weighted total per completion, per-reward values).
+
+    Raises RewardError naming the reward and the dataset row when a reward raises, returns
+    the wrong number of values, or returns something that is not a finite number.
+    """
+    n = len(completions)
+    per: dict[str, list[float]] = {}
+    for r in rewards:
+        try:
+            values = r.fn(completions, **kwargs)
+        except Exception as e:
+            raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on {_failing_row(r, completions, kwargs, sources)}") from None
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(f"reward {r.name!r} returned {got} for {n} completions; expected a list of {n} floats")
+        out = []
+        for i, v in enumerate(values):
+            try:
+                f = float(v)
+            except (TypeError, ValueError):
+                raise RewardError(f"reward {r.name!r} returned {v!r} for {sources[i]}; expected a number") from None
+            if not math.isfinite(f):
+                raise RewardError(f"reward {r.name!r} returned {f} for {sources[i]}; expected a finite number")
+            out.append(f)
+        per[r.name] = out
+    total = [sum(r.weight * per[r.name][i] for r in rewards) for i in range(n)]
+    return total, per
+
+
+def score_completions(rewards: list[Reward], examples: list, completions: list[str], completion_ids: list[list[int]],
+                      group_size: int) -> tuple[list[float], dict[str, list[float]]]:
+    """Score completion b of example b // group_size with every reward (the TRL calling convention).
+
+    Conversational examples get their completions as `[{"role": "assistant", "content": text}]`;
+    each keyword argument holds one value per completion: `prompts`, `completion_ids`,
+    `answer`, and every dataset column by name.
+    """
+    rows = [examples[b // group_size] for b in range(len(completions))]
+    comps = [[{"role": "assistant", "content": c}] if ex.is_chat else c for c, ex in zip(completions, rows)]
+    keys = dict.fromkeys(k for ex in examples for k in ex.columns)
+    kwargs = {k: [ex.columns.get(k) for ex in rows] for k in keys}
+    kwargs["answer"] = [ex.answer for ex in rows]
+    kwargs["prompts"] = [ex.prompt for ex in rows]
+    kwargs["completion_ids"] = completion_ids
+    return apply_rewards(rewards, comps, kwargs, [ex.source for ex in rows])

@@ -12,13 +12,18 @@ group-relative advantages, get the old policy's log-probs, then `update` the pol
 `num_minibatches` minibatches for `epochs` passes. All but the first minibatch of the first
 epoch are off-policy: that is where the ratios move and clipping acts.
 
+Set-up validates everything a user gave (config, dataset rows, rewards, model) before the
+run directory is created, so bad input never leaves a half-made run behind.
+
 Left out here: multi-process training and value models.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import random
 import sys
 import time
@@ -32,11 +37,14 @@ import yaml
 from gspo import checkpoint as ckpt
 from gspo.advantages import group_advantages
 from gspo.config import TrainConfig, load_yaml, resolve, to_dict
-from gspo.evaluation import encode_prompts, evaluate
+from gspo.data import DataError
+from gspo.evaluation import decode_completions, encode_prompts, evaluate
 from gspo.losses import policy_loss
-from gspo.models import load_policy
+from gspo.models import DTYPES, add_lora, load_policy, resolve_device, unwrap
+from gspo.reporting import Reporter
+from gspo.rewards import Reward, load_rewards, score_completions
 from gspo.rollout import Rollout, completion_logprobs, generate
-from gspo.tasks import get_task
+from gspo.tasks import build_task
 
 Tensor = torch.Tensor
 
@@ -46,12 +54,12 @@ class Batch:
     """A scored rollout batch, ready for updates. B = prompts_per_step · group_size."""
 
     rollout: Rollout
-    rewards: Tensor  # (B,)
+    rewards: Tensor  # (B,) weighted sum of all rewards
+    reward_parts: dict[str, list[float]]  # name -> (B,) each reward's values
     advantages: Tensor  # (B,)
     old_logp: Tensor  # (B, T) log π_θold of the sampled tokens
     ref_logp: Tensor | None  # (B, T) log π_ref, when beta > 0
-    prompts: list[str]  # (B,) prompt text per row
-    answers: list[str]  # (B,)
+    examples: list  # (B / G,) the prompts' Examples
     completions: list[str]  # (B,) decoded completions
 
 
@@ -60,29 +68,33 @@ class Batch:
 # ----------------------------------------------------------------------------------------------
 
 
-def rollout(policy, tokenizer, problems, cfg: TrainConfig, generator: torch.Generator) -> tuple[Rollout, list[str]]:
-    """Sample cfg.group_size completions for each problem; returns the rollout and decoded texts."""
-    prompts = encode_prompts(tokenizer, [p.prompt for p in problems])
+def rollout(policy, tokenizer, examples, cfg: TrainConfig, generator: torch.Generator) -> tuple[Rollout, list[str], list[list[int]]]:
+    """Sample cfg.group_size completions per example; returns the rollout, texts and token ids."""
+    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples])
     ro = generate(policy, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                   temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, generator=generator)
-    return ro, tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+    texts, ids = decode_completions(tokenizer, ro)
+    return ro, texts, ids
 
 
-def score(task, problems, completions: list[str], group_size: int) -> Tensor:
-    """Verifier reward of each completion; row b belongs to problem b // group_size. (B,)"""
-    return torch.tensor([task.reward(c, problems[i // group_size]) for i, c in enumerate(completions)],
-                        dtype=torch.float32)
+def score(rewards: list[Reward], examples, completions: list[str], completion_ids, group_size: int):
+    """Weighted reward of each completion (B,) and each reward's values; row b is example b // G."""
+    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size)
+    return torch.tensor(total, dtype=torch.float32), parts
 
 
 @torch.no_grad()
 def sequence_logprobs(model, ro: Rollout, temperature: float, batch_size: int) -> Tensor:
     """log π of every sampled token under `model`, in chunks of rows, without gradient. (B, T)"""
+    was_training = model.training
+    model.eval()
     out = []
     for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
         sub = ro.select(idx)
         out.append(completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
                                        temperature=temperature))
+    model.train(was_training)
     return torch.cat(out)
 
 
@@ -91,6 +103,7 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
     ro = batch.rollout
     B = ro.prompt_ids.shape[0]
     mb_size = B // cfg.num_minibatches
+    params = [p for p in policy.parameters() if p.requires_grad]
     policy.train()
     history = []
     for _ in range(cfg.epochs):
@@ -108,7 +121,7 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm))
+            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             optimizer.step()
             history.append(metrics)
     return history
@@ -130,43 +143,55 @@ def mean_metrics(history: list[dict]) -> dict:
     return out
 
 
-def train_step(step: int, policy, reference, tokenizer, task, optimizer, cfg: TrainConfig,
+def reference_context(policy, reference):
+    """Where the reference policy's log-probs come from: a frozen copy, or (LoRA) the base
+    model with the adapters switched off, so no second copy of the weights is held."""
+    if reference is not None:
+        return reference, contextlib.nullcontext()
+    return policy, policy.disable_adapter()
+
+
+def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Reward], optimizer, cfg: TrainConfig,
                generator: torch.Generator) -> tuple[dict, Batch]:
     """One step: rollout → score → advantages → old log-probs → updates. Returns (metrics, batch)."""
     t0 = time.perf_counter()
-    problems = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
-    ro, completions = rollout(policy, tokenizer, problems, cfg, generator)
+    examples = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
+    ro, completions, completion_ids = rollout(policy, tokenizer, examples, cfg, generator)
     t_rollout = time.perf_counter() - t0
 
-    rewards = score(task, problems, completions, cfg.group_size)  # (B,)
-    advantages = group_advantages(rewards, cfg.group_size, scale=cfg.adv_scale).to(ro.logp.device)  # (B,)
+    rewards_t, parts = score(rewards, examples, completions, completion_ids, cfg.group_size)  # (B,)
+    advantages = group_advantages(rewards_t, cfg.group_size, scale=cfg.adv_scale).to(ro.logp.device)  # (B,)
     mb_size = ro.prompt_ids.shape[0] // cfg.num_minibatches
     if cfg.old_logp == "sampling":
         old_logp = ro.logp  # (B, T) recorded while sampling (paper §5.4)
     else:
         old_logp = sequence_logprobs(policy, ro, cfg.temperature, mb_size)  # (B, T)
-    ref_logp = sequence_logprobs(reference, ro, cfg.temperature, mb_size) if reference is not None else None
-    batch = Batch(ro, rewards, advantages, old_logp, ref_logp,
-                  [p.prompt for p in problems for _ in range(cfg.group_size)],
-                  [p.answer for p in problems for _ in range(cfg.group_size)], completions)
+    ref_logp = None
+    if cfg.beta > 0:
+        model, ctx = reference_context(policy, reference)
+        with ctx:
+            ref_logp = sequence_logprobs(model, ro, cfg.temperature, mb_size)  # (B, T)
+    batch = Batch(ro, rewards_t, parts, advantages, old_logp, ref_logp, examples, completions)
 
     t1 = time.perf_counter()
     history = update(policy, optimizer, batch, cfg, generator)
     t_update = time.perf_counter() - t1
 
-    groups = rewards.view(-1, cfg.group_size)
+    groups = rewards_t.view(-1, cfg.group_size)
     lengths = ro.lengths.float()
+    mask = ro.completion_mask
     metrics = {
         "step": step,
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+        "reward/mean": float(rewards_t.mean()),
+        "reward/std": float(rewards_t.std()) if rewards_t.numel() > 1 else 0.0,
         "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
+        **{f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()},
         **mean_metrics(history),
         "completion/mean_length": float(lengths.mean()),
         "completion/max_length": float(lengths.max()),
         "completion/truncated_frac": float(ro.truncated.float().mean()),
-        "mismatch/token_abs": float(((ro.logp - old_logp).abs() * ro.completion_mask).sum()
-                                    / ro.completion_mask.sum().clamp(min=1)) if cfg.old_logp == "recompute" else float("nan"),
+        "mismatch/token_abs": float(((ro.logp - old_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
+        if cfg.old_logp == "recompute" else float("nan"),
         "lr": optimizer.param_groups[0]["lr"],
         "time/rollout_seconds": t_rollout,
         "time/update_seconds": t_update,
@@ -182,7 +207,6 @@ def train_step(step: int, policy, reference, tokenizer, task, optimizer, cfg: Tr
 
 def lr_factor(cfg: TrainConfig):
     """LR multiplier for training step k (1-based; LambdaLR's counter is k - 1)."""
-    import math
 
     def f(counter: int) -> float:
         k = counter + 1
@@ -208,10 +232,13 @@ def set_rng_state(generator: torch.Generator, state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def samples_rows(step: int, batch: Batch, n: int) -> list[dict]:
-    return [{"step": step, "prompt": batch.prompts[i], "completion": batch.completions[i],
-             "answer": batch.answers[i], "reward": float(batch.rewards[i]),
-             "advantage": float(batch.advantages[i])} for i in range(min(n, len(batch.completions)))]
+def samples_rows(step: int, batch: Batch, group_size: int, n: int) -> list[dict]:
+    rows = []
+    for i in range(min(n, len(batch.completions))):
+        ex = batch.examples[i // group_size]
+        rows.append({"step": step, "prompt": ex.prompt, "completion": batch.completions[i], "answer": ex.answer,
+                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])})
+    return rows
 
 
 class Progress:
@@ -242,6 +269,73 @@ class Progress:
             self.bar.close()
 
 
+def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:
+    """The task (built-in or the user's dataset, validated) and its reward functions."""
+    task = build_task(task=cfg.task, dataset=cfg.dataset, dataset_split=cfg.dataset_split,
+                      eval_dataset=cfg.eval_dataset, eval_split=cfg.eval_split, prompt_column=cfg.prompt_column,
+                      answer_column=cfg.answer_column, eval_size=cfg.eval_size, rewards=cfg.reward)
+    rewards = load_rewards(list(cfg.reward or task.default_rewards), list(cfg.reward_weights) or None,
+                           format_pattern=cfg.format_pattern, max_new_tokens=cfg.max_new_tokens)
+    return task, rewards
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built and checked before the run directory is touched."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    task: object
+    rewards: list[Reward]
+    policy: object
+    reference: object | None
+    tokenizer: object
+    device: torch.device
+    resume_from: Path | None
+
+
+def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
+    resume_from = None
+    if resume is not None:
+        run_dir = Path(resume)
+        resume_from = ckpt.latest_checkpoint(run_dir)
+        if resume_from is None:
+            raise FileNotFoundError(f"{run_dir}: no checkpoint to resume from")
+        cfg = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
+    cfg = resolve(cfg)
+    run_dir = Path(cfg.output_dir)
+    if resume is None and run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"{run_dir}: output directory exists and is not empty (use --resume {run_dir} to continue it)")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    device = resolve_device(cfg.device)
+    dtype = DTYPES[cfg.dtype]
+
+    task, rewards = task_and_rewards(cfg)
+    if resume_from is not None and cfg.lora_r > 0:  # base model + the saved adapter, trainable
+        policy, tokenizer = load_policy(str(resume_from), dtype=dtype, device=device, base_model=cfg.model,
+                                        trainable_adapter=True)
+    elif resume_from is not None:
+        policy, tokenizer = load_policy(str(resume_from), dtype=dtype, device=device)
+    else:
+        policy, tokenizer = load_policy(cfg.model, dtype=dtype, device=device)
+        if cfg.lora_r > 0:
+            policy = add_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                              target_modules=list(cfg.lora_target_modules))
+    if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
+        raise DataError(f"{cfg.dataset}: prompts are chat messages but the tokenizer of {cfg.model} has no chat template")
+    if cfg.gradient_checkpointing:
+        unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    reference = None
+    if cfg.beta > 0 and cfg.lora_r == 0:
+        reference, _ = load_policy(cfg.model, dtype=dtype, device=device)  # the initial policy, frozen
+        reference.eval().requires_grad_(False)
+    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from)
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
@@ -254,97 +348,77 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
     configuration (`cfg` is then ignored).
     """
     t_start = time.time()
-    if resume is not None:
-        run_dir = Path(resume)
-        if ckpt.latest_checkpoint(run_dir) is None:
-            raise FileNotFoundError(f"{run_dir}: no checkpoint to resume from")
-        cfg = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
-    cfg = resolve(cfg)
-    run_dir = Path(cfg.output_dir)
-    if resume is None and run_dir.exists() and any(run_dir.iterdir()):
-        raise FileExistsError(f"{run_dir}: output directory exists and is not empty (use --resume {run_dir} to continue it)")
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    device = torch.device(cfg.device)
+    s = setup(cfg, resume)  # raises on any bad input; nothing written yet
+    cfg, run_dir, policy, tokenizer, task, rewards = s.cfg, s.run_dir, s.policy, s.tokenizer, s.task, s.rewards
+    config_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
-    # --- policy and task (from the newest checkpoint when resuming) --------------------------
-    task = get_task(cfg.task)
-    state = None
-    if resume is not None:
-        ckpt.clean_partial(run_dir)
-        last = ckpt.latest_checkpoint(run_dir)
-        state = ckpt.load_trainer_state(last)
-        policy, tokenizer = load_policy(str(last), device=device)
-    else:
-        policy, tokenizer = load_policy(cfg.model, device=device)  # fails before anything is written
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    reference = None
-    if cfg.beta > 0:
-        reference, _ = load_policy(cfg.model, device=device)  # the initial policy, frozen
-        reference.eval().requires_grad_(False)
-
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                  betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    start_step = 0
-    if state is not None:
+    generator = torch.Generator(device=s.device).manual_seed(cfg.seed)
+
+    def run_eval() -> dict:
+        return evaluate(policy, tokenizer, task, rewards, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens,
+                        progress=cfg.progress)
+
+    if s.resume_from is not None:
+        ckpt.clean_partial(run_dir)
+        state = ckpt.load_trainer_state(s.resume_from)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(generator, state["rng"])
-        start_step = state["step"]
-        eval_before = state["eval_before"]
-        evals = state.get("evals", [])
-        wall_before = state["wall_seconds"]
+        start_step, eval_before, evals = state["step"], state["eval_before"], state.get("evals", [])
+        t_start -= state["wall_seconds"]
         ckpt.trim_jsonl(run_dir / "metrics.jsonl", start_step)
         ckpt.trim_jsonl(run_dir / "samples.jsonl", start_step)
         log(f"resuming {run_dir} from step {start_step}")
     else:
-        eval_before = evaluate(policy, tokenizer, task, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.atomic_write_text(run_dir / "config.yaml", config_yaml)
+        start_step = 0
+        eval_before = run_eval()
         evals = [{"step": 0, **eval_before}]
-        wall_before = 0.0
-    t_start -= wall_before
+    reporter = Reporter(run_dir, cfg.report_to, config=to_dict(cfg), start_step=start_step,
+                        wandb_project=cfg.wandb_project)
 
     def save(step: int):
-        st = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-              "rng": rng_state(generator), "eval_before": eval_before, "evals": evals,
-              "wall_seconds": time.time() - t_start}
-        ckpt.save_checkpoint(run_dir, step, policy, tokenizer, st, yaml.safe_dump(to_dict(cfg), sort_keys=False),
-                             cfg.keep_checkpoints)
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": rng_state(generator), "eval_before": eval_before, "evals": evals,
+                 "wall_seconds": time.time() - t_start}
+        ckpt.save_checkpoint(run_dir, step, policy, tokenizer, state, config_yaml, cfg.keep_checkpoints)
 
     # --- the loop ----------------------------------------------------------------------------
     bar = Progress(cfg, start_step, log)
     for step in range(start_step + 1, cfg.steps + 1):
-        metrics, batch = train_step(step, policy, reference, tokenizer, task, optimizer, cfg, generator)
+        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, generator)
         scheduler.step()
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            ev = evaluate(policy, tokenizer, task, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens)
+            ev = run_eval()
             metrics["eval/accuracy"] = ev["accuracy"]
             evals.append({"step": step, **ev})
-        ckpt.append_jsonl(run_dir / "metrics.jsonl", [metrics])
-        ckpt.append_jsonl(run_dir / "samples.jsonl", samples_rows(step, batch, cfg.samples_per_step))
+        reporter.log(metrics)
+        ckpt.append_jsonl(run_dir / "samples.jsonl", samples_rows(step, batch, cfg.group_size, cfg.samples_per_step))
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             save(step)
         bar.update(metrics)
     bar.close()
 
-    eval_after = evaluate(policy, tokenizer, task, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens)
+    eval_after = run_eval()
     if not evals or evals[-1]["step"] != cfg.steps:
         evals.append({"step": cfg.steps, **eval_after})
+    last = ckpt.latest_checkpoint(run_dir)
     summary = {
         "algorithm": cfg.algorithm,
         "model": cfg.model,
-        "task": cfg.task,
+        "task": cfg.dataset or cfg.task,
         "steps": cfg.steps,
         "eval_before": eval_before,
         "eval_after": eval_after,
         "evals": evals,
         "wall_seconds": time.time() - t_start,
-        "final_checkpoint": str(ckpt.latest_checkpoint(run_dir)) if ckpt.latest_checkpoint(run_dir) else None,
+        "final_checkpoint": str(last) if last else None,
     }
     ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")
+    reporter.summary({"eval_before/accuracy": eval_before["accuracy"], "eval_after/accuracy": eval_after["accuracy"]})
+    reporter.close()
     return summary
-

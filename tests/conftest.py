@@ -39,3 +39,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_chat_model(path, *, seed=0, chat_template=True):
+    """A user's model as it would arrive: a tiny random Qwen3 and a tokenizer with a chat
+    template, written with save_pretrained to `path`. Returns the path."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+    from gspo.models import tiny_config
+
+    special = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
+    vocab = {t: i for i, t in enumerate(special)}
+    for c in string.printable:
+        vocab.setdefault(c, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"<\|im_(?:start|end)\|>|."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>",
+                                  additional_special_tokens=["<|im_start|>"])
+    if chat_template:
+        tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    cfg = tiny_config(len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, max_position_embeddings=256, eos_token_id=1, pad_token_id=0)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -28,7 +28,7 @@ def test_train_smoke_then_eval(tmp_path):
     cfg = (run / "config.yaml").read_text()
     assert "clip_low: 0.2" in cfg and "clip_high: 0.27" in cfg  # the resolved preset is saved
 
-    r = gspo("eval", "--model", str(run / "checkpoints" / "step-000002"), "--n", "16", "--k", "2")
+    r = gspo("eval", "--model", str(run / "checkpoints" / "step-000002"), "--eval-size", "16", "--k", "2")
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     assert res["n"] == 16 and 0 <= res["accuracy"] <= 1 and 0 <= res["pass@2"] <= 1
@@ -55,7 +55,8 @@ def test_config_file_and_flags(tmp_path):
     (["train", "--model", "/nonexistent/model"], "no such directory"),
     (["train", "--bogus-flag", "1"], "--bogus-flag"),
     (["train", "--resume", "/nonexistent/run"], "no checkpoint"),
-    (["eval"], "--model"),
+    (["eval", "--k", "many"], "--k: expected an integer"),
+    (["eval", "--model", "/nonexistent"], "no such directory"),
     (["frobnicate"], "unknown command"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(args, expected, tmp_path):

@@ -1,9 +1,14 @@
-"""Built-in tasks, by name. A task yields training problems per step, a fixed test split, and
-a verifier reward in [0, 1]."""
+"""Tasks: where prompts come from, and which rewards score them by default.
+
+A task has `train_batch(step, n, seed) -> list[Example]` (a function of its arguments alone,
+so a resumed run sees the same prompts), `test_set(n) -> list[Example]` (fixed), and
+`default_rewards` / `default_max_new_tokens`. Built-in tasks are named here; a user's dataset
+becomes a `gspo.data.DatasetTask`.
+"""
 
 from __future__ import annotations
 
-from gspo.tasks.arithmetic import ArithmeticTask, Problem
+from gspo.tasks.arithmetic import ArithmeticTask
 
 TASKS = {
     "arithmetic": lambda: ArithmeticTask(max_digits=3, ops="+-", name="arithmetic"),
@@ -17,4 +22,22 @@ def get_task(name: str):
     return TASKS[name]()
 
 
-__all__ = ["TASKS", "ArithmeticTask", "Problem", "get_task"]
+# rewards that compare a completion with the answer column
+NEEDS_ANSWER = {"exact_match", "exact_integer", "numeric_match", "math_verify"}
+
+
+def build_task(*, task: str, dataset: str | None, dataset_split: str = "train", eval_dataset: str | None = None,
+               eval_split: str | None = None, prompt_column: str = "prompt", answer_column: str = "answer",
+               eval_size: int = 500, rewards: tuple[str, ...] = ()):
+    """The built-in task `task`, or a DatasetTask over `dataset` (validated row by row)."""
+    if dataset is None:
+        return get_task(task)
+    from gspo.data import DatasetTask, load_dataset_task
+
+    names = rewards or DatasetTask.default_rewards
+    return load_dataset_task(dataset, prompt_column=prompt_column, answer_column=answer_column, split=dataset_split,
+                             eval_path=eval_dataset, eval_split=eval_split, eval_size=eval_size,
+                             require_answer=any(r in NEEDS_ANSWER for r in names))
+
+
+__all__ = ["TASKS", "ArithmeticTask", "build_task", "get_task"]

@@ -1,0 +1,98 @@
+"""Plot metrics of one or more runs against the training step.
+
+    gspo plot runs/gspo runs/grpo --metrics reward/mean,clip/frac --output compare.png
+    from gspo.plot import plot_runs; plot_runs(["runs/gspo"], ["reward/mean"], "out.png")
+
+One panel per metric, one line per run (labelled by its directory name). Metrics whose name
+starts with `clip/` or `kl/` get a log y-axis by default, as in the paper's Figure 2;
+`--smooth N` draws a trailing moving average over N steps. Held-out evaluations from
+`summary.json` are drawn as `eval/accuracy` when that metric is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from gspo.checkpoint import read_jsonl
+
+
+class PlotError(ValueError):
+    pass
+
+
+def load_series(run_dir: Path, metric: str) -> tuple[list[int], list[float]]:
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(metric)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(int(r["step"]))
+            ys.append(float(v))
+    if metric == "eval/accuracy" and (run_dir / "summary.json").exists():
+        evals = json.loads((run_dir / "summary.json").read_text()).get("evals", [])
+        pts = {e["step"]: e["accuracy"] for e in evals}
+        pts.update(dict(zip(xs, ys)))
+        xs, ys = sorted(pts), [pts[s] for s in sorted(pts)]
+    return xs, ys
+
+
+def smooth(ys: list[float], n: int) -> list[float]:
+    """Trailing moving average over n points.
+
+    >>> smooth([1.0, 2.0, 3.0, 4.0], 2)
+    [1.0, 1.5, 2.5, 3.5]
+    """
+    if n <= 1:
+        return ys
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= n:
+            acc -= ys[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def plot_runs(run_dirs: list[str | Path], metrics: list[str], output: str | Path, *, smooth_n: int = 1,
+              log_y: list[str] | None = None, title: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [Path(d) for d in run_dirs]
+    for d in runs:
+        if not (d / "metrics.jsonl").exists():
+            raise PlotError(f"{d}: no metrics.jsonl; not a gspo run directory")
+    if not metrics:
+        raise PlotError("no metrics to plot; pass --metrics reward/mean,clip/frac")
+    log_y = [m for m in metrics if m.startswith(("clip/", "kl/"))] if log_y is None else log_y
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.6 * len(metrics)), squeeze=False, sharex=True)
+    found_any = False
+    for ax, metric in zip(axes[:, 0], metrics):
+        for d in runs:
+            xs, ys = load_series(d, metric)
+            if xs:
+                found_any = True
+                ax.plot(xs, smooth(ys, smooth_n), label=d.name, marker="o" if len(xs) < 12 else None, ms=3)
+        ax.set_ylabel(metric)
+        if metric in log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    if not found_any:
+        raise PlotError(f"none of the runs logged {', '.join(metrics)}")
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.stem}.tmp{output.suffix}")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, output)
+    return output

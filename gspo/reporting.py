@@ -1,0 +1,70 @@
+"""Where metrics go: `metrics.jsonl` always, TensorBoard and Weights & Biases on request.
+
+    reporter = Reporter(run_dir, ["tensorboard", "wandb"], config=cfg_dict, start_step=0)
+    reporter.log({"step": 1, "reward/mean": 0.5, ...})
+    reporter.close()
+
+TensorBoard event files go to `run_dir/tensorboard/` (`tensorboard --logdir runs/`). W&B
+logs to project `wandb_project` under the run directory's name; offline mode
+(`WANDB_MODE=offline`) needs no network and no account. On resume, TensorBoard purges the
+steps after the checkpoint and W&B continues the same run id (stored in `run_dir/wandb_id`),
+so neither shows a step twice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from pathlib import Path
+
+from gspo import checkpoint as ckpt
+
+REPORTERS = ("tensorboard", "wandb")
+
+
+class Reporter:
+    def __init__(self, run_dir: Path, report_to: list[str] | tuple[str, ...], *, config: dict, start_step: int = 0,
+                 wandb_project: str = "gspo"):
+        self.run_dir = Path(run_dir)
+        self.tb = None
+        self.wandb = None
+        if "tensorboard" in report_to:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ValueError("--report-to tensorboard needs the tensorboard package: pip install 'gspo[logging]'") from None
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("--report-to wandb needs the wandb package: pip install 'gspo[logging]'") from None
+            id_file = self.run_dir / "wandb_id"
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+            ckpt.atomic_write_text(id_file, run_id)
+            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=run_id, resume="allow",
+                                    dir=str(self.run_dir), config=config, mode=os.environ.get("WANDB_MODE"))
+
+    def log(self, metrics: dict) -> None:
+        ckpt.append_jsonl(self.run_dir / "metrics.jsonl", [metrics])
+        step = int(metrics["step"])
+        scalars = {k: float(v) for k, v in metrics.items()
+                   if k != "step" and isinstance(v, (int, float)) and math.isfinite(float(v))}
+        if self.tb is not None:
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def summary(self, values: dict) -> None:
+        if self.wandb is not None:
+            for k, v in values.items():
+                self.wandb.summary[k] = v
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

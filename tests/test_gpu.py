@@ -1,0 +1,30 @@
+"""GPU checks: skipped (marked `gpu`) on machines without CUDA."""
+
+import pytest
+import torch
+
+from gspo.config import TrainConfig
+from gspo.rollout import completion_logprobs, generate
+from gspo.trainer import train
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_train_on_cuda_bf16(tmp_path):
+    summary = train(TrainConfig(steps=3, prompts_per_step=8, group_size=4, eval_size=32, device="cuda",
+                                dtype="bfloat16", output_dir=str(tmp_path / "run"), progress=False), log=lambda *a: None)
+    assert summary["eval_after"]["n"] == 32
+
+
+@pytest.mark.gpu
+def test_rollout_logprobs_match_on_cuda(char_tokenizer):
+    from tests.conftest import random_tiny_model
+
+    model = random_tiny_model(char_tokenizer).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ids = [char_tokenizer(p)["input_ids"] for p in ["12+7=", "999-123="]]
+    ro = generate(model, ids, group_size=4, max_new_tokens=6, eos_token_id=char_tokenizer.eos_token_id,
+                  pad_token_id=char_tokenizer.pad_token_id, generator=g)
+    with torch.no_grad():
+        lp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask)
+    torch.testing.assert_close(lp, ro.logp, rtol=1e-4, atol=1e-4)
