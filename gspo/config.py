@@ -25,14 +25,15 @@ import yaml
 
 from gspo.losses import AGG_MODES
 
-Algorithm = Literal["gspo", "grpo", "gspo_token"]
+Algorithm = Literal["gspo", "grpo", "gspo_token", "ppo"]
 
 # Clip ranges (clip_low, clip_high): the paper's §5.1 for gspo and grpo; gspo_token shares
-# GSPO's ranges because its ratio has the same value s_i.
+# GSPO's ranges because its ratio has the same value s_i; ppo uses the classic symmetric 0.2.
 PRESETS: dict[str, dict] = {
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
     "grpo": {"clip_low": 0.2, "clip_high": 0.27},
     "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4},
+    "ppo": {"clip_low": 0.2, "clip_high": 0.2},
 }
 
 
@@ -44,7 +45,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     # --- what to train -------------------------------------------------------------------
     algorithm: Algorithm = "gspo"
-    """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2) or gspo_token (Eq. 13). Sets the preset clip range."""
+    """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), or ppo (token ratios with GAE advantages from a learned value model, Eq. 1). Sets the preset clip range."""
     model: str = "tiny"
     """Built-in model name (tiny) or the path of a local Hugging Face causal LM directory."""
     task: str = "arithmetic"
@@ -79,6 +80,8 @@ class TrainConfig:
     """Completions sampled per prompt (G); advantages are relative to the group."""
     max_new_tokens: int | None = None
     """Longest completion, in tokens; longer ones are cut and marked truncated (None: the task's default, 8 for arithmetic, 256 for a dataset)."""
+    min_new_tokens: int = 0
+    """EOS cannot be sampled before this many tokens (min = max fixes every completion's length, for benchmarks)."""
     temperature: float = 1.0
     """Sampling temperature; the same temperature scales the logits of training log-probs."""
     top_p: float = 1.0
@@ -103,6 +106,24 @@ class TrainConfig:
     """KL estimator for the penalty."""
     old_logp: Literal["recompute", "sampling"] = "recompute"
     """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4)."""
+
+    # --- PPO: value model and GAE ---------------------------------------------------------
+    critic: Literal["separate", "shared"] = "separate"
+    """PPO value model: separate (a copy of the policy's trunk with a value head, its own optimizer) or shared (a value head on the policy's trunk)."""
+    critic_lr: float | None = None
+    """PPO: learning rate of the separate critic (None: 10 x lr)."""
+    gamma: float = 1.0
+    """PPO: GAE discount over completion tokens."""
+    gae_lambda: float = 0.95
+    """PPO: GAE lambda."""
+    value_clip: float = 0.2
+    """PPO: value-loss clip range around the old values (0 = no clipping)."""
+    vf_coef: float = 0.5
+    """PPO with --critic shared: weight of the value loss in the joint loss."""
+    whiten_advantages: bool = True
+    """PPO: normalise advantages to zero mean and unit variance over the batch's completion tokens."""
+    reward_kl_coef: float = 0.0
+    """PPO: per-token KL penalty to the frozen initial policy folded into the reward, as in RLHF PPO (0 = off)."""
 
     # --- optimiser -----------------------------------------------------------------------
     lr: float = 1e-4
@@ -181,8 +202,14 @@ def validate(cfg: TrainConfig) -> None:
          "must be cpu, cuda, cuda:N, mps or auto")
     need(cfg.steps >= 0, "steps", "must be >= 0")
     need(cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
-    need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)")
+    if cfg.algorithm == "ppo":
+        need(cfg.group_size >= 1, "group_size", "must be >= 1")
+    else:
+        need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)")
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+    need(cfg.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
+    need(cfg.max_new_tokens is None or cfg.min_new_tokens <= cfg.max_new_tokens, "min_new_tokens",
+         "must be <= max_new_tokens")
     need(cfg.temperature > 0, "temperature", "must be > 0 for sampling")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.num_minibatches >= 1, "num_minibatches", "must be >= 1")
@@ -197,6 +224,14 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
     need(cfg.beta >= 0, "beta", "must be >= 0")
     need(cfg.lr > 0, "lr", "must be > 0")
+    need(cfg.critic_lr is None or cfg.critic_lr > 0, "critic_lr", "must be > 0")
+    need(0 <= cfg.gamma <= 1, "gamma", "must be in [0, 1]")
+    need(0 <= cfg.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]")
+    need(cfg.value_clip >= 0, "value_clip", "must be >= 0")
+    need(cfg.vf_coef >= 0, "vf_coef", "must be >= 0")
+    need(cfg.reward_kl_coef >= 0, "reward_kl_coef", "must be >= 0")
+    need(not (cfg.algorithm == "ppo" and cfg.critic == "separate" and cfg.lora_r > 0), "critic",
+         "separate needs full weights; with --lora-r use --critic shared (a value head on the LoRA policy)")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
     need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
@@ -215,6 +250,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     for key, value in PRESETS[cfg.algorithm].items():
         if getattr(out, key) is None:
             setattr(out, key, value)
+    if out.critic_lr is None:
+        out.critic_lr = 10 * out.lr
     if out.max_new_tokens is None:
         from gspo.data import DatasetTask
         from gspo.tasks import get_task

@@ -77,17 +77,23 @@ def position_ids_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> tuple[Tensor, Tensor]:
+def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+                 banned: int | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row from `logits` (B, V); returns (tokens (B,), log-probs (B,)).
 
-    temperature == 0 means greedy; the returned log-prob is then that of τ = 1.
+    temperature == 0 means greedy; the returned log-prob is then that of τ = 1. `banned` is a
+    token id that cannot be drawn (EOS before min_new_tokens); like top-p, it changes what can
+    be drawn, not the recorded log-prob.
     """
     logits = logits.float()  # (B, V)
     logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)  # (B, V)
     if temperature == 0:
-        tokens = logits.argmax(-1)  # (B,)
+        tokens = (logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=logits.device),
+                                                                   float("-inf"))).argmax(-1)  # (B,)
     else:
         probs = logprobs.exp()  # (B, V)
+        if banned is not None:
+            probs = probs.index_fill(-1, torch.tensor([banned], device=probs.device), 0.0)
         if top_p < 1.0:
             sorted_p, order = probs.sort(-1, descending=True)  # (B, V)
             # drop a token once the mass before it already reaches top_p (the first always stays)
@@ -110,8 +116,13 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    min_new_tokens: int = 0,
 ) -> Rollout:
-    """Sample `group_size` completions for each prompt (token id lists) with a KV cache."""
+    """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
+
+    min_new_tokens: EOS cannot be drawn before this many tokens (min = max gives every
+    completion the same length, as benchmarks need).
+    """
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -135,7 +146,8 @@ def generate(
     attn = prompt_mask  # (B, P + t), grows by one column per step
     n_steps = 0
     for t in range(max_new_tokens):
-        tok, lp = sample_token(logits, temperature, top_p, generator)  # (B,), (B,)
+        banned = eos_token_id if t < min_new_tokens else None
+        tok, lp = sample_token(logits, temperature, top_p, generator, banned)  # (B,), (B,)
         tok = tok.masked_fill(done, pad_token_id)
         tokens[:, t] = tok
         logp[:, t] = lp.masked_fill(done, 0.0)
@@ -157,18 +169,21 @@ def generate(
 
 
 def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                        *, temperature: float = 1.0) -> Tensor:
+                        *, temperature: float = 1.0, return_hidden: bool = False):
     """log π(y_t | x, y_<t) / τ-scaled, for the last T columns of `input_ids`; (B, T).
 
     One forward pass over prompt + completion; logits are computed only for the T positions
-    that predict completion tokens, never for the prompt.
+    that predict completion tokens, never for the prompt. With `return_hidden`, also returns
+    the final hidden state at those positions, (B, T, H) (for a shared value head).
     """
     T = completion_mask.shape[1]
     pos = position_ids_from_mask(attention_mask)  # (B, P+T)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
-                logits_to_keep=T + 1)
+                logits_to_keep=T + 1, output_hidden_states=return_hidden)
     logits = out.logits[:, :-1].float()  # (B, T, V) position j predicts token j+1
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -T:, None]).squeeze(-1)  # (B, T)
+    if return_hidden:
+        return logp * completion_mask, out.hidden_states[-1][:, -T - 1:-1]  # (B, T), (B, T, H)
     return logp * completion_mask

@@ -15,7 +15,11 @@ epoch are off-policy: that is where the ratios move and clipping acts.
 Set-up validates everything a user gave (config, dataset rows, rewards, model) before the
 run directory is created, so bad input never leaves a half-made run behind.
 
-Left out here: multi-process training and value models.
+PPO (`--algorithm ppo`) differs in two places only: advantages come from GAE over a learned
+value model's estimates instead of group statistics (`ppo_advantages`), and each update also
+trains the value model (`update`). See gspo.value for the critic.
+
+Left out here: multi-process training.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 import yaml
 
 from gspo import checkpoint as ckpt
-from gspo.advantages import group_advantages
+from gspo.advantages import gae, group_advantages, masked_whiten
 from gspo.config import TrainConfig, load_yaml, resolve, to_dict
 from gspo.data import DataError
 from gspo.evaluation import decode_completions, encode_prompts, evaluate
@@ -45,6 +49,7 @@ from gspo.reporting import Reporter
 from gspo.rewards import Reward, load_rewards, score_completions
 from gspo.rollout import Rollout, completion_logprobs, generate
 from gspo.tasks import build_task
+from gspo.value import Critic, ValueHead, explained_variance, value_loss
 
 Tensor = torch.Tensor
 
@@ -56,11 +61,44 @@ class Batch:
     rollout: Rollout
     rewards: Tensor  # (B,) weighted sum of all rewards
     reward_parts: dict[str, list[float]]  # name -> (B,) each reward's values
-    advantages: Tensor  # (B,)
+    advantages: Tensor  # (B,) group-relative, or (B, T) from GAE (PPO)
     old_logp: Tensor  # (B, T) log π_θold of the sampled tokens
-    ref_logp: Tensor | None  # (B, T) log π_ref, when beta > 0
+    ref_logp: Tensor | None  # (B, T) log π_ref, when beta > 0 or reward_kl_coef > 0
     examples: list  # (B / G,) the prompts' Examples
     completions: list[str]  # (B,) decoded completions
+    old_values: Tensor | None = None  # (B, T) PPO: V_old(s_t) before the updates
+    returns: Tensor | None = None  # (B, T) PPO: GAE returns, the value targets
+
+
+@dataclass
+class ValueModel:
+    """PPO's critic: a separate model with its own optimizer, or a head on the policy's trunk."""
+
+    critic: Critic | None = None  # --critic separate
+    head: ValueHead | None = None  # --critic shared (its parameters live in the policy's optimizer)
+    optimizer: torch.optim.Optimizer | None = None  # the separate critic's
+    scheduler: object | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.head is not None
+
+    def module(self):
+        return self.head if self.shared else self.critic
+
+    @torch.no_grad()
+    def values(self, policy, ro: Rollout, temperature: float, batch_size: int) -> Tensor:
+        """V(s_t) of every completion token, without gradient. (B, T)"""
+        out = []
+        for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
+            sub = ro.select(idx)
+            if self.shared:
+                _, hidden = completion_logprobs(policy, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                                temperature=temperature, return_hidden=True)
+                out.append(self.head(hidden))
+            else:
+                out.append(self.critic(sub.input_ids, sub.attention_mask, sub.completion_mask.shape[1]))
+        return torch.cat(out) * ro.completion_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,7 +111,7 @@ def rollout(policy, tokenizer, examples, cfg: TrainConfig, generator: torch.Gene
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples])
     ro = generate(policy, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                   temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, generator=generator)
+                  pad_token_id=tokenizer.pad_token_id, generator=generator, min_new_tokens=cfg.min_new_tokens)
     texts, ids = decode_completions(tokenizer, ro)
     return ro, texts, ids
 
@@ -98,31 +136,47 @@ def sequence_logprobs(model, ro: Rollout, temperature: float, batch_size: int) -
     return torch.cat(out)
 
 
-def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.Generator) -> list[dict]:
-    """`epochs` passes of clipped policy-gradient updates over `num_minibatches` minibatches."""
+def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.Generator,
+           vm: ValueModel | None = None) -> list[dict]:
+    """`epochs` passes of clipped policy-gradient updates over `num_minibatches` minibatches
+    (PPO: and clipped value-loss updates of the critic on the same minibatches)."""
     ro = batch.rollout
-    B = ro.prompt_ids.shape[0]
+    B, T = ro.completion_mask.shape
     mb_size = B // cfg.num_minibatches
-    params = [p for p in policy.parameters() if p.requires_grad]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
     policy.train()
     history = []
     for _ in range(cfg.epochs):
         order = torch.randperm(B, generator=generator, device=generator.device).cpu()  # (B,)
         for idx in order.split(mb_size):
             mb = ro.select(idx)
-            logp = completion_logprobs(policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                       temperature=cfg.temperature)  # (b, T)
+            shared = vm is not None and vm.shared
+            out = completion_logprobs(policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                      temperature=cfg.temperature, return_hidden=shared)
+            logp, hidden = out if shared else (out, None)  # (b, T), (b, T, H)
             loss, metrics = policy_loss(
                 cfg.algorithm, logp, batch.old_logp[idx], batch.advantages[idx], mb.completion_mask,
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
                 ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
                 kl_estimator=cfg.kl_estimator,
             )
+            if vm is not None:
+                values = vm.head(hidden) if shared else vm.critic(mb.input_ids, mb.attention_mask, T)  # (b, T)
+                vloss, vmetrics = value_loss(values, batch.old_values[idx], batch.returns[idx], mb.completion_mask,
+                                             clip_range=cfg.value_clip)
+                metrics.update(vmetrics)
+                if shared:
+                    loss = loss + cfg.vf_coef * vloss  # one backward through the shared trunk
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             optimizer.step()
+            if vm is not None and not shared:
+                vm.optimizer.zero_grad(set_to_none=True)
+                vloss.backward()
+                metrics["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(vm.critic.parameters(), max_norm))
+                vm.optimizer.step()
             history.append(metrics)
     return history
 
@@ -151,30 +205,50 @@ def reference_context(policy, reference):
     return policy, policy.disable_adapter()
 
 
+def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, old_logp: Tensor, ref_logp: Tensor | None,
+                   cfg: TrainConfig) -> tuple[Tensor, Tensor]:
+    """GAE advantages and returns (B, T) from the sequence reward at the last completion token,
+    minus reward_kl_coef · (log π_old - log π_ref) on every token when that is on."""
+    token_rewards = rewards.to(old_values.device)  # (B,) placed at the last token by gae()
+    if cfg.reward_kl_coef > 0:
+        last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,)
+        token_rewards = -cfg.reward_kl_coef * (old_logp - ref_logp) * mask  # (B, T)
+        token_rewards[torch.arange(mask.shape[0]), last] += rewards.to(old_values.device)
+    adv, returns = gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.gae_lambda)  # (B, T)
+    if cfg.whiten_advantages:
+        adv = masked_whiten(adv, mask)
+    return adv, returns
+
+
 def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Reward], optimizer, cfg: TrainConfig,
-               generator: torch.Generator) -> tuple[dict, Batch]:
-    """One step: rollout → score → advantages → old log-probs → updates. Returns (metrics, batch)."""
+               generator: torch.Generator, vm: ValueModel | None = None) -> tuple[dict, Batch]:
+    """One step: rollout → score → old log-probs → advantages → updates. Returns (metrics, batch)."""
     t0 = time.perf_counter()
     examples = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
     ro, completions, completion_ids = rollout(policy, tokenizer, examples, cfg, generator)
     t_rollout = time.perf_counter() - t0
 
     rewards_t, parts = score(rewards, examples, completions, completion_ids, cfg.group_size)  # (B,)
-    advantages = group_advantages(rewards_t, cfg.group_size, scale=cfg.adv_scale).to(ro.logp.device)  # (B,)
     mb_size = ro.prompt_ids.shape[0] // cfg.num_minibatches
     if cfg.old_logp == "sampling":
         old_logp = ro.logp  # (B, T) recorded while sampling (paper §5.4)
     else:
         old_logp = sequence_logprobs(policy, ro, cfg.temperature, mb_size)  # (B, T)
     ref_logp = None
-    if cfg.beta > 0:
+    if cfg.beta > 0 or cfg.reward_kl_coef > 0:
         model, ctx = reference_context(policy, reference)
         with ctx:
             ref_logp = sequence_logprobs(model, ro, cfg.temperature, mb_size)  # (B, T)
-    batch = Batch(ro, rewards_t, parts, advantages, old_logp, ref_logp, examples, completions)
+    old_values = returns = None
+    if vm is not None:  # PPO: GAE over the critic's values
+        old_values = vm.values(policy, ro, cfg.temperature, mb_size)  # (B, T)
+        advantages, returns = ppo_advantages(rewards_t, old_values, ro.completion_mask, old_logp, ref_logp, cfg)
+    else:
+        advantages = group_advantages(rewards_t, cfg.group_size, scale=cfg.adv_scale).to(ro.logp.device)  # (B,)
+    batch = Batch(ro, rewards_t, parts, advantages, old_logp, ref_logp, examples, completions, old_values, returns)
 
     t1 = time.perf_counter()
-    history = update(policy, optimizer, batch, cfg, generator)
+    history = update(policy, optimizer, batch, cfg, generator, vm)
     t_update = time.perf_counter() - t1
 
     groups = rewards_t.view(-1, cfg.group_size)
@@ -193,6 +267,8 @@ def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Rewa
         "mismatch/token_abs": float(((ro.logp - old_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
         if cfg.old_logp == "recompute" else float("nan"),
         "lr": optimizer.param_groups[0]["lr"],
+        **({"value/mean": float((old_values * mask).sum() / mask.sum().clamp(min=1)),
+            "value/explained_variance": explained_variance(old_values, returns, mask)} if vm is not None else {}),
         "time/rollout_seconds": t_rollout,
         "time/update_seconds": t_update,
         "time/step_seconds": time.perf_counter() - t0,
@@ -237,7 +313,7 @@ def samples_rows(step: int, batch: Batch, group_size: int, n: int) -> list[dict]
     for i in range(min(n, len(batch.completions))):
         ex = batch.examples[i // group_size]
         rows.append({"step": step, "prompt": ex.prompt, "completion": batch.completions[i], "answer": ex.answer,
-                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i])})
+                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i].flatten()[0])})
     return rows
 
 
@@ -292,6 +368,7 @@ class Setup:
     tokenizer: object
     device: torch.device
     resume_from: Path | None
+    value_model: ValueModel | None = None
 
 
 def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
@@ -330,10 +407,20 @@ def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
     if cfg.gradient_checkpointing:
         unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     reference = None
-    if cfg.beta > 0 and cfg.lora_r == 0:
+    if (cfg.beta > 0 or cfg.reward_kl_coef > 0) and cfg.lora_r == 0:
         reference, _ = load_policy(cfg.model, dtype=dtype, device=device)  # the initial policy, frozen
         reference.eval().requires_grad_(False)
-    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from)
+    vm = None
+    if cfg.algorithm == "ppo" and cfg.critic == "separate":  # initialised from the policy's weights
+        src = resume_from / "critic" if resume_from is not None else cfg.model
+        vm = ValueModel(critic=Critic.from_pretrained(src, dtype=dtype, device=device,
+                                                      head_from=resume_from / "critic" if resume_from else None))
+    elif cfg.algorithm == "ppo":
+        head = ValueHead(unwrap(policy).config.hidden_size)
+        if resume_from is not None:
+            head.load(resume_from / "value_head")
+        vm = ValueModel(head=head.to(device))
+    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from, vm)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,9 +439,16 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
     cfg, run_dir, policy, tokenizer, task, rewards = s.cfg, s.run_dir, s.policy, s.tokenizer, s.task, s.rewards
     config_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
-                                  betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    vm = s.value_model
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    if vm is not None and vm.shared:
+        trainable += list(vm.head.parameters())  # the shared value head trains with the policy
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+    if vm is not None and not vm.shared:
+        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr, betas=cfg.adam_betas,
+                                         weight_decay=cfg.weight_decay)
+        vm.scheduler = torch.optim.lr_scheduler.LambdaLR(vm.optimizer, lr_factor(cfg))
     generator = torch.Generator(device=s.device).manual_seed(cfg.seed)
 
     def run_eval() -> dict:
@@ -366,6 +460,9 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
         state = ckpt.load_trainer_state(s.resume_from)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        if vm is not None and not vm.shared:
+            vm.optimizer.load_state_dict(state["critic_optimizer"])
+            vm.scheduler.load_state_dict(state["critic_scheduler"])
         set_rng_state(generator, state["rng"])
         start_step, eval_before, evals = state["step"], state["eval_before"], state.get("evals", [])
         t_start -= state["wall_seconds"]
@@ -385,13 +482,21 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": rng_state(generator), "eval_before": eval_before, "evals": evals,
                  "wall_seconds": time.time() - t_start}
-        ckpt.save_checkpoint(run_dir, step, policy, tokenizer, state, config_yaml, cfg.keep_checkpoints)
+        extra = {}
+        if vm is not None:
+            extra = {"value_head": vm.head} if vm.shared else {"critic": vm.critic}
+            if not vm.shared:
+                state["critic_optimizer"] = vm.optimizer.state_dict()
+                state["critic_scheduler"] = vm.scheduler.state_dict()
+        ckpt.save_checkpoint(run_dir, step, policy, tokenizer, state, config_yaml, cfg.keep_checkpoints, extra)
 
     # --- the loop ----------------------------------------------------------------------------
     bar = Progress(cfg, start_step, log)
     for step in range(start_step + 1, cfg.steps + 1):
-        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, generator)
+        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, generator, vm)
         scheduler.step()
+        if vm is not None and vm.scheduler is not None:
+            vm.scheduler.step()
         if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
             ev = run_eval()
             metrics["eval/accuracy"] = ev["accuracy"]

@@ -32,7 +32,7 @@ def test_loss_metrics_and_agg_modes_are_documented():
 
 def test_trainer_metrics_are_documented():
     src = (ROOT / "gspo" / "trainer.py").read_text()
-    names = set(re.findall(r'"((?:reward|completion|mismatch|time|eval)/[a-z_]+)"', src))
+    names = set(re.findall(r'"((?:reward|completion|mismatch|time|eval|value)/[a-z_]+)"', src))
     assert len(names) >= 8
     table = README.split("## Metrics")[1]
     for name in names:

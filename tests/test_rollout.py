@@ -142,3 +142,22 @@ def test_temperature_scales_training_logprobs(tiny_random, char_tokenizer, tempe
         logits = tiny_random(input_ids=ro.input_ids).logits[0, -ro.completion_ids.shape[1] - 1:-1]
         ref = torch.log_softmax(logits / temperature, -1).gather(-1, ro.completion_ids[0][:, None]).squeeze(-1)
     torch.testing.assert_close(lp[0], ref * ro.completion_mask[0], rtol=1e-5, atol=1e-5)
+
+
+def test_min_new_tokens_fixes_the_length(tiny_random, char_tokenizer):
+    # EOS banned for all 5 steps: every completion is exactly 5 tokens, none ends in EOS, and
+    # the recorded log-probs are still those of the unmasked distribution (= recomputation)
+    tok = char_tokenizer
+    with torch.no_grad():  # make EOS the most likely token everywhere
+        tiny_random.lm_head.weight[tok.eos_token_id] += 5.0
+    g = torch.Generator().manual_seed(0)
+    ro = generate(tiny_random, encode(tok, PROMPTS), group_size=2, max_new_tokens=5, min_new_tokens=5,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    assert (ro.lengths == 5).all() and ro.truncated.all()
+    assert not (ro.completion_ids == tok.eos_token_id).any()
+    with torch.no_grad():
+        logp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask)
+    torch.testing.assert_close(logp, ro.logp, rtol=1e-5, atol=1e-5)
+    free = generate(tiny_random, encode(tok, PROMPTS), group_size=2, max_new_tokens=5,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    assert (free.lengths < 5).any()  # without the ban, EOS does get drawn

@@ -30,9 +30,12 @@ def deterministic(rows):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("algorithm", ["gspo", "ppo"])
+def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path, algorithm):
+    # ppo: the critic's weights, optimizer and scheduler must come back exactly too
     steps = 8
-    args = ["train", *FAST, "--steps", str(steps), "--save-every", "1", "--keep-checkpoints", "3"]
+    args = ["train", *FAST, "--steps", str(steps), "--save-every", "1", "--keep-checkpoints", "3",
+            "--algorithm", algorithm]
     full = gspo(*args, "--output-dir", str(tmp_path / "full"))
     out, err = full.communicate(timeout=300)
     assert full.returncode == 0, err
@@ -67,6 +70,12 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path):
 
     ta, tb = load_file(wa / "model.safetensors"), load_file(wb / "model.safetensors")
     assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    if algorithm == "ppo":
+        ca, cb = load_file(wa / "critic" / "model.safetensors"), load_file(wb / "critic" / "model.safetensors")
+        assert all(torch.equal(ca[k], cb[k]) for k in ca)
+        ha = torch.load(wa / "critic" / "value_head.pt")
+        hb = torch.load(wb / "critic" / "value_head.pt")
+        assert all(torch.equal(ha[k], hb[k]) for k in ha)
     # samples.jsonl holds each step exactly once, too
     steps_logged = [row["step"] for row in ckpt.read_jsonl(run / "samples.jsonl")]
     assert steps_logged == sorted(steps_logged) and set(steps_logged) == set(range(1, steps + 1))

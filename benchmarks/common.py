@@ -1,0 +1,105 @@
+"""Shared pieces of the benchmarks: model configurations, peak memory, timing helpers.
+
+Model configurations (all Qwen3, random weights except `tiny`, written to a cache folder
+with save_pretrained and loaded like any user model):
+
+| name | layers | hidden | vocab | parameters |
+| --- | --- | --- | --- | --- |
+| tiny | 4 | 128 | 20 | 0.8M (the built-in model, trained) |
+| mid | 8 | 512 | 32,000 | ~35M |
+| 0.5b | 24 | 1024 | 151,936 | ~0.6B (GPU) |
+
+The tokenizer of `mid` and `0.5b` has the built-in character vocabulary first (so the
+arithmetic prompts tokenize the same way) padded with placeholder tokens up to the vocabulary
+size, so the LM head has the real cost.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CACHE = Path(os.environ.get("GSPO_BENCH_CACHE", Path.home() / ".cache" / "gspo-bench"))
+
+CONFIGS = {
+    "mid": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=64, vocab=32_000),
+    "0.5b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab=151_936),
+}
+
+
+def padded_char_tokenizer(vocab_size: int):
+    """The built-in character tokenizer, padded with placeholder tokens to `vocab_size`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from gspo.models import CHARS, SPECIAL
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    for c in CHARS:
+        vocab[c] = len(vocab)
+    i = 0
+    while len(vocab) < vocab_size:
+        vocab[f"<x{i}>"] = len(vocab)
+        i += 1
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def model_path(name: str) -> str:
+    """A model directory for configuration `name` (built once and cached)."""
+    if name == "tiny":
+        return "tiny"
+    if name not in CONFIGS:
+        raise SystemExit(f"unknown model configuration {name!r}; choose tiny, {', '.join(CONFIGS)}")
+    path = CACHE / name
+    if not (path / "config.json").exists():
+        import torch
+        import transformers
+        from transformers import Qwen3ForCausalLM
+
+        from gspo.models import tiny_config
+
+        transformers.utils.logging.disable_progress_bar()
+        kw = dict(CONFIGS[name])
+        vocab = kw.pop("vocab")
+        tok = padded_char_tokenizer(vocab)
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(tiny_config(vocab, max_position_embeddings=4096, **kw))
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+    return str(path)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far, in MiB (Linux reports KiB)."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+def median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+class Timer:
+    def __enter__(self):
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.t

@@ -1,0 +1,131 @@
+"""The value model (critic) for PPO, and its clipped value loss.
+
+    critic = Critic.from_pretrained("tiny")               # policy architecture + a scalar head
+    values = critic(input_ids, attention_mask, T)         # (B, T) V(s_t) for each completion token
+    loss, metrics = value_loss(values, old_values, returns, mask, clip_range=0.2)
+
+Two layouts (`--critic`):
+- `separate` (default, the seeds' PPO): a second model with the policy's architecture,
+  initialised from the policy's weights (its transformer trunk, without the LM head), plus a
+  linear value head on the final hidden state of each position. Its own optimizer and
+  learning rate. About twice the policy's memory for weights, gradients and Adam state:
+  the cost GRPO and GSPO remove.
+- `shared`: a value head on the policy's own trunk (`ValueHead`), trained through the same
+  backward pass with `vf_coef` weighting; cheaper, but policy and value gradients interfere.
+
+The value of completion token t is read at the position that predicts it (the state before
+the token), the same positions `completion_logprobs` reads logits at.
+
+Left out: a value model of a different size than the policy, and reward models (the
+rewards here are verifiers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from gspo.rollout import position_ids_from_mask
+
+Tensor = torch.Tensor
+HEAD_FILE = "value_head.pt"
+
+
+class ValueHead(nn.Module):
+    """hidden (…, H) -> value (…,), in float32; starts at exactly 0 (zero-initialised)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.linear(hidden.float()).squeeze(-1)
+
+    def save(self, directory: Path) -> None:
+        torch.save(self.state_dict(), Path(directory) / HEAD_FILE)
+
+    def save_pretrained(self, directory: Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.save(directory)
+
+    def load(self, directory: Path) -> None:
+        self.load_state_dict(torch.load(Path(directory) / HEAD_FILE, map_location="cpu", weights_only=True))
+
+
+class Critic(nn.Module):
+    """A separate value model: a transformer trunk (no LM head) and a ValueHead."""
+
+    def __init__(self, trunk, head: ValueHead):
+        super().__init__()
+        self.trunk = trunk
+        self.head = head
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype=torch.float32, device="cpu", head_from: Path | None = None):
+        """The trunk of the causal LM at `path`; the head zero-initialised, or loaded from `head_from`."""
+        from transformers import AutoModel
+
+        from gspo.models import resolve_model_path
+
+        trunk = AutoModel.from_pretrained(resolve_model_path(str(path)), dtype=dtype, local_files_only=True)
+        head = ValueHead(trunk.config.hidden_size)
+        if head_from is not None:
+            head.load(head_from)
+        return cls(trunk, head).to(device)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, T: int) -> Tensor:
+        """V(s_t) for the last T columns (the completion): (B, T)."""
+        pos = position_ids_from_mask(attention_mask)  # (B, P+T)
+        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                            use_cache=False).last_hidden_state  # (B, P+T, H)
+        return self.head(hidden[:, -T - 1:-1])  # (B, T) state before each completion token
+
+    def save_pretrained(self, directory: Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.trunk.save_pretrained(directory)
+        self.head.save(directory)
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+               clip_range: float) -> tuple[Tensor, dict[str, float]]:
+    """PPO's clipped value loss, averaged over completion tokens.
+
+    V_clip = V_old + clip(V - V_old, -ε_v, ε_v)
+    loss_t = ½ · max((V - R)², (V_clip - R)²)     (the pessimistic one; ε_v = 0 disables clipping)
+
+    Returns the loss and `value/loss`, `value/clip_frac` (fraction of tokens where the clipped
+    term is the larger, i.e. the gradient is cut).
+    """
+    mask = mask.to(values.dtype)
+    n = mask.sum().clamp(min=1.0)
+    err = (values - returns).square()  # (B, T)
+    if clip_range > 0:
+        clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)  # (B, T)
+        err_clipped = (clipped - returns).square()  # (B, T)
+        per_token = 0.5 * torch.maximum(err, err_clipped)  # (B, T)
+        with torch.no_grad():
+            clip_frac = float(((err_clipped > err).to(values.dtype) * mask).sum() / n)
+    else:
+        per_token = 0.5 * err
+        clip_frac = 0.0
+    loss = (per_token * mask).sum() / n
+    return loss, {"value/loss": float(loss.detach()), "value/clip_frac": clip_frac}
+
+
+@torch.no_grad()
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over completion tokens: 1 is perfect, 0 no better than a constant.
+
+    NaN when the returns have no variance (nothing to explain).
+    """
+    m = mask > 0
+    v, r = values[m].double(), returns[m].double()
+    var_r = r.var(unbiased=False) if r.numel() else r.new_zeros(())
+    if r.numel() == 0 or var_r == 0:
+        return float("nan")
+    return float(1.0 - (r - v).var(unbiased=False) / var_r)

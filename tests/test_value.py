@@ -1,0 +1,119 @@
+"""PPO's value model: the clipped value loss by hand, explained variance, the critic's
+checkpoint round-trip, GAE with a KL penalty in the reward, and PPO runs."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from gspo.config import TrainConfig, resolve
+from gspo.trainer import ppo_advantages, train
+from gspo.value import Critic, ValueHead, explained_variance, value_loss
+
+D = torch.float64
+
+
+def t(x):
+    return torch.tensor(x, dtype=D)
+
+
+def test_value_loss_clipping_by_hand():
+    # three tokens, ε_v = 0.2
+    # token 1: V_old 0.0, V 0.5, R 1.0  -> V_clip = 0.0 + clip(0.5) = 0.2
+    #          (V - R)² = 0.25, (V_clip - R)² = 0.64 -> max = 0.64 (clipped: gradient cut)
+    # token 2: V_old 0.0, V 0.1, R 1.0  -> V_clip = 0.1 (inside the range)
+    #          both 0.81 -> 0.81, not clipped
+    # token 3: V_old 1.0, V 0.5, R 0.0  -> V_clip = 1.0 - 0.2 = 0.8
+    #          (0.5)² = 0.25, (0.8)² = 0.64 -> 0.64 (clipped)
+    # loss = ½ (0.64 + 0.81 + 0.64) / 3 = 0.3483333
+    values = t([[0.5, 0.1, 0.5, 9.0]]).requires_grad_()
+    old, ret = t([[0.0, 0.0, 1.0, 0.0]]), t([[1.0, 1.0, 0.0, 0.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, m = value_loss(values, old, ret, mask, clip_range=0.2)
+    torch.testing.assert_close(loss, t(0.5 * (0.64 + 0.81 + 0.64) / 3))
+    assert m["value/clip_frac"] == pytest.approx(2 / 3)
+    loss.backward()
+    # only token 2 passes gradient: d/dV ½(V - R)²/3 = (0.1 - 1.0)/3 = -0.3
+    torch.testing.assert_close(values.grad, t([[0.0, -0.3, 0.0, 0.0]]))
+    # ε_v = 0: plain squared error ½ (0.25 + 0.81 + 0.25) / 3
+    loss0, m0 = value_loss(values, old, ret, mask, clip_range=0.0)
+    torch.testing.assert_close(loss0, t(0.5 * (0.25 + 0.81 + 0.25) / 3))
+    assert m0["value/clip_frac"] == 0.0
+
+
+def test_explained_variance_by_hand():
+    # R = [1, 2, 3, 4] (var 1.25), V = [1, 2, 3, 3]: R - V = [0, 0, 0, 1] (var 0.1875)
+    # EV = 1 - 0.1875 / 1.25 = 0.85; the masked-out 100 is ignored
+    r = t([[1.0, 2.0, 3.0, 4.0, 100.0]])
+    v = t([[1.0, 2.0, 3.0, 3.0, 0.0]])
+    mask = t([[1, 1, 1, 1, 0]])
+    assert explained_variance(v, r, mask) == pytest.approx(0.85)
+    assert explained_variance(r, r, mask) == pytest.approx(1.0)
+    assert math.isnan(explained_variance(v, t([[2.0, 2.0, 2.0, 2.0, 0.0]]), mask))
+
+
+def test_ppo_advantages_with_kl_in_reward():
+    # one response, 2 tokens, score 1.0, γ = 1, λ = 1, no whitening, values 0
+    # log π_old - log π_ref = [0.5, 0.25], coef 0.2 -> token rewards [-0.1, -0.05 + 1.0]
+    # GAE with V = 0, γ = λ = 1: Â_t = Σ_{k≥t} r_k -> [0.85, 0.95]; returns the same
+    cfg = resolve(TrainConfig(algorithm="ppo", gamma=1.0, gae_lambda=1.0, whiten_advantages=False,
+                              reward_kl_coef=0.2, output_dir="-"))
+    mask = t([[1.0, 1.0]])
+    adv, ret = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, t([[-0.5, -1.0]]), t([[-1.0, -1.25]]), cfg)
+    torch.testing.assert_close(adv, t([[0.85, 0.95]]))
+    torch.testing.assert_close(ret, t([[0.85, 0.95]]))
+    # whitened: zero mean and unit variance over the tokens
+    cfg.whiten_advantages = True
+    adv, _ = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, t([[-0.5, -1.0]]), t([[-1.0, -1.25]]), cfg)
+    torch.testing.assert_close(adv, t([[-1.0, 1.0]]), rtol=1e-6, atol=1e-6)
+
+
+def test_critic_starts_from_the_policy_and_round_trips(tmp_path):
+    from gspo.models import load_policy
+
+    policy, tok = load_policy("tiny")
+    critic = Critic.from_pretrained("tiny")
+    # the trunk is the policy's (no LM head), the head starts at exactly 0
+    for name, p in critic.trunk.state_dict().items():
+        torch.testing.assert_close(p, policy.model.state_dict()[name], rtol=0, atol=0)
+    ids = torch.tensor([tok("12+34=56")["input_ids"]])
+    mask = torch.ones_like(ids)
+    assert (critic(ids, mask, 3) == 0).all()
+    with torch.no_grad():
+        critic.head.linear.weight.normal_()
+        critic.head.linear.bias.fill_(0.3)
+    v = critic(ids, mask, 3)  # (1, 3)
+    critic.save_pretrained(tmp_path / "critic")
+    again = Critic.from_pretrained(tmp_path / "critic", head_from=tmp_path / "critic")
+    torch.testing.assert_close(again(ids, mask, 3), v, rtol=0, atol=0)
+    # the value of token t is read at the position before it: same as the policy's logits
+    hidden = critic.trunk(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(v, critic.head(hidden[:, -4:-1]))
+
+
+def test_value_head_is_zero_initialised():
+    head = ValueHead(8)
+    assert (head(torch.randn(2, 3, 8)) == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("critic", ["separate", "shared"])
+def test_ppo_run_and_checkpoint(tmp_path, critic):
+    cfg = TrainConfig(algorithm="ppo", critic=critic, steps=3, prompts_per_step=4, group_size=4, eval_size=16,
+                      save_every=1, keep_checkpoints=1, output_dir=str(tmp_path / "run"), progress=False)
+    summary = train(cfg, log=lambda *a: None)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for m in rows:
+        assert {"value/loss", "value/clip_frac", "value/explained_variance", "value/mean"} <= set(m)
+    assert rows[0]["value/mean"] == 0.0  # zero-initialised head
+    assert rows[-1]["value/mean"] != 0.0  # and it learned
+    last = tmp_path / "run" / "checkpoints" / "step-000003"
+    if critic == "separate":
+        assert (last / "critic" / "config.json").exists() and (last / "critic" / "value_head.pt").exists()
+        assert "value/grad_norm" in rows[0]
+    else:
+        assert (last / "value_head" / "value_head.pt").exists()
+    state = torch.load(last / "trainer_state.pt", weights_only=False)
+    assert ("critic_optimizer" in state) == (critic == "separate")
+    assert summary["algorithm"] == "ppo"
