@@ -3,6 +3,7 @@
     gspo train [--config run.yaml] [--resume RUN_DIR] [--algorithm grpo --steps 100 ...]
     gspo eval --model DIR [--k 8] [any data/reward option of gspo train]
     gspo plot RUN_DIR [RUN_DIR ...] --metrics reward/mean,clip/frac --output plot.png
+    gspo compare [--configs gspo grpo grpo-rr] [--seeds 0 1] [--steps 60 ...]
 
 Every `gspo train` flag is a field of `gspo.config.TrainConfig` (its docstring is the help).
 Errors in flags, config files or values print one line, `gspo <command>: error: ...`, and
@@ -29,6 +30,7 @@ commands:
   train   train a policy with GSPO, GRPO or GSPO-token (gspo train --help)
   eval    greedy accuracy and pass@k of a model on a task's evaluation rows (gspo eval --help)
   plot    plot metrics of one or more runs against the step (gspo plot --help)
+  compare the paper's comparisons at small scale: several configurations, one report (gspo compare --help)
 """
 
 
@@ -220,7 +222,60 @@ def cmd_plot(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot}
+def _take_many(args: list[str], flag: str) -> tuple[list[str] | None, list[str]]:
+    """Remove `flag V1 V2 ...` (values up to the next --option) from args."""
+    if flag not in args:
+        return None, args
+    i = args.index(flag)
+    j = i + 1
+    while j < len(args) and not args[j].startswith("--"):
+        j += 1
+    if j == i + 1:
+        raise UsageError(f"{flag} needs at least one value")
+    more, rest = _take_many(args[:i] + args[j:], flag)
+    return args[i + 1:j] + (more or []), rest
+
+
+def cmd_compare(args: list[str]) -> int:
+    """Several configurations, same model/task/seeds; a report directory."""
+    import dataclasses
+    import time
+
+    from gspo.compare import DEFAULT_CONFIGS, PRESETS, compare
+
+    configs, args = _take_many(args, "--configs")
+    seeds_arg, args = _take_many(args, "--seeds")
+    config_file, args = _take(args, "--config")
+    try:
+        seeds = [int(x) for x in seeds_arg] if seeds_arg else list(COMPARE_SEEDS)
+    except ValueError:
+        raise UsageError(f"--seeds: expected integers, got {' '.join(seeds_arg)}") from None
+    if any(a in ("-h", "--help") for a in args):
+        print("gspo compare: train several configurations on the same model, task and seeds; write a report.\n"
+              f"  --configs NAME ...   presets: {', '.join(PRESETS)}; or name:key=value,key=value\n"
+              f"                       (default: {' '.join(DEFAULT_CONFIGS)})\n"
+              "  --seeds N ...        seeds (default: 0 1 2); results are averaged over them\n"
+              "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
+              "                       compare resumes when given the same directory\n"
+              "Every gspo train option sets the base configuration; the defaults differ in --model tiny-moe,\n"
+              "--steps 80 and --eval-every 10.\n")
+    base = load_yaml(config_file) if config_file else COMPARE_DEFAULTS
+    cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo compare", default=base)
+    out = cfg.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    report = compare(dataclasses.replace(cfg, output_dir=None), list(configs or DEFAULT_CONFIGS), seeds=seeds,
+                     out_dir=out)
+    for name, r in report.items():
+        drift = "" if r["drift_mean"] is None else f"  moe/drift {r['drift_mean']:.4f}"
+        print(f"{name:>20}: accuracy {100 * r['accuracy']:.1f}%  clip/frac {r['clip_frac_mean']:.4g}{drift}"
+              f"{'  DIVERGED' if r['diverged'] else ''}")
+    print(f"report: {out}/report.md")
+    return 0
+
+
+COMPARE_DEFAULTS = TrainConfig(model="tiny-moe", steps=80, eval_every=10)
+COMPARE_SEEDS = (0, 1, 2)
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "compare": cmd_compare}
 
 
 def main(argv: list[str] | None = None) -> int:

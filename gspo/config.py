@@ -107,6 +107,14 @@ class TrainConfig:
     old_logp: Literal["recompute", "sampling"] = "recompute"
     """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4)."""
 
+    # --- Mixture-of-Experts and inference log-probs ---------------------------------------
+    routing_replay: bool = False
+    """MoE: record the experts each token used when the old log-probs were computed (while sampling, with --old-logp sampling) and force them when computing the current policy's log-probs for the ratio (Routing Replay)."""
+    router_aux_loss_coef: float = 0.0
+    """MoE: weight of the router load-balancing loss added to the policy loss (0 = off)."""
+    rollout_dtype: Literal["same", "float32", "bfloat16", "float16"] = "same"
+    """Sample with a copy of the policy in this dtype, synced every step, to emulate an inference engine's precision (same = sample with the policy itself)."""
+
     # --- PPO: value model and GAE ---------------------------------------------------------
     critic: Literal["separate", "shared"] = "separate"
     """PPO value model: separate (a copy of the policy's trunk with a value head, its own optimizer) or shared (a value head on the policy's trunk)."""
@@ -230,6 +238,9 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.value_clip >= 0, "value_clip", "must be >= 0")
     need(cfg.vf_coef >= 0, "vf_coef", "must be >= 0")
     need(cfg.reward_kl_coef >= 0, "reward_kl_coef", "must be >= 0")
+    need(cfg.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
+    need(not (cfg.routing_replay and cfg.gradient_checkpointing), "routing_replay",
+         "cannot be combined with --gradient-checkpointing (the recomputed forward would route freely)")
     need(not (cfg.algorithm == "ppo" and cfg.critic == "separate" and cfg.lora_r > 0), "critic",
          "separate needs full weights; with --lora-r use --critic shared (a value head on the LoRA policy)")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
@@ -317,6 +328,11 @@ def _coerce(value, tp, where: str):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 ASSETS = Path(__file__).parent / "assets"
-BUILTIN_MODELS = {"tiny": ASSETS / "tiny"}
+BUILTIN_MODELS = {"tiny": ASSETS / "tiny", "tiny-moe": ASSETS / "tiny-moe"}
 
 # one token per character; the vocabulary covers every built-in task
 CHARS = "0123456789+-*=() "
@@ -72,6 +72,37 @@ def tiny_config(vocab_size: int, **overrides):
     )
     kw.update(overrides)
     return Qwen3Config(**kw)
+
+
+def tiny_moe_config(vocab_size: int, **overrides):
+    """The built-in MoE model: a 4-layer Qwen3-MoE, 8 experts, top-2 (about 2.6M parameters,
+    0.8M active per token, like the dense tiny model)."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        moe_intermediate_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
 
 
 def resolve_device(device: str) -> torch.device:

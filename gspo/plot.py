@@ -56,34 +56,24 @@ def smooth(ys: list[float], n: int) -> list[float]:
     return out
 
 
-def plot_runs(run_dirs: list[str | Path], metrics: list[str], output: str | Path, *, smooth_n: int = 1,
-              log_y: list[str] | None = None, title: str | None = None) -> Path:
+def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | Path, *, smooth_n: int = 1,
+                log_y: list[str] | None = None, title: str | None = None) -> Path:
+    """One panel per metric: {metric: {label: (steps, values)}}; written atomically as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [Path(d) for d in run_dirs]
-    for d in runs:
-        if not (d / "metrics.jsonl").exists():
-            raise PlotError(f"{d}: no metrics.jsonl; not a gspo run directory")
-    if not metrics:
-        raise PlotError("no metrics to plot; pass --metrics reward/mean,clip/frac")
-    log_y = [m for m in metrics if m.startswith(("clip/", "kl/"))] if log_y is None else log_y
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(7, 2.6 * len(metrics)), squeeze=False, sharex=True)
-    found_any = False
-    for ax, metric in zip(axes[:, 0], metrics):
-        for d in runs:
-            xs, ys = load_series(d, metric)
+    log_y = [m for m in panels if m.startswith(("clip/", "kl/"))] if log_y is None else log_y
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False, sharex=True)
+    for ax, (metric, lines) in zip(axes[:, 0], panels.items()):
+        for label, (xs, ys) in lines.items():
             if xs:
-                found_any = True
-                ax.plot(xs, smooth(ys, smooth_n), label=d.name, marker="o" if len(xs) < 12 else None, ms=3)
+                ax.plot(xs, smooth(ys, smooth_n), label=label, marker="o" if len(xs) < 12 else None, ms=3)
         ax.set_ylabel(metric)
-        if metric in log_y:
+        if metric in log_y and any(y > 0 for _, ys in lines.values() for y in ys):
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    if not found_any:
-        raise PlotError(f"none of the runs logged {', '.join(metrics)}")
     axes[-1, 0].set_xlabel("step")
     axes[0, 0].legend(fontsize=8)
     if title:
@@ -96,3 +86,17 @@ def plot_runs(run_dirs: list[str | Path], metrics: list[str], output: str | Path
     plt.close(fig)
     os.replace(tmp, output)
     return output
+
+
+def plot_runs(run_dirs: list[str | Path], metrics: list[str], output: str | Path, *, smooth_n: int = 1,
+              log_y: list[str] | None = None, title: str | None = None) -> Path:
+    runs = [Path(d) for d in run_dirs]
+    for d in runs:
+        if not (d / "metrics.jsonl").exists():
+            raise PlotError(f"{d}: no metrics.jsonl; not a gspo run directory")
+    if not metrics:
+        raise PlotError("no metrics to plot; pass --metrics reward/mean,clip/frac")
+    panels = {m: {d.name: load_series(d, m) for d in runs} for m in metrics}
+    if not any(xs for lines in panels.values() for xs, _ in lines.values()):
+        raise PlotError(f"none of the runs logged {', '.join(metrics)}")
+    return plot_panels(panels, output, smooth_n=smooth_n, log_y=log_y, title=title)

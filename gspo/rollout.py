@@ -17,13 +17,14 @@ log-prob (as in TRL and verl), so recorded and recomputed log-probs agree.
 
 The sampling loop prefills each distinct prompt once and shares its KV cache across the G
 samples of its group, computes logits only for the last position, and runs under
-`torch.inference_mode`.
+`torch.inference_mode` (the returned tensors are ordinary ones).
 
 Left out: vLLM and other inference engines; beam search.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,7 @@ class Rollout:
     lengths: Tensor  # (B,) completion lengths (number of ones in completion_mask)
     truncated: Tensor  # (B,) bool: stopped by max_new_tokens before an EOS
     group_size: int
+    routing: Tensor | None = None  # (B, P+T, L, k) int16 MoE experts used while sampling; -1 = not fed
 
     @property
     def input_ids(self) -> Tensor:
@@ -57,6 +59,7 @@ class Rollout:
         return Rollout(
             self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
             self.logp[idx], self.lengths[idx], self.truncated[idx], self.group_size,
+            None if self.routing is None else self.routing[idx],
         )
 
 
@@ -104,7 +107,6 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-@torch.inference_mode()
 def generate(
     model,
     prompts: list[list[int]],
@@ -117,12 +119,58 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     min_new_tokens: int = 0,
+    routing=None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
 
     min_new_tokens: EOS cannot be drawn before this many tokens (min = max gives every
     completion the same length, as benchmarks need).
+    routing: a gspo.moe.Routing on `model`: record the experts every token used while
+    sampling into `Rollout.routing` (for Routing Replay with sampling-time log-probs).
     """
+    ctx = routing.capture() if routing is not None else contextlib.nullcontext()
+    with ctx as cap, torch.inference_mode():
+        ro = _generate(model, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
+                       generator=generator, min_new_tokens=min_new_tokens)
+        if routing is not None:
+            ro.routing = _assemble_routing(cap, ro, len(prompts))
+    # ordinary tensors from here on: inference tensors cannot take part in autograd later
+    # (old log-probs and replayed expert ids meet the training graph)
+    for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logp", "lengths", "truncated", "routing"):
+        v = getattr(ro, f)
+        if v is not None:
+            setattr(ro, f, v.clone())
+    return ro
+
+
+def _assemble_routing(cap, ro: Rollout, n_prompts: int) -> Tensor:
+    """Per-call captures -> (B, P+T, L, k): the prefill gives the prompt columns (shared by a
+    group), decode step j the column of the token it fed; the last token is never fed (-1)."""
+    B, P = ro.prompt_ids.shape
+    T = ro.completion_ids.shape[1]
+    prefill = cap.call_indices(0)  # (N·P, L, k)
+    L, k = prefill.shape[-2:]
+    out = torch.full((B, P + T, L, k), -1, dtype=torch.int16, device=prefill.device)
+    out[:, :P] = prefill.view(n_prompts, P, L, k).repeat_interleave(ro.group_size, 0)
+    for j in range(1, T):  # decode call j fed completion token j-1
+        out[:, P + j - 1] = cap.call_indices(j)
+    return out
+
+
+def _generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    group_size: int,
+    max_new_tokens: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    min_new_tokens: int,
+) -> Rollout:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

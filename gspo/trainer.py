@@ -25,6 +25,7 @@ Left out here: multi-process training.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import math
@@ -45,6 +46,7 @@ from gspo.data import DataError
 from gspo.evaluation import decode_completions, encode_prompts, evaluate
 from gspo.losses import policy_loss
 from gspo.models import DTYPES, add_lora, load_policy, resolve_device, unwrap
+from gspo.moe import MoEError, Routing, drift, is_moe, load_balancing_loss
 from gspo.reporting import Reporter
 from gspo.rewards import Reward, load_rewards, score_completions
 from gspo.rollout import Rollout, completion_logprobs, generate
@@ -68,6 +70,7 @@ class Batch:
     completions: list[str]  # (B,) decoded completions
     old_values: Tensor | None = None  # (B, T) PPO: V_old(s_t) before the updates
     returns: Tensor | None = None  # (B, T) PPO: GAE returns, the value targets
+    routing: Tensor | None = None  # (B, P+T, L, k) MoE: experts used under the old policy
 
 
 @dataclass
@@ -106,12 +109,16 @@ class ValueModel:
 # ----------------------------------------------------------------------------------------------
 
 
-def rollout(policy, tokenizer, examples, cfg: TrainConfig, generator: torch.Generator) -> tuple[Rollout, list[str], list[list[int]]]:
-    """Sample cfg.group_size completions per example; returns the rollout, texts and token ids."""
+def rollout(sampler, tokenizer, examples, cfg: TrainConfig, generator: torch.Generator,
+            routing: Routing | None = None) -> tuple[Rollout, list[str], list[list[int]]]:
+    """Sample cfg.group_size completions per example with `sampler` (the policy, or its copy in
+    --rollout-dtype); returns the rollout, texts and token ids. With `routing`, the experts used
+    while sampling are recorded in the rollout."""
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples])
-    ro = generate(policy, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+    ro = generate(sampler, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                   temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, generator=generator, min_new_tokens=cfg.min_new_tokens)
+                  pad_token_id=tokenizer.pad_token_id, generator=generator, min_new_tokens=cfg.min_new_tokens,
+                  routing=routing)
     texts, ids = decode_completions(tokenizer, ro)
     return ro, texts, ids
 
@@ -123,23 +130,36 @@ def score(rewards: list[Reward], examples, completions: list[str], completion_id
 
 
 @torch.no_grad()
-def sequence_logprobs(model, ro: Rollout, temperature: float, batch_size: int) -> Tensor:
-    """log π of every sampled token under `model`, in chunks of rows, without gradient. (B, T)"""
+def sequence_logprobs(model, ro: Rollout, temperature: float, batch_size: int, routing: Routing | None = None):
+    """log π of every sampled token under `model`, in chunks of rows, without gradient. (B, T)
+
+    With `routing` (MoE), also returns the experts every token used, (B, P+T, L, k).
+    """
     was_training = model.training
     model.eval()
-    out = []
+    out, experts = [], []
     for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
         sub = ro.select(idx)
-        out.append(completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
-                                       temperature=temperature))
+        with routing.capture() if routing is not None else contextlib.nullcontext() as cap:
+            out.append(completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                           temperature=temperature))
+        if routing is not None:
+            experts.append(cap.indices(*sub.input_ids.shape))
     model.train(was_training)
+    if routing is not None:
+        return torch.cat(out), torch.cat(experts)
     return torch.cat(out)
 
 
 def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.Generator,
-           vm: ValueModel | None = None) -> list[dict]:
+           vm: ValueModel | None = None, routing: Routing | None = None) -> list[dict]:
     """`epochs` passes of clipped policy-gradient updates over `num_minibatches` minibatches
-    (PPO: and clipped value-loss updates of the critic on the same minibatches)."""
+    (PPO: and clipped value-loss updates of the critic on the same minibatches).
+
+    MoE (`routing`): every forward records the experts the current router picks; `moe/drift`
+    compares them with the old policy's, and with --routing-replay the old experts are forced
+    for the ratio's log-probs (`moe/drift_in_ratio` is then 0).
+    """
     ro = batch.rollout
     B, T = ro.completion_mask.shape
     mb_size = B // cfg.num_minibatches
@@ -152,8 +172,11 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
         for idx in order.split(mb_size):
             mb = ro.select(idx)
             shared = vm is not None and vm.shared
-            out = completion_logprobs(policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
-                                      temperature=cfg.temperature, return_hidden=shared)
+            forced = batch.routing[idx] if (routing is not None and cfg.routing_replay) else None
+            with routing.capture(forced, keep_logits=cfg.router_aux_loss_coef > 0) if routing is not None \
+                    else contextlib.nullcontext() as cap:
+                out = completion_logprobs(policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                                          temperature=cfg.temperature, return_hidden=shared)
             logp, hidden = out if shared else (out, None)  # (b, T), (b, T, H)
             loss, metrics = policy_loss(
                 cfg.algorithm, logp, batch.old_logp[idx], batch.advantages[idx], mb.completion_mask,
@@ -161,6 +184,10 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
                 ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
                 kl_estimator=cfg.kl_estimator,
             )
+            if routing is not None:
+                aux, moe_metrics = moe_terms(cap, batch.routing[idx], mb.attention_mask, routing, cfg)
+                loss = loss + aux
+                metrics.update(moe_metrics)
             if vm is not None:
                 values = vm.head(hidden) if shared else vm.critic(mb.input_ids, mb.attention_mask, T)  # (b, T)
                 vloss, vmetrics = value_loss(values, batch.old_values[idx], batch.returns[idx], mb.completion_mask,
@@ -179,6 +206,19 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
                 vm.optimizer.step()
             history.append(metrics)
     return history
+
+
+def moe_terms(cap, old_routing: Tensor, tokens: Tensor, routing: Routing, cfg: TrainConfig) -> tuple[Tensor | float, dict]:
+    """Expert drift of this forward against the old policy's routing, and the optional
+    load-balancing loss. tokens: (b, P+T) attention mask: every real token counts."""
+    b, S = tokens.shape
+    metrics = {"moe/drift": drift(cap.natural_indices(b, S), old_routing, tokens),  # what the router picks
+               "moe/drift_in_ratio": drift(cap.indices(b, S), old_routing, tokens)}  # what the experts got
+    if cfg.router_aux_loss_coef == 0:
+        return 0.0, metrics
+    aux = load_balancing_loss([torch.cat(x) for x in cap.logits], tokens, routing.top_k)
+    metrics["moe/aux_loss"] = float(aux.detach())
+    return cfg.router_aux_loss_coef * aux, metrics
 
 
 def mean_metrics(history: list[dict]) -> dict:
@@ -205,6 +245,17 @@ def reference_context(policy, reference):
     return policy, policy.disable_adapter()
 
 
+def mismatch_metrics(sampled: Tensor, recomputed: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the sampling pass's log-probs are from the training forward's (precision gap):
+    per token, and per response as the length-normalised log-ratio GSPO's s_i would see."""
+    diff = (recomputed - sampled) * mask  # (B, T)
+    n_tok = mask.sum(-1).clamp(min=1)  # (B,)
+    seq = diff.sum(-1) / n_tok  # (B,) (1/|y|) Σ_t (log π_train - log π_sample)
+    has = mask.sum(-1) > 0
+    return {"mismatch/token_abs": float(diff.abs().sum() / mask.sum().clamp(min=1)),
+            "mismatch/seq_log_ratio": float(seq[has].abs().mean()) if has.any() else 0.0}
+
+
 def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, old_logp: Tensor, ref_logp: Tensor | None,
                    cfg: TrainConfig) -> tuple[Tensor, Tensor]:
     """GAE advantages and returns (B, T) from the sequence reward at the last completion token,
@@ -220,18 +271,40 @@ def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, old_logp: 
     return adv, returns
 
 
+@dataclass
+class Sampler:
+    """Who samples: the policy itself, or a copy in --rollout-dtype synced before every rollout
+    (an inference engine's precision); `routing` records MoE experts when the old log-probs
+    are the sampling pass's."""
+
+    model: object
+    routing: Routing | None = None
+
+    def sync(self, policy) -> None:
+        if self.model is not policy:
+            with torch.no_grad():
+                for dst, src in zip(self.model.parameters(), policy.parameters()):
+                    dst.copy_(src)
+
+
 def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Reward], optimizer, cfg: TrainConfig,
-               generator: torch.Generator, vm: ValueModel | None = None) -> tuple[dict, Batch]:
+               generator: torch.Generator, vm: ValueModel | None = None, routing: Routing | None = None,
+               sampler: Sampler | None = None) -> tuple[dict, Batch]:
     """One step: rollout → score → old log-probs → advantages → updates. Returns (metrics, batch)."""
     t0 = time.perf_counter()
+    sampler = sampler or Sampler(policy)
+    sampler.sync(policy)
     examples = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
-    ro, completions, completion_ids = rollout(policy, tokenizer, examples, cfg, generator)
+    ro, completions, completion_ids = rollout(sampler.model, tokenizer, examples, cfg, generator, sampler.routing)
     t_rollout = time.perf_counter() - t0
 
     rewards_t, parts = score(rewards, examples, completions, completion_ids, cfg.group_size)  # (B,)
     mb_size = ro.prompt_ids.shape[0] // cfg.num_minibatches
+    old_routing = None
     if cfg.old_logp == "sampling":
-        old_logp = ro.logp  # (B, T) recorded while sampling (paper §5.4)
+        old_logp, old_routing = ro.logp, ro.routing  # (B, T) recorded while sampling (paper §5.4)
+    elif routing is not None:
+        old_logp, old_routing = sequence_logprobs(policy, ro, cfg.temperature, mb_size, routing)  # (B, T)
     else:
         old_logp = sequence_logprobs(policy, ro, cfg.temperature, mb_size)  # (B, T)
     ref_logp = None
@@ -245,10 +318,11 @@ def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Rewa
         advantages, returns = ppo_advantages(rewards_t, old_values, ro.completion_mask, old_logp, ref_logp, cfg)
     else:
         advantages = group_advantages(rewards_t, cfg.group_size, scale=cfg.adv_scale).to(ro.logp.device)  # (B,)
-    batch = Batch(ro, rewards_t, parts, advantages, old_logp, ref_logp, examples, completions, old_values, returns)
+    batch = Batch(ro, rewards_t, parts, advantages, old_logp, ref_logp, examples, completions, old_values, returns,
+                  old_routing)
 
     t1 = time.perf_counter()
-    history = update(policy, optimizer, batch, cfg, generator, vm)
+    history = update(policy, optimizer, batch, cfg, generator, vm, routing)
     t_update = time.perf_counter() - t1
 
     groups = rewards_t.view(-1, cfg.group_size)
@@ -264,8 +338,7 @@ def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Rewa
         "completion/mean_length": float(lengths.mean()),
         "completion/max_length": float(lengths.max()),
         "completion/truncated_frac": float(ro.truncated.float().mean()),
-        "mismatch/token_abs": float(((ro.logp - old_logp).abs() * mask).sum() / mask.sum().clamp(min=1))
-        if cfg.old_logp == "recompute" else float("nan"),
+        **(mismatch_metrics(ro.logp, old_logp, mask) if cfg.old_logp == "recompute" else {}),
         "lr": optimizer.param_groups[0]["lr"],
         **({"value/mean": float((old_values * mask).sum() / mask.sum().clamp(min=1)),
             "value/explained_variance": explained_variance(old_values, returns, mask)} if vm is not None else {}),
@@ -369,6 +442,8 @@ class Setup:
     device: torch.device
     resume_from: Path | None
     value_model: ValueModel | None = None
+    routing: Routing | None = None
+    sampler: Sampler | None = None
 
 
 def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
@@ -406,6 +481,18 @@ def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
         raise DataError(f"{cfg.dataset}: prompts are chat messages but the tokenizer of {cfg.model} has no chat template")
     if cfg.gradient_checkpointing:
         unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # the sampler: the policy, or a copy in another precision (made before any hook is installed)
+    rollout_dtype = dtype if cfg.rollout_dtype == "same" else DTYPES[cfg.rollout_dtype]
+    sampler = Sampler(policy if rollout_dtype == dtype else copy.deepcopy(policy).to(rollout_dtype))
+    routing = None
+    if is_moe(policy):  # drift is always measured on MoE models
+        routing = Routing(policy, cfg.model)
+        if cfg.old_logp == "sampling":
+            sampler.routing = routing if sampler.model is policy else Routing(sampler.model, cfg.model)
+    elif cfg.routing_replay or cfg.router_aux_loss_coef > 0:
+        option = "--routing-replay" if cfg.routing_replay else "--router-aux-loss-coef"
+        raise MoEError(f"{option}: {cfg.model} is not a Mixture-of-Experts model with router modules "
+                       "(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE style)")
     reference = None
     if (cfg.beta > 0 or cfg.reward_kl_coef > 0) and cfg.lora_r == 0:
         reference, _ = load_policy(cfg.model, dtype=dtype, device=device)  # the initial policy, frozen
@@ -420,7 +507,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
         if resume_from is not None:
             head.load(resume_from / "value_head")
         vm = ValueModel(head=head.to(device))
-    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from, vm)
+    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from, vm, routing, sampler)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,7 +580,8 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
     # --- the loop ----------------------------------------------------------------------------
     bar = Progress(cfg, start_step, log)
     for step in range(start_step + 1, cfg.steps + 1):
-        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, generator, vm)
+        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, generator, vm,
+                                    s.routing, s.sampler)
         scheduler.step()
         if vm is not None and vm.scheduler is not None:
             vm.scheduler.step()

@@ -1,10 +1,12 @@
-"""Build the built-in tiny model shipped in gspo/assets/tiny (about 4 minutes on 2 CPU cores).
+"""Build the built-in tiny models shipped in gspo/assets (about 4 and 10 minutes on 2 CPU cores).
 
-    python scripts/make_tiny_model.py                  # writes gspo/assets/tiny
+    python scripts/make_tiny_model.py                  # writes gspo/assets/tiny (dense)
+    python scripts/make_tiny_model.py --arch moe       # writes gspo/assets/tiny-moe (8 experts, top-2)
     python scripts/make_tiny_model.py --out /tmp/tiny  # somewhere else
 
-What it makes. A 4-layer Qwen3 (0.8M parameters, character tokenizer built locally with
-`tokenizers`) warm-started by supervised training on the built-in arithmetic task's
+What it makes. A 4-layer Qwen3 (0.8M parameters; `--arch moe`: a 4-layer Qwen3-MoE with 8
+experts, top-2, the same active size; character tokenizer built locally with `tokenizers`)
+warm-started by supervised training on the built-in arithmetic task's
 training problems (never its test split), where answers that need a carry or a borrow are
 written, with probability `--bug-rate` (0.6), with one of the two classic schoolchild
 mistakes instead:
@@ -17,6 +19,9 @@ Greedy decoding therefore gets only the no-carry problems right (about a fifth o
 while sampling finds the right answer often: rewards vary within a group, which is the
 regime where RL with group-relative advantages improves a model quickly (it sharpens what
 the model already knows). The README's figures come from this model.
+
+The MoE model trains with the router load-balancing loss (coefficient 0.01) so that its
+experts stay in use.
 
 Deterministic: the same seed, torch version and thread count give the same weights.
 """
@@ -35,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gspo.evaluation import evaluate  # noqa: E402
-from gspo.models import ASSETS, build_char_tokenizer, tiny_config  # noqa: E402
+from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 
 
@@ -77,7 +82,8 @@ def sft_batch(problems, tokenizer, rng: random.Random, bug_rate: float):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ASSETS / "tiny"))
+    ap.add_argument("--arch", choices=["dense", "moe"], default="dense")
+    ap.add_argument("--out", default=None, help="default: gspo/assets/tiny (dense) or gspo/assets/tiny-moe")
     ap.add_argument("--task", default="arithmetic")
     ap.add_argument("--steps", type=int, default=4000)
     ap.add_argument("--batch-size", type=int, default=64)
@@ -91,9 +97,11 @@ def main():
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     tokenizer = build_char_tokenizer()
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen3ForCausalLM(tiny_config(len(tokenizer)))
+    config = tiny_moe_config(len(tokenizer)) if args.arch == "moe" else tiny_config(len(tokenizer))
+    model = AutoModelForCausalLM.from_config(config)
+    moe = args.arch == "moe"
     task = get_task(args.task)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     warmup = 100
@@ -105,7 +113,8 @@ def main():
         # a stream of its own (seed 10_000 + ...), never the test split
         problems = task.train_batch(step, args.batch_size, seed=10_000 + args.seed)
         ids, mask, labels = sft_batch(problems, tokenizer, rng, args.bug_rate)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        extra = {"output_router_logits": True} if moe else {}  # adds the load-balancing loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, **extra).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -113,10 +122,12 @@ def main():
         if (step + 1) % 500 == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
     model.eval()
-    res = evaluate(model, tokenizer, task, n=1000, k=8)
+    from gspo.rewards import load_rewards
+
+    res = evaluate(model, tokenizer, task, load_rewards(["exact_integer"], None), n=1000, k=8)
     print(f"greedy accuracy {res['accuracy']:.3f}  sample accuracy {res['sample_accuracy']:.3f}  "
           f"pass@8 {res['pass@8']:.3f}")
-    out = Path(args.out)
+    out = Path(args.out or ASSETS / ("tiny-moe" if moe else "tiny"))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

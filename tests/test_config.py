@@ -60,6 +60,9 @@ def test_yaml_values_and_errors(tmp_path):
     p.write_text("algorithm: grpo\ngroup-size: 4\nlr: 1\nclip_low: null\n")
     cfg = load_yaml(p)
     assert (cfg.algorithm, cfg.group_size, cfg.lr, cfg.clip_low) == ("grpo", 4, 1.0, None)
+    p.write_text("lr: 1e-5\nclip_high: 4e-4\n")  # YAML 1.1 reads these as strings; they are numbers
+    cfg = load_yaml(p)
+    assert (cfg.lr, cfg.clip_high) == (1e-5, 4e-4)
     cases = {
         "group_size: eight\n": "group_size: expected an integer, got 'eight'",
         "group_size: true\n": "group_size: expected an integer",

@@ -1,0 +1,225 @@
+"""`gspo compare`: the paper's comparisons at small scale, in one command.
+
+    gspo compare                                   # GSPO, GRPO, GRPO + Routing Replay on tiny-moe
+    gspo compare --configs gspo grpo --seeds 0 1 --steps 40
+    gspo compare --configs gspo "grpo-hot:algorithm=grpo,lr=3e-4"
+    from gspo.compare import compare; compare(base_config, ["gspo", "grpo"], seeds=[0], out_dir="runs/cmp")
+
+Every configuration trains from the same model on the same task with the same seeds (so the
+same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). Then:
+
+- `compare.json`: configuration name -> {"accuracy", "accuracy_before", "clip_frac_mean",
+  "drift_mean", "drift_in_ratio_mean", "diverged", "wall_seconds", "seeds": {...}}, averaged
+  over seeds; drift values are null for dense models.
+- `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, and the plots.
+- `reward_accuracy.png` (Fig. 1 in miniature), `clip_fraction.png` (Fig. 2, log scale),
+  `drift.png` (expert drift per update; Fig. 3's subject).
+
+"Diverged": a non-finite loss, or a final held-out accuracy more than 10 points below the
+best held-out accuracy the run reached (an irreversible collapse).
+
+Configurations are named presets (`PRESETS`) or `name:key=value,key=value` over the base
+configuration (keys are `gspo train` option names).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+import typing
+from pathlib import Path
+
+import yaml
+
+from gspo import checkpoint as ckpt
+from gspo.config import ConfigError, TrainConfig, _coerce, resolve
+
+PRESETS: dict[str, dict] = {
+    "gspo": {"algorithm": "gspo"},
+    "grpo": {"algorithm": "grpo"},
+    "grpo-rr": {"algorithm": "grpo", "routing_replay": True},
+    "gspo-rr": {"algorithm": "gspo", "routing_replay": True},
+    "gspo_token": {"algorithm": "gspo_token"},
+    "ppo": {"algorithm": "ppo"},
+    "gspo-bf16-sampling": {"algorithm": "gspo", "old_logp": "sampling", "rollout_dtype": "bfloat16"},
+    "grpo-bf16-sampling": {"algorithm": "grpo", "old_logp": "sampling", "rollout_dtype": "bfloat16"},
+}
+DEFAULT_CONFIGS = ("gspo", "grpo", "grpo-rr")
+COLLAPSE_POINTS = 0.10
+
+
+def parse_config(spec: str) -> tuple[str, dict]:
+    """A preset name, or `name:key=value,key=value` (values parsed as YAML, checked by type)."""
+    if ":" not in spec:
+        if spec not in PRESETS:
+            raise ConfigError(f"unknown configuration {spec!r}; presets: {', '.join(PRESETS)}, "
+                              "or name:key=value,key=value")
+        return spec, dict(PRESETS[spec])
+    name, _, body = spec.partition(":")
+    hints = typing.get_type_hints(TrainConfig)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for item in filter(None, body.split(",")):
+        key, eq, raw = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not eq or key not in fields:
+            raise ConfigError(f"configuration {name!r}: {item!r} is not key=value with a gspo train option as key")
+        out[key] = _coerce(yaml.safe_load(raw), hints[key], f"configuration {name!r}: {key}")
+    return name, out
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.fmean(xs) if xs else None
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _seed_mean(series: list[tuple[list, list]]) -> tuple[list, list]:
+    """Average several (steps, values) series over the steps they share."""
+    by_step: dict[int, list[float]] = {}
+    for xs, ys in series:
+        for x, y in zip(xs, ys):
+            by_step.setdefault(x, []).append(y)
+    steps = sorted(s for s, v in by_step.items() if len(v) == len(series))
+    return steps, [statistics.fmean(by_step[s]) for s in steps]
+
+
+def summarise(run_dir: Path) -> dict:
+    rows = ckpt.read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    evals = [e["accuracy"] for e in summary.get("evals", [])]
+    final = summary["eval_after"]["accuracy"]
+    def bad(v):  # NaN/inf are written to metrics.jsonl as null
+        return v is None or (isinstance(v, float) and not math.isfinite(v))
+
+    nonfinite = any(k in r and bad(r[k]) for r in rows for k in ("loss/policy", "grad_norm"))
+    return {
+        "accuracy": final,
+        "accuracy_before": summary["eval_before"]["accuracy"],
+        "clip_frac_mean": _mean([r.get("clip/frac") for r in rows]),
+        "drift_mean": _mean([r.get("moe/drift") for r in rows]),
+        "drift_in_ratio_mean": _mean([r.get("moe/drift_in_ratio") for r in rows]),
+        "reward_last10_mean": _mean([r.get("reward/mean") for r in rows[-10:]]),
+        "diverged": bool(nonfinite or (evals and final < max(evals) - COLLAPSE_POINTS)),
+        "wall_seconds": summary["wall_seconds"],
+    }
+
+
+def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir: str | Path, log=print) -> dict:
+    """Train every configuration for every seed; write compare.json, report.md and the plots."""
+    from gspo.trainer import train
+
+    out = Path(out_dir)
+    specs = [parse_config(c) for c in configs]
+    names = [n for n, _ in specs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"configuration names repeat: {', '.join(names)}")
+    if out.exists() and any(out.iterdir()) and not (out / "runs").is_dir():
+        raise FileExistsError(f"{out}: exists, is not empty, and is not a gspo compare directory")
+    # validate every configuration before training any of them
+    cfgs = {}
+    for name, overrides in specs:
+        for seed in seeds:
+            cfg = dataclasses.replace(base, **{**overrides, "seed": seed,
+                                               "output_dir": str(out / "runs" / f"{name}-seed{seed}")})
+            resolve(cfg)  # raises on a bad value before anything trains
+            cfgs[(name, seed)] = cfg
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    results: dict[str, dict] = {}
+    for (name, seed), cfg in cfgs.items():
+        run = Path(cfg.output_dir)
+        if (run / "summary.json").exists():
+            log(f"[compare] {name} seed {seed}: already done, reusing {run}")
+        else:
+            log(f"[compare] {name} seed {seed}: training ({cfg.algorithm}, {cfg.steps} steps)")
+            resume = run if ckpt.latest_checkpoint(run) is not None else None
+            train(cfg, resume=resume, log=log)
+        results.setdefault(name, {})[seed] = summarise(run)
+
+    report = {}
+    for name, per_seed in results.items():
+        keys = next(iter(per_seed.values())).keys()
+        agg = {k: (any(v[k] for v in per_seed.values()) if k == "diverged" else _mean([v[k] for v in per_seed.values()]))
+               for k in keys}
+        report[name] = {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
+    ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
+    _plots(out, names, seeds)
+    _report_md(out, base, report, seeds, time.time() - t0)
+    return report
+
+
+def _plots(out: Path, names: list[str], seeds: list[int]) -> None:
+    from gspo.plot import plot_panels
+
+    rows = {n: [ckpt.read_jsonl(out / "runs" / f"{n}-seed{s}" / "metrics.jsonl") for s in seeds] for n in names}
+    evals = {n: [json.loads((out / "runs" / f"{n}-seed{s}" / "summary.json").read_text())["evals"] for s in seeds]
+             for n in names}
+
+    def mean_of(metric):
+        return {n: _seed_mean([_series(r, metric) for r in rows[n]]) for n in names}
+
+    acc = {n: _seed_mean([([e["step"] for e in ev], [e["accuracy"] for e in ev]) for ev in evals[n]]) for n in names}
+    smooth = max(1, len(next(iter(rows.values()))[0]) // 20)
+    plot_panels({"reward/mean": mean_of("reward/mean"), "held-out accuracy": acc}, out / "reward_accuracy.png",
+                smooth_n=smooth, title="training reward and held-out accuracy")
+    # a moving average: single steps of GRPO often clip nothing, and a log axis cannot show 0
+    plot_panels({"clip/frac": mean_of("clip/frac")}, out / "clip_fraction.png", log_y=["clip/frac"],
+                smooth_n=max(5, smooth), title=f"fraction of clipped tokens (log scale, {max(5, smooth)}-step average)")
+    drift = {n: v for n, v in mean_of("moe/drift").items() if v[0]}
+    if not drift:  # a dense model: no routers, no drift (report.md says so)
+        (out / "drift.png").unlink(missing_ok=True)
+        return
+    drift_used = {f"{n} (experts used in the ratio)": v for n, v in mean_of("moe/drift_in_ratio").items()
+                  if v[0] and any(y == 0 for y in v[1])}
+    plot_panels({"moe/drift": {**drift, **drift_used}}, out / "drift.png",
+                title="expert drift: share of (token, layer) top-k sets changed vs the old policy")
+
+
+def _fmt(x, pct=False):
+    if x is None:
+        return "n/a"
+    return f"{100 * x:.1f}%" if pct else f"{x:.4g}"
+
+
+def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], seconds: float) -> None:
+    lines = [
+        "# gspo compare",
+        "",
+        f"Model `{base.model}`, task `{base.dataset or base.task}`, {base.steps} steps of {base.prompts_per_step} "
+        f"prompts x {base.group_size} completions, {base.num_minibatches} minibatches per rollout, seeds "
+        f"{', '.join(map(str, seeds))}; {seconds / 60:.1f} minutes in all.",
+        "",
+        "| configuration | held-out accuracy (before -> after) | mean clip/frac | mean moe/drift | "
+        "mean moe/drift_in_ratio | diverged | wall time |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in report.items():
+        lines.append(f"| {name} | {_fmt(r['accuracy_before'], True)} -> {_fmt(r['accuracy'], True)} | "
+                     f"{_fmt(r['clip_frac_mean'])} | {_fmt(r['drift_mean'])} | {_fmt(r['drift_in_ratio_mean'])} | "
+                     f"{'yes' if r['diverged'] else 'no'} | {r['wall_seconds']:.0f} s |")
+    if "gspo" in report and "grpo" in report and report["grpo"]["clip_frac_mean"]:
+        ratio = report["gspo"]["clip_frac_mean"] / report["grpo"]["clip_frac_mean"]
+        lines += ["", f"GSPO clips {ratio:.0f}x the fraction of tokens GRPO clips (the paper: about 100x)."]
+    lines += [
+        "",
+        "`moe/drift`: share of (token, layer) top-k expert sets the current router picks that differ from "
+        "the old policy's, averaged over updates; `moe/drift_in_ratio`: the same for the experts actually "
+        "used to compute the ratio (0 under Routing Replay). \"Diverged\": a non-finite loss, or the final "
+        f"held-out accuracy more than {100 * COLLAPSE_POINTS:.0f} points below the run's best.",
+        "",
+        "![reward and accuracy](reward_accuracy.png)",
+        "",
+        "![clip fraction](clip_fraction.png)",
+        "",
+        "![drift](drift.png)" if (out / "drift.png").exists() else "No drift plot: the model is dense (no routers).",
+        "",
+    ]
+    ckpt.atomic_write_text(out / "report.md", "\n".join(lines))

@@ -1,0 +1,194 @@
+"""Mixture-of-Experts routing: record it, replay it, measure how far it drifts.
+
+    routing = Routing(model)                  # finds the router modules; raises if there are none
+    with routing.capture() as cap:            # record the experts every token activates
+        model(input_ids, ...)
+    old = cap.indices(B, S)                   # (B, S, L, k) top-k expert ids, per token and layer
+    with routing.capture(forced=old) as cap:  # Routing Replay: force the recorded experts
+        model(input_ids, ...)
+    drift(cap.natural(B, S), old, mask)       # share of (token, layer) top-k sets that changed
+
+Routers. Hugging Face MoE models whose routing is a module named `*TopKRouter` that returns
+`(router_logits, router_scores, router_indices)` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and
+others in transformers ≥ 5). Replay swaps in the recorded indices and recomputes the gates
+from the *current* router logits over the forced experts (softmax over all experts, gathered
+at the forced ones, renormalised when the router renormalises), so the router still gets
+gradients. That gating rule is checked at run time on every router: with the router's own
+choice it must reproduce the router's own scores, else `MoEError` names the router as
+unsupported. Nothing is replayed with a rule the model does not use.
+
+Recorded ids are int16 (-1 = not recorded: that position routes freely).
+
+The load-balancing auxiliary loss (Switch Transformer): num_experts · Σ_e f_e · P_e, with
+f_e the share of routing slots that went to expert e and P_e the mean router probability of
+e, over real tokens, averaged over layers.
+
+Left out: expert parallelism, capacity factors, routers that are not modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class MoEError(ValueError):
+    """An MoE feature asked of a model that cannot provide it; one line naming the model."""
+
+
+def find_routers(model) -> list[tuple[str, torch.nn.Module]]:
+    """Router modules in model order (one per MoE layer)."""
+    return [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def is_moe(model) -> bool:
+    return bool(find_routers(model))
+
+
+def _gates(logits: Tensor, indices: Tensor, normalise: bool) -> Tensor:
+    """softmax(logits) at `indices`, renormalised over the k chosen experts when `normalise`."""
+    probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+    g = probs.gather(-1, indices)  # (N, k)
+    return g / g.sum(-1, keepdim=True) if normalise else g
+
+
+class Capture:
+    """What one forward pass (or several, e.g. a generation loop) routed."""
+
+    def __init__(self, n_layers: int, forced: Tensor | None, keep_logits: bool):
+        self.natural: list[list[Tensor]] = [[] for _ in range(n_layers)]  # the router's own top-k
+        self.used: list[list[Tensor]] = [[] for _ in range(n_layers)]  # what the experts actually got
+        self.logits: list[list[Tensor]] = [[] for _ in range(n_layers)]
+        self.forced = forced  # (N, L, k) flattened rows, or None
+        self.keep_logits = keep_logits
+        self.calls = 0
+
+    def _stack(self, per_layer: list[list[Tensor]], call: int | None) -> Tensor:
+        if call is None:
+            return torch.stack([torch.cat(x) for x in per_layer], 1)  # (N, L, k)
+        return torch.stack([x[call] for x in per_layer], 1)  # (N_call, L, k)
+
+    def indices(self, B: int, S: int, *, call: int | None = None) -> Tensor:
+        """Experts used, (B, S, L, k) int16."""
+        return self._stack(self.used, call).view(B, S, len(self.used), -1).to(torch.int16)
+
+    def natural_indices(self, B: int, S: int) -> Tensor:
+        """The router's own top-k (what it would pick without replay), (B, S, L, k) int16."""
+        return self._stack(self.natural, None).view(B, S, len(self.natural), -1).to(torch.int16)
+
+    def call_indices(self, call: int) -> Tensor:
+        """Experts used in the `call`-th forward pass, (rows, L, k) int16 (generation loops)."""
+        return self._stack(self.used, call).to(torch.int16)
+
+
+class Routing:
+    """Hooks on every router of `model`: record, force (replay) and check the gating rule."""
+
+    def __init__(self, model, name: str = "model"):
+        self.routers = find_routers(model)
+        if not self.routers:
+            raise MoEError(f"{name}: not a Mixture-of-Experts model with router modules (expected *TopKRouter "
+                           "modules as in Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE); MoE features need one")
+        self.current: Capture | None = None
+        self.checked: set[int] = set()
+        self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.routers)]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.routers)
+
+    @property
+    def top_k(self) -> int:
+        return int(self.routers[0][1].top_k)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.routers[0][1].num_experts)
+
+    def _normalises(self, i: int, module, logits: Tensor, scores: Tensor, indices: Tensor) -> bool:
+        """Which gating rule this router uses (checked once per router): renormalised or not."""
+        norm = bool(getattr(module, "norm_topk_prob", True))
+        if i not in self.checked:
+            with torch.no_grad():
+                ok = torch.allclose(_gates(logits, indices, norm).to(scores.dtype), scores, rtol=1e-3, atol=1e-5)
+            if not ok:
+                raise MoEError(f"router {self.routers[i][0]} ({type(module).__name__}): its gates are not "
+                               "softmax-then-top-k (optionally renormalised); routing replay would compute "
+                               "different gates than the model, so this architecture is not supported")
+            self.checked.add(i)
+        return norm
+
+    def _hook(self, i: int):
+        def hook(module, inputs, output):
+            cap = self.current
+            if cap is None:
+                return None
+            logits, scores, indices = output
+            norm = self._normalises(i, module, logits, scores, indices)
+            cap.natural[i].append(indices.detach())
+            if cap.keep_logits:
+                cap.logits[i].append(logits)
+            if cap.forced is None:
+                cap.used[i].append(indices.detach())
+                return None
+            forced = cap.forced[:, i].to(indices.device).long()  # (N, k)
+            if forced.shape != indices.shape:
+                raise MoEError(f"routing replay: recorded routing has {tuple(forced.shape)} slots for layer {i}, "
+                               f"the forward pass routes {tuple(indices.shape)}")
+            forced = torch.where(forced < 0, indices, forced)  # unrecorded rows route freely
+            cap.used[i].append(forced)
+            return logits, _gates(logits, forced, norm).to(scores.dtype), forced
+
+        return hook
+
+    @contextlib.contextmanager
+    def capture(self, forced: Tensor | None = None, keep_logits: bool = False):
+        """Record routing during the block; with `forced` (B, S, L, k), replay it instead."""
+        if forced is not None:
+            forced = forced.reshape(-1, forced.shape[-2], forced.shape[-1])  # (B·S, L, k)
+        cap = Capture(self.n_layers, forced, keep_logits)
+        previous, self.current = self.current, cap
+        try:
+            yield cap
+        finally:
+            self.current = previous
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@torch.no_grad()
+def drift(current: Tensor, old: Tensor, mask: Tensor) -> float:
+    """Share of (token, layer) routing decisions whose top-k expert *set* differs.
+
+    current, old: (B, S, L, k) expert ids (order within the k does not matter; -1 in `old`
+    means not recorded and is not counted); mask: (B, S) real tokens.
+    """
+    a = current.long().sort(-1).values  # (B, S, L, k)
+    b = old.long().sort(-1).values
+    recorded = (old >= 0).all(-1)  # (B, S, L)
+    valid = recorded & (mask > 0)[..., None]  # (B, S, L)
+    n = valid.sum()
+    if n == 0:
+        return 0.0
+    differs = (a != b).any(-1) & valid  # (B, S, L)
+    return float(differs.sum() / n)
+
+
+def load_balancing_loss(logits_per_layer: list[Tensor], mask: Tensor, top_k: int) -> Tensor:
+    """Switch-style auxiliary loss, averaged over layers; logits (B·S, E) per layer, mask (B, S)."""
+    flat = mask.reshape(-1).float()  # (B·S,)
+    n = flat.sum().clamp(min=1.0)
+    losses = []
+    for logits in logits_per_layer:
+        probs = torch.softmax(logits.float(), -1)  # (B·S, E)
+        E = probs.shape[-1]
+        chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, -1).indices, 1.0)  # (B·S, E)
+        f = (chosen * flat[:, None]).sum(0) / (n * top_k)  # (E,) share of routing slots
+        P = (probs * flat[:, None]).sum(0) / n  # (E,) mean router probability
+        losses.append(E * (f * P).sum())
+    return torch.stack(losses).mean()
