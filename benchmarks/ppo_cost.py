@@ -29,7 +29,7 @@ def worker(args) -> None:
     import transformers  # noqa: F401  (imported before the baseline: libraries are not the run's memory)
 
     from gspo.config import TrainConfig, resolve
-    from gspo.trainer import setup, train_step
+    from gspo.trainer import make_optimizers, setup, train_step
 
     base_rss = peak_rss_mb()
     torch.set_num_threads(args.threads)
@@ -40,17 +40,11 @@ def worker(args) -> None:
                               output_dir="/dev/null/unused", progress=False, **extra))
     s = setup(cfg, None)
     vm = s.value_model
-    trainable = [p for p in s.policy.parameters() if p.requires_grad]
-    if vm is not None and vm.shared:
-        trainable += list(vm.head.parameters())
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr)
-    if vm is not None and not vm.shared:
-        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr)
-    gen = torch.Generator().manual_seed(0)
+    opt, _ = make_optimizers(cfg, s.policy, vm)
     times = []
     for step in range(1, cfg.steps + 1):
         with Timer() as t:
-            train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg, gen, vm)
+            train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg, vm)
         if step > 1:  # the first step warms up allocators and kernels
             times.append(t.seconds)
     print(json.dumps({"step_seconds": median(times), "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,

@@ -104,8 +104,8 @@ class TrainConfig:
     """KL penalty coefficient against the initial policy (the paper uses 0)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
-    old_logp: Literal["recompute", "sampling"] = "recompute"
-    """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4)."""
+    old_logp: Literal["auto", "recompute", "sampling"] = "auto"
+    """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4). auto: sampling when the policy itself samples in float32 (the two agree to 1e-5), else recompute."""
 
     # --- Mixture-of-Experts and inference log-probs ---------------------------------------
     routing_replay: bool = False
@@ -119,7 +119,7 @@ class TrainConfig:
     critic: Literal["separate", "shared"] = "separate"
     """PPO value model: separate (a copy of the policy's trunk with a value head, its own optimizer) or shared (a value head on the policy's trunk)."""
     critic_lr: float | None = None
-    """PPO: learning rate of the separate critic (None: 10 x lr)."""
+    """PPO: learning rate of the value model (the separate critic, or the shared value head) (None: 10 x lr)."""
     gamma: float = 1.0
     """PPO: GAE discount over completion tokens."""
     gae_lambda: float = 0.95
@@ -261,6 +261,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     for key, value in PRESETS[cfg.algorithm].items():
         if getattr(out, key) is None:
             setattr(out, key, value)
+    if out.old_logp == "auto":  # in fp32 the sampling pass's log-probs are the recomputation's, to 1e-5
+        same_precision = out.dtype == "float32" and out.rollout_dtype in ("same", "float32")
+        out.old_logp = "sampling" if same_precision else "recompute"
     if out.critic_lr is None:
         out.critic_lr = 10 * out.lr
     if out.max_new_tokens is None:

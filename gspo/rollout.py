@@ -16,7 +16,8 @@ while sampling; top-p truncation changes which tokens can be drawn but not the r
 log-prob (as in TRL and verl), so recorded and recomputed log-probs agree.
 
 The sampling loop prefills each distinct prompt once and shares its KV cache across the G
-samples of its group, computes logits only for the last position, and runs under
+samples of its group, computes logits only for the last position, decodes Llama-family
+models with a compact step (gspo.fastdecode), samples by inverse CDF, and runs under
 `torch.inference_mode` (the returned tensors are ordinary ones).
 
 Left out: vLLM and other inference engines; beam search.
@@ -28,6 +29,9 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from gspo.fastdecode import decoder
+from gspo.lmhead import chunked_logprobs, fused_head
 
 Tensor = torch.Tensor
 
@@ -81,30 +85,52 @@ def position_ids_from_mask(mask: Tensor) -> Tensor:
 
 
 def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
-                 banned: int | None = None) -> tuple[Tensor, Tensor]:
+                 banned: int | None = None, uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row from `logits` (B, V); returns (tokens (B,), log-probs (B,)).
+
+    Sampling is by inverse CDF: one uniform u per row, and the token is the first whose
+    cumulative probability exceeds u (the exact categorical distribution). It costs a cumsum
+    over the vocabulary instead of torch.multinomial's one exponential draw per vocabulary
+    entry (which was as slow as the model's own decode step), and one number per row is what
+    makes sampling independent of how rows are split across processes (`uniforms`, (B,),
+    supplied by the caller, else drawn from `generator`).
 
     temperature == 0 means greedy; the returned log-prob is then that of τ = 1. `banned` is a
     token id that cannot be drawn (EOS before min_new_tokens); like top-p, it changes what can
     be drawn, not the recorded log-prob.
     """
     logits = logits.float()  # (B, V)
-    logprobs = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), -1)  # (B, V)
+    scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V)
     if temperature == 0:
-        tokens = (logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=logits.device),
-                                                                   float("-inf"))).argmax(-1)  # (B,)
+        logprobs = torch.log_softmax(scaled, -1)  # (B, V)
+        masked = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=logits.device),
+                                                                  float("-inf"))
+        tokens = masked.argmax(-1)  # (B,)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    # one exp pass serves both: e = exp(z - max), the cumulative sum's last entry is the
+    # normaliser, and log p(token) = z - max - log(sum e) is log_softmax without a pass of its own
+    top = scaled.amax(-1, keepdim=True)  # (B, 1)
+    e = (scaled - top).exp_()  # (B, V) unnormalised probabilities
+    if banned is None and top_p >= 1.0:
+        cdf = e.cumsum(-1)  # (B, V)
+        log_total = cdf[:, -1:].log()  # (B, 1)
     else:
-        probs = logprobs.exp()  # (B, V)
+        log_total = e.sum(-1, keepdim=True).log()  # (B, 1) of the full distribution: the recorded log-prob
         if banned is not None:
-            probs = probs.index_fill(-1, torch.tensor([banned], device=probs.device), 0.0)
+            e[:, banned] = 0.0
         if top_p < 1.0:
-            sorted_p, order = probs.sort(-1, descending=True)  # (B, V)
+            sorted_e, order = e.sort(-1, descending=True)  # (B, V)
+            mass = sorted_e.cumsum(-1)  # (B, V)
             # drop a token once the mass before it already reaches top_p (the first always stays)
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # (B, V)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)  # (B, V)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+            drop = (mass - sorted_e) >= top_p * log_total.exp()  # (B, V)
+            e = torch.zeros_like(e).scatter_(-1, order, sorted_e.masked_fill(drop, 0.0))  # (B, V)
+        cdf = e.cumsum(-1)  # (B, V) non-decreasing; zero-mass tokens can never be drawn
+    if uniforms is None:
+        uniforms = torch.rand(e.shape[0], generator=generator, device=e.device)
+    target = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]  # (B, 1) u · remaining mass
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=e.shape[-1] - 1)  # (B,)
+    logp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1) - log_total.squeeze(-1)  # (B,)
+    return tokens, logp
 
 
 def generate(
@@ -120,9 +146,14 @@ def generate(
     generator: torch.Generator | None = None,
     min_new_tokens: int = 0,
     routing=None,
+    rows: tuple[int, int] | None = None,
 ) -> Rollout:
     """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
 
+    generator: a CPU generator; each decode step draws one uniform per row from it.
+    rows: (offset, total): these rows are rows offset... of a batch of `total` rows split
+    across processes; every process draws all `total` uniforms each step and uses its own,
+    so a row's tokens do not depend on how the batch is split (nor on the device).
     min_new_tokens: EOS cannot be drawn before this many tokens (min = max gives every
     completion the same length, as benchmarks need).
     routing: a gspo.moe.Routing on `model`: record the experts every token used while
@@ -132,7 +163,7 @@ def generate(
     with ctx as cap, torch.inference_mode():
         ro = _generate(model, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
                        eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
-                       generator=generator, min_new_tokens=min_new_tokens)
+                       generator=generator, min_new_tokens=min_new_tokens, rows=rows)
         if routing is not None:
             ro.routing = _assemble_routing(cap, ro, len(prompts))
     # ordinary tensors from here on: inference tensors cannot take part in autograd later
@@ -170,32 +201,34 @@ def _generate(
     top_p: float,
     generator: torch.Generator | None,
     min_new_tokens: int,
+    rows: tuple[int, int] | None,
 ) -> Rollout:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     G = group_size
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
+    dec = decoder(model, prompt_ids.shape[1] + max_new_tokens)
     pos = position_ids_from_mask(prompt_mask)  # (N, P)
-    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    if G > 1:  # one prefill per prompt, shared by its G samples
-        cache.batch_repeat_interleave(G)
-    logits = out.logits[:, -1].repeat_interleave(G, 0)  # (B, V)
+    logits = dec.prefill(prompt_ids, prompt_mask, pos)  # (N, V)
+    dec.expand(G)  # one prefill per prompt, shared by its G samples
+    logits = logits.repeat_interleave(G, 0)  # (B, V)
     prompt_ids = prompt_ids.repeat_interleave(G, 0)  # (B, P)
     prompt_mask = prompt_mask.repeat_interleave(G, 0)  # (B, P)
     next_pos = pos[:, -1].repeat_interleave(G, 0) + 1  # (B,)
-    B = prompt_ids.shape[0]
+    B, P = prompt_ids.shape
 
     tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)  # (B, T)
     logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)  # (B, T)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     lengths = torch.zeros(B, dtype=torch.long, device=device)  # (B,)
-    attn = prompt_mask  # (B, P + t), grows by one column per step
+    attn = torch.cat([prompt_mask, torch.ones((B, max_new_tokens), dtype=prompt_mask.dtype, device=device)], 1)
+    offset, total = rows or (0, B)
     n_steps = 0
     for t in range(max_new_tokens):
         banned = eos_token_id if t < min_new_tokens else None
-        tok, lp = sample_token(logits, temperature, top_p, generator, banned)  # (B,), (B,)
+        u = None if temperature == 0 else torch.rand(total, generator=generator)[offset:offset + B]  # (B,) CPU
+        tok, lp = sample_token(logits, temperature, top_p, generator, banned, u)  # (B,), (B,)
         tok = tok.masked_fill(done, pad_token_id)
         tokens[:, t] = tok
         logp[:, t] = lp.masked_fill(done, 0.0)
@@ -204,10 +237,7 @@ def _generate(
         n_steps = t + 1
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)  # (B, P+t+1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]  # (B, V)
+        logits = dec.step(tok, attn[:, :P + t + 1], next_pos)  # (B, V)
         next_pos = next_pos + 1
 
     model.train(was_training)
@@ -220,18 +250,28 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, comple
                         *, temperature: float = 1.0, return_hidden: bool = False):
     """log π(y_t | x, y_<t) / τ-scaled, for the last T columns of `input_ids`; (B, T).
 
-    One forward pass over prompt + completion; logits are computed only for the T positions
-    that predict completion tokens, never for the prompt. With `return_hidden`, also returns
-    the final hidden state at those positions, (B, T, H) (for a shared value head).
+    One forward pass over prompt + completion; the LM head runs only on the T positions that
+    predict completion tokens, and (for a plain linear head, see gspo.lmhead) in chunks,
+    without ever holding T × vocabulary logits. With `return_hidden`, also returns the final
+    hidden state at those positions, (B, T, H) (for a shared value head).
     """
-    T = completion_mask.shape[1]
+    B, T = completion_mask.shape
     pos = position_ids_from_mask(attention_mask)  # (B, P+T)
+    targets = input_ids[:, -T:]  # (B, T)
+    fused = fused_head(model)
+    if fused is not None:
+        backbone, head = fused
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                          use_cache=False).last_hidden_state[:, -T - 1:-1]  # (B, T, H) position j predicts j+1
+        logp = chunked_logprobs(hidden.reshape(B * T, -1), head.weight, targets.reshape(-1), temperature)
+        logp = logp.view(B, T) * completion_mask  # (B, T)
+        return (logp, hidden) if return_hidden else logp
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
                 logits_to_keep=T + 1, output_hidden_states=return_hidden)
     logits = out.logits[:, :-1].float()  # (B, T, V) position j predicts token j+1
-    if temperature > 0:
+    if temperature not in (0, 1):
         logits = logits / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, input_ids[:, -T:, None]).squeeze(-1)  # (B, T)
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
     if return_hidden:
         return logp * completion_mask, out.hidden_states[-1][:, -T - 1:-1]  # (B, T), (B, T, H)
     return logp * completion_mask

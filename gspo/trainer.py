@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -109,6 +110,13 @@ class ValueModel:
 # ----------------------------------------------------------------------------------------------
 
 
+def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:
+    """A CPU generator that is a function of (seed, step, purpose) alone: a resumed run, or a
+    run split across processes, draws the same numbers for the same step."""
+    digest = hashlib.sha256(f"gspo-{seed}-{step}-{purpose}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
 def rollout(sampler, tokenizer, examples, cfg: TrainConfig, generator: torch.Generator,
             routing: Routing | None = None) -> tuple[Rollout, list[str], list[list[int]]]:
     """Sample cfg.group_size completions per example with `sampler` (the policy, or its copy in
@@ -168,7 +176,7 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
     policy.train()
     history = []
     for _ in range(cfg.epochs):
-        order = torch.randperm(B, generator=generator, device=generator.device).cpu()  # (B,)
+        order = torch.randperm(B, generator=generator)  # (B,)
         for idx in order.split(mb_size):
             mb = ro.select(idx)
             shared = vm is not None and vm.shared
@@ -288,14 +296,19 @@ class Sampler:
 
 
 def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Reward], optimizer, cfg: TrainConfig,
-               generator: torch.Generator, vm: ValueModel | None = None, routing: Routing | None = None,
+               vm: ValueModel | None = None, routing: Routing | None = None,
                sampler: Sampler | None = None) -> tuple[dict, Batch]:
-    """One step: rollout → score → old log-probs → advantages → updates. Returns (metrics, batch)."""
+    """One step: rollout → score → old log-probs → advantages → updates. Returns (metrics, batch).
+
+    Randomness is a function of (seed, step): the sampling uniforms and the minibatch order
+    come from generators made for this step (`step_generator`).
+    """
     t0 = time.perf_counter()
     sampler = sampler or Sampler(policy)
     sampler.sync(policy)
     examples = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
-    ro, completions, completion_ids = rollout(sampler.model, tokenizer, examples, cfg, generator, sampler.routing)
+    ro, completions, completion_ids = rollout(sampler.model, tokenizer, examples, cfg,
+                                              step_generator(cfg.seed, step, "sample"), sampler.routing)
     t_rollout = time.perf_counter() - t0
 
     rewards_t, parts = score(rewards, examples, completions, completion_ids, cfg.group_size)  # (B,)
@@ -322,7 +335,7 @@ def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Rewa
                   old_routing)
 
     t1 = time.perf_counter()
-    history = update(policy, optimizer, batch, cfg, generator, vm, routing)
+    history = update(policy, optimizer, batch, cfg, step_generator(cfg.seed, step, "minibatches"), vm, routing)
     t_update = time.perf_counter() - t1
 
     groups = rewards_t.view(-1, cfg.group_size)
@@ -369,13 +382,12 @@ def lr_factor(cfg: TrainConfig):
     return f
 
 
-def rng_state(generator: torch.Generator) -> dict:
-    return {"generator": generator.get_state(), "torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": np.random.get_state()}
+def rng_state() -> dict:
+    """Global RNG states (dropout in LoRA, user code); gspo's own draws use step_generator."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
 
 
-def set_rng_state(generator: torch.Generator, state: dict) -> None:
-    generator.set_state(state["generator"])
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -426,6 +438,21 @@ def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:
     rewards = load_rewards(list(cfg.reward or task.default_rewards), list(cfg.reward_weights) or None,
                            format_pattern=cfg.format_pattern, max_new_tokens=cfg.max_new_tokens)
     return task, rewards
+
+
+def make_optimizers(cfg: TrainConfig, policy, vm: ValueModel | None):
+    """AdamW and its LR schedule for the policy (and a shared value head, at critic_lr); a
+    separate critic gets its own AdamW and schedule on `vm`."""
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+    if vm is not None and vm.shared:  # the shared value head trains with the policy, at the critic's rate
+        groups.append({"params": list(vm.head.parameters()), "lr": cfg.critic_lr})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+    if vm is not None and not vm.shared:
+        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr, betas=cfg.adam_betas,
+                                         weight_decay=cfg.weight_decay)
+        vm.scheduler = torch.optim.lr_scheduler.LambdaLR(vm.optimizer, lr_factor(cfg))
+    return optimizer, scheduler
 
 
 @dataclass
@@ -527,16 +554,7 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
     config_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
     vm = s.value_model
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    if vm is not None and vm.shared:
-        trainable += list(vm.head.parameters())  # the shared value head trains with the policy
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
-    if vm is not None and not vm.shared:
-        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr, betas=cfg.adam_betas,
-                                         weight_decay=cfg.weight_decay)
-        vm.scheduler = torch.optim.lr_scheduler.LambdaLR(vm.optimizer, lr_factor(cfg))
-    generator = torch.Generator(device=s.device).manual_seed(cfg.seed)
+    optimizer, scheduler = make_optimizers(cfg, policy, vm)
 
     def run_eval() -> dict:
         return evaluate(policy, tokenizer, task, rewards, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens,
@@ -550,7 +568,7 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
         if vm is not None and not vm.shared:
             vm.optimizer.load_state_dict(state["critic_optimizer"])
             vm.scheduler.load_state_dict(state["critic_scheduler"])
-        set_rng_state(generator, state["rng"])
+        set_rng_state(state["rng"])
         start_step, eval_before, evals = state["step"], state["eval_before"], state.get("evals", [])
         t_start -= state["wall_seconds"]
         ckpt.trim_jsonl(run_dir / "metrics.jsonl", start_step)
@@ -567,7 +585,7 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
 
     def save(step: int):
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng": rng_state(generator), "eval_before": eval_before, "evals": evals,
+                 "rng": rng_state(), "eval_before": eval_before, "evals": evals,
                  "wall_seconds": time.time() - t_start}
         extra = {}
         if vm is not None:
@@ -580,7 +598,7 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
     # --- the loop ----------------------------------------------------------------------------
     bar = Progress(cfg, start_step, log)
     for step in range(start_step + 1, cfg.steps + 1):
-        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, generator, vm,
+        metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, vm,
                                     s.routing, s.sampler)
         scheduler.step()
         if vm is not None and vm.scheduler is not None:

@@ -11,7 +11,7 @@ import torch
 
 from gspo.cli import main
 from gspo.config import TrainConfig, resolve
-from gspo.trainer import setup, train_step
+from gspo.trainer import make_optimizers, setup, train_step
 from tests.test_moe import tiny_moe
 
 
@@ -30,11 +30,10 @@ def moe_dir(tmp_path_factory):
 def run_steps(model: str, steps: int = 2, **kw):
     cfg = resolve(TrainConfig(model=model, prompts_per_step=4, group_size=4, output_dir="-", progress=False, **kw))
     s = setup(cfg, None)
-    opt = torch.optim.AdamW([p for p in s.policy.parameters() if p.requires_grad], lr=cfg.lr)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    opt, _ = make_optimizers(cfg, s.policy, s.value_model)
     out = []
     for step in range(1, steps + 1):
-        m, _ = train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg, gen, s.value_model,
+        m, _ = train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg, s.value_model,
                           s.routing, s.sampler)
         out.append(m)
     return out
@@ -59,16 +58,18 @@ def test_old_logp_sampling_equals_recompute_in_fp32(model, moe_dir):
 
 def test_drift_zero_under_replay_positive_without(moe_dir):
     # a large learning rate moves the routers within a step: the updates after the first
-    # minibatch see other experts than the old policy chose
-    free = run_steps(str(moe_dir), lr=3e-2, steps=2)
+    # minibatch see other experts than the old policy chose. The length reward varies within
+    # every group even for a random model, so every step has a gradient.
+    kw = dict(lr=3e-2, steps=2, reward=("length",))
+    free = run_steps(str(moe_dir), **kw)
     assert free[1]["moe/drift"] > 0
     assert free[1]["moe/drift_in_ratio"] == free[1]["moe/drift"]  # without replay the ratio uses what the router picks
-    replay = run_steps(str(moe_dir), lr=3e-2, steps=2, routing_replay=True)
+    replay = run_steps(str(moe_dir), **kw, routing_replay=True)
     assert all(m["moe/drift_in_ratio"] == 0.0 for m in replay)  # the ratio sees the old experts exactly
     assert replay[1]["moe/drift"] > 0  # while the router itself has moved
-    # replay with sampling-time routing, too
-    replay_s = run_steps(str(moe_dir), lr=3e-2, steps=2, routing_replay=True, old_logp="sampling")
-    assert all(m["moe/drift_in_ratio"] == 0.0 for m in replay_s)
+    # replay with routing recorded in a recomputation pass, too (the default records it while sampling)
+    replay_r = run_steps(str(moe_dir), **kw, routing_replay=True, old_logp="recompute")
+    assert all(m["moe/drift_in_ratio"] == 0.0 for m in replay_r)
 
 
 def test_router_aux_loss_is_logged_and_trains(moe_dir):

@@ -161,3 +161,43 @@ def test_min_new_tokens_fixes_the_length(tiny_random, char_tokenizer):
     free = generate(tiny_random, encode(tok, PROMPTS), group_size=2, max_new_tokens=5,
                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
     assert (free.lengths < 5).any()  # without the ban, EOS does get drawn
+
+
+def test_split_batches_sample_the_same_tokens(tiny_random, char_tokenizer):
+    # the batch of 4 prompts x 2 samples = rows 0..7, sampled at once, or as rows 0..3 and
+    # 4..7 in two calls (two processes): every row draws the same uniforms, so the tokens match
+    tok = char_tokenizer
+    prompts = encode(tok, PROMPTS)
+    kw = dict(group_size=2, max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    whole = generate(tiny_random, prompts, generator=torch.Generator().manual_seed(7), **kw)
+    first = generate(tiny_random, prompts[:2], generator=torch.Generator().manual_seed(7), rows=(0, 8), **kw)
+    second = generate(tiny_random, prompts[2:], generator=torch.Generator().manual_seed(7), rows=(4, 8), **kw)
+    for part, rows in ((first, slice(0, 4)), (second, slice(4, 8))):
+        T = part.completion_ids.shape[1]
+        assert torch.equal(part.completion_ids, whole.completion_ids[rows, :T])
+        assert torch.equal(part.lengths, whole.lengths[rows])
+        torch.testing.assert_close(part.logp, whole.logp[rows, :T], rtol=1e-5, atol=1e-5)
+    # and a different seed samples differently
+    other = generate(tiny_random, prompts, generator=torch.Generator().manual_seed(8), **kw)
+    assert not torch.equal(other.completion_ids, whole.completion_ids)
+
+
+def test_inverse_cdf_sampling_frequencies_and_logprobs():
+    # p = [0.1, 0.2, 0.3, 0.4]; 20,000 draws: each frequency within 0.015 of p (binomial sd <= 0.0035)
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = (torch.log(probs) + 3.0).repeat(20000, 1)  # a shift changes nothing
+    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert (freq - probs).abs().max() < 0.015, freq
+    torch.testing.assert_close(lp, torch.log(probs)[tokens], rtol=1e-6, atol=1e-6)
+    # temperature 2: p ∝ p^(1/2) = [0.316, 0.447, 0.548, 0.632] / 1.943
+    t2 = probs.sqrt() / probs.sqrt().sum()
+    tokens, lp = sample_token(logits, 2.0, 1.0, torch.Generator().manual_seed(1))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert (freq - t2).abs().max() < 0.015, freq
+    torch.testing.assert_close(lp, torch.log(t2)[tokens], rtol=1e-5, atol=1e-6)
+    # a banned token is never drawn, and the others keep their relative frequencies
+    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(2), banned=3)
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert freq[3] == 0 and (freq[:3] - probs[:3] / 0.6).abs().max() < 0.015
+    torch.testing.assert_close(lp, torch.log(probs)[tokens], rtol=1e-6, atol=1e-6)  # unmasked log-probs

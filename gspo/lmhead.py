@@ -1,0 +1,122 @@
+"""Log-probabilities of target tokens through the LM head, in chunks of tokens.
+
+    logp = chunked_logprobs(hidden, weight, targets, temperature=1.0)   # (N,)
+    # = log_softmax(hidden @ weight.T / τ).gather(targets), without the (N, V) logits
+
+A language model's head turns N hidden states into N × V logits; for a Qwen3 vocabulary
+(V = 151,936) and 8,192 completion tokens that is 5 GB of fp32 logits, plus as much again
+for log_softmax and for each gradient. Policy losses only need one number per token,
+log π(y_t), and its gradient. The forward pass computes, chunk by chunk,
+
+    logp_t = z_t[y_t] - logsumexp(z_t)            z_t = h_t W^T / τ
+
+and keeps logsumexp (N floats); the backward pass forms the gradient of the logits,
+(onehot(y_t) - softmax(z_t)) · g_t / τ, in place, then dL/dh = G W and dL/dW = G^T h, chunk
+by chunk. When all N × V logits fit in `SAVE_BYTES` they are kept from the forward pass;
+beyond that each chunk's logits are recomputed in the backward pass (one extra matmul per
+chunk), so peak memory is one chunk of logits (`CHUNK_BYTES`) whatever N and V. Either way
+what is saved is the full-size log-softmax, its backward and the scatter behind `gather`.
+
+Log-probs and gradients equal the full-logits computation to float rounding (tested to 1e-5).
+Logits are computed in the weights' dtype and promoted to fp32, like the full path.
+
+Left out: logit soft-capping and logit scaling (models with them use the full path; see
+`fused_head`), vocabulary-parallel heads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+CHUNK_BYTES = 128 * 2**20  # fp32 logits computed at once: 128 MiB
+SAVE_BYTES = 512 * 2**20  # logits kept for the backward pass when all of them fit, else recomputed
+
+# config attributes that change what the head computes; a model with any of them set keeps the full path
+_SPECIAL_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                       "logits_scaling")
+
+
+def chunk_tokens(vocab: int) -> int:
+    return max(16, CHUNK_BYTES // (4 * vocab))
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+        N, V = hidden.shape[0], weight.shape[0]
+        step = chunk_tokens(V)
+        keep = N * V * 4 <= SAVE_BYTES
+        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+        kept = []
+        for s in range(0, N, step):
+            z = (hidden[s:s + step] @ weight.T).float()  # (c, V)
+            if temperature != 1.0:
+                z.div_(temperature)
+            lse[s:s + step] = torch.logsumexp(z, -1)
+            logp[s:s + step] = z.gather(-1, targets[s:s + step, None]).squeeze(-1) - lse[s:s + step]
+            if keep:
+                kept.append(z)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.kept = temperature, kept
+        return logp
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        tau, kept = ctx.temperature, ctx.kept
+        ctx.kept = None
+        step = chunk_tokens(weight.shape[0])
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, H) every row is written
+        grad_w = None  # (V, H) fp32: the first chunk assigns, the others accumulate
+        for i, s in enumerate(range(0, hidden.shape[0], step)):
+            h = hidden[s:s + step]  # (c, H)
+            g = grad[s:s + step].float()  # (c,)
+            if kept:
+                gz = kept[i]  # (c, V) the forward's logits, consumed in place
+            else:
+                gz = (h @ weight.T).float()  # (c, V) recomputed
+                if tau != 1.0:
+                    gz.div_(tau)
+            # d logp / d z = onehot(y) - softmax(z); times the upstream gradient and d z / d(hW^T) = 1/τ
+            gz.sub_(lse[s:s + step, None]).exp_().mul_(-g[:, None])  # (c, V) -softmax · g
+            gz.scatter_add_(-1, targets[s:s + step, None], g[:, None])
+            if tau != 1.0:
+                gz.div_(tau)
+            gz = gz.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s:s + step] = gz @ weight  # (c, H)
+            if ctx.needs_input_grad[1]:
+                if grad_w is None:
+                    grad_w = gz.T.float() @ h.float()  # (V, H)
+                else:
+                    grad_w.addmm_(gz.T.float(), h.float())
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+
+
+def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(hidden @ weight.T / τ)[targets] for (N, H) hidden and (V, H) weight: (N,)."""
+    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature))
+
+
+def fused_head(model):
+    """(backbone, lm_head) when the model's head is a plain bias-free linear map of the
+    backbone's last hidden state (so the chunked path computes exactly the model's logits);
+    None otherwise (the caller then uses the full-logits path)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    prefix = getattr(base, "base_model_prefix", None)
+    backbone = getattr(base, prefix, None) if prefix else None
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if get_head else None
+    if backbone is None or not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
+        return None  # e.g. a LoRA-wrapped head, or no separable backbone
+    if head.bias is not None:
+        return None
+    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    for attr in _SPECIAL_HEAD_ATTRS:
+        if getattr(cfg, attr, None) not in (None, 1.0, 0.0):
+            return None
+    return backbone, head

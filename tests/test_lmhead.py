@@ -1,0 +1,67 @@
+"""The chunked LM-head log-prob path equals the full-logits path: values and gradients."""
+
+import pytest
+import torch
+
+from gspo import lmhead
+from gspo.lmhead import chunked_logprobs, fused_head
+from gspo.rollout import completion_logprobs
+
+
+def full_logprobs(hidden, weight, targets, temperature):
+    logits = (hidden @ weight.T).float() / temperature  # (N, V)
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_bytes", [None, 4 * 1000 * 16])  # one chunk; 16-token chunks (N=300 -> 19 chunks)
+@pytest.mark.parametrize("keep", [True, False])  # logits kept for the backward pass, or recomputed there
+def test_chunked_equals_full(monkeypatch, temperature, chunk_bytes, keep):
+    if chunk_bytes:
+        monkeypatch.setattr(lmhead, "CHUNK_BYTES", chunk_bytes)
+    if not keep:
+        monkeypatch.setattr(lmhead, "SAVE_BYTES", 0)
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 300, 32, 1000
+    h1 = torch.randn(N, H, generator=g, requires_grad=True)
+    w1 = (0.3 * torch.randn(V, H, generator=g)).requires_grad_()
+    y = torch.randint(0, V, (N,), generator=g)
+    upstream = torch.randn(N, generator=g)  # an arbitrary dL/dlogp, as a policy loss would give
+    h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
+    a = chunked_logprobs(h1, w1, y, temperature)
+    b = full_logprobs(h2, w2, y, temperature)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    (a * upstream).sum().backward()
+    (b * upstream).sum().backward()
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_path_in_completion_logprobs_equals_full_logits(tiny_random, char_tokenizer, monkeypatch):
+    tok = char_tokenizer
+    ids = torch.tensor([tok("12+34=46")["input_ids"], tok("99-1=98")["input_ids"] + [0]])
+    mask = torch.ones_like(ids)
+    mask[1, -1] = 0
+    cm = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    assert fused_head(tiny_random) is not None
+    a = completion_logprobs(tiny_random, ids, mask, cm, temperature=0.8)
+    a.sum().backward()
+    grads_a = {n: p.grad.clone() for n, p in tiny_random.named_parameters()}
+    tiny_random.zero_grad()
+    import gspo.rollout
+
+    monkeypatch.setattr(gspo.rollout, "fused_head", lambda m: None)  # force the full-logits path
+    b = completion_logprobs(tiny_random, ids, mask, cm, temperature=0.8)
+    b.sum().backward()
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for n, p in tiny_random.named_parameters():
+        torch.testing.assert_close(grads_a[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_models_with_special_heads_keep_the_full_path(tiny_random):
+    tiny_random.config.final_logit_softcapping = 30.0
+    assert fused_head(tiny_random) is None
+    tiny_random.config.final_logit_softcapping = None
+    assert fused_head(tiny_random) is not None
+    tiny_random.lm_head.bias = torch.nn.Parameter(torch.zeros(tiny_random.lm_head.out_features))
+    assert fused_head(tiny_random) is None
