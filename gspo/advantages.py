@@ -102,12 +102,18 @@ def gae(
     return adv, returns
 
 
-def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True) -> Tensor:
-    """Normalise `(B, T)` values to zero mean and unit variance over masked positions (PPO)."""
+def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True,
+                  all_sum=None) -> Tensor:
+    """Normalise `(B, T)` values to zero mean and unit variance over masked positions (PPO).
+
+    all_sum: sums a tensor over processes (gspo.distributed.Dist.all_sum), so that the mean
+    and variance are those of the global batch when each process holds a part of it.
+    """
+    total = all_sum or (lambda t: t)
     mask = mask.to(values.dtype)
-    n = mask.sum().clamp(min=1.0)
-    mean = (values * mask).sum() / n
-    var = ((values - mean).square() * mask).sum() / n
+    n = total(mask.sum()).clamp(min=1.0)
+    mean = total((values * mask).sum()) / n
+    var = total(((values - mean).square() * mask).sum()) / n
     out = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

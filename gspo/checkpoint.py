@@ -113,11 +113,14 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, config_yaml: str, keep: int,
-                    extra_models: dict | None = None) -> Path:
+                    extra_models: dict | None = None, state_dicts: dict | None = None) -> Path:
     """Write checkpoint `step` atomically; delete all but the newest `keep` checkpoints.
 
     extra_models: name -> model saved with save_pretrained into a sub-directory (e.g. a critic).
+    state_dicts: "" (the model) or an extra model's name -> the full state dict to write in
+    place of the module's own (FSDP: the gathered one; None: use the module's).
     """
+    state_dicts = state_dicts or {}
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
@@ -125,10 +128,16 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, con
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    model.save_pretrained(tmp)
+    if state_dicts.get("") is not None:
+        model.save_pretrained(tmp, state_dict=state_dicts[""])
+    else:
+        model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     for name, extra in (extra_models or {}).items():
-        extra.save_pretrained(tmp / name)
+        if state_dicts.get(name) is not None:
+            extra.save_pretrained(tmp / name, state_dict=state_dicts[name])
+        else:
+            extra.save_pretrained(tmp / name)
     (tmp / "config.yaml").write_text(config_yaml)
     torch.save(state, tmp / "trainer_state.pt")
     for f in tmp.rglob("*"):

@@ -156,6 +156,8 @@ def cmd_train(args: list[str]) -> int:
 
 
 def _print_summary(summary: dict) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 speaks for the run
+        return
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
     print(f"{summary['algorithm']} on {summary['task']}: held-out greedy accuracy "
           f"{100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
@@ -293,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("GSPO_DEBUG"):
             raise
         msg = " ".join(str(e).split())  # one line, whatever the exception held
-        print(f"gspo {name}: error: {msg}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process fails alike; say it once
+            print(f"gspo {name}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"gspo {name}: interrupted", file=sys.stderr)

@@ -182,6 +182,8 @@ class TrainConfig:
     """Device for the policy: cpu, cuda, cuda:N, or auto (cuda when available)."""
     threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun (several processes): ddp replicates the model, fsdp shards parameters, gradients and optimizer state (FSDP2)."""
     progress: bool = True
     """Show a progress bar."""
     report_to: tuple[Literal["tensorboard", "wandb"], ...] = ()
@@ -241,6 +243,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
     need(not (cfg.routing_replay and cfg.gradient_checkpointing), "routing_replay",
          "cannot be combined with --gradient-checkpointing (the recomputed forward would route freely)")
+    need(not (cfg.parallel == "fsdp" and cfg.lora_r > 0), "parallel",
+         "fsdp cannot be combined with --lora-r (use --parallel ddp: the adapters are small)")
+    need(not (cfg.parallel == "fsdp" and cfg.rollout_dtype != "same"), "parallel",
+         "fsdp cannot be combined with --rollout-dtype (use --parallel ddp)")
     need(not (cfg.algorithm == "ppo" and cfg.critic == "separate" and cfg.lora_r > 0), "critic",
          "separate needs full weights; with --lora-r use --critic shared (a value head on the LoRA policy)")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")

@@ -40,8 +40,13 @@ def decode_completions(tokenizer, ro) -> tuple[list[str], list[list[int]]]:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: int = 0, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int = 128, seed: int = 0, progress: bool = False) -> dict:
-    examples = task.test_set(n)
+             max_new_tokens: int = 8, batch_size: int = 128, seed: int = 0, progress: bool = False,
+             dist=None) -> dict:
+    """dist (gspo.distributed.Dist): each process evaluates its contiguous share of the rows
+    and the sums are added up; every process returns the same result."""
+    all_examples = task.test_set(n)
+    lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
+    examples = all_examples[lo:hi]
     first = rewards[0].name
     acc = total = pass_k = sample_acc = 0.0
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -67,8 +72,12 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
             r = torch.tensor(per[first]).view(len(chunk), k)
             pass_k += float((r >= 1.0).any(1).sum())
             sample_acc += float(r.mean(1).sum())
-    out = {"accuracy": acc / len(examples), "reward": total / len(examples), "n": len(examples)}
+    if dist is not None and dist.enabled:
+        acc, total, pass_k, sample_acc = dist.all_sum(torch.tensor([acc, total, pass_k, sample_acc],
+                                                                   dtype=torch.float64)).tolist()
+    n_all = len(all_examples)
+    out = {"accuracy": acc / n_all, "reward": total / n_all, "n": n_all}
     if k > 0:
-        out[f"pass@{k}"] = pass_k / len(examples)
-        out["sample_accuracy"] = sample_acc / len(examples)
+        out[f"pass@{k}"] = pass_k / n_all
+        out["sample_accuracy"] = sample_acc / n_all
     return out

@@ -113,8 +113,8 @@ def fused_head(model):
     head = get_head() if get_head else None
     if backbone is None or not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
         return None  # e.g. a LoRA-wrapped head, or no separable backbone
-    if head.bias is not None:
-        return None
+    if head.bias is not None or hasattr(head.weight, "placements"):
+        return None  # a bias, or a sharded (FSDP DTensor) weight: the model's own forward gathers it
     cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     for attr in _SPECIAL_HEAD_ATTRS:
         if getattr(cfg, attr, None) not in (None, 1.0, 0.0):

@@ -153,13 +153,11 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = 
     - "seq-mean-token-sum-norm" (Dr. GRPO): token sums divided by the constant `max_len`, then
       the mean over responses; no length-dependent normaliser at all.
     """
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     masked = values * mask  # (B, T)
+    count = agg_count(mask, mode).clamp(min=1)
     if mode == "token-mean":
-        return masked.sum() / mask.sum().clamp(min=1.0)
+        return masked.sum() / count
     seq_len = mask.sum(-1)  # (B,)
-    n_seqs = (seq_len > 0).sum().clamp(min=1)  # responses with at least one completion token
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(-1) / seq_len.clamp(min=1.0)  # (B,)
     elif mode == "seq-mean-token-sum":
@@ -168,7 +166,18 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = 
         if max_len is None or max_len <= 0:
             raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len > 0 (the fixed generation length)")
         per_seq = masked.sum(-1) / max_len  # (B,)
-    return per_seq.sum() / n_seqs
+    return per_seq.sum() / count
+
+
+def agg_count(mask: Tensor, mode: str) -> Tensor:
+    """What `aggregate` divides by: completion tokens ("token-mean") or responses with at least
+    one completion token (the seq-mean modes). Distributed training sums these over processes
+    to normalise by the global minibatch (gspo.distributed)."""
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+    if mode == "token-mean":
+        return mask.sum()
+    return (mask.sum(-1) > 0).sum().to(mask.dtype)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:

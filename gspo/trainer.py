@@ -19,7 +19,9 @@ PPO (`--algorithm ppo`) differs in two places only: advantages come from GAE ove
 value model's estimates instead of group statistics (`ppo_advantages`), and each update also
 trains the value model (`update`). See gspo.value for the critic.
 
-Left out here: multi-process training.
+Under torchrun every process runs this same loop on its share of each step's prompts; the
+global-batch bookkeeping (which rows are whose, loss scales, metric reduction) is in
+gspo.distributed and shows up here only as `dist` calls, the identity in one process.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ import torch
 import yaml
 
 from gspo import checkpoint as ckpt
+from gspo import distributed
 from gspo.advantages import gae, group_advantages, masked_whiten
-from gspo.config import TrainConfig, load_yaml, resolve, to_dict
+from gspo.config import ConfigError, TrainConfig, load_yaml, resolve, to_dict
 from gspo.data import DataError
+from gspo.distributed import Dist
 from gspo.evaluation import decode_completions, encode_prompts, evaluate
-from gspo.losses import policy_loss
-from gspo.models import DTYPES, add_lora, load_policy, resolve_device, unwrap
+from gspo.losses import agg_count, policy_loss
+from gspo.models import DTYPES, add_lora, load_policy, unwrap
 from gspo.moe import MoEError, Routing, drift, is_moe, load_balancing_loss
 from gspo.reporting import Reporter
 from gspo.rewards import Reward, load_rewards, score_completions
@@ -82,6 +86,10 @@ class ValueModel:
     head: ValueHead | None = None  # --critic shared (its parameters live in the policy's optimizer)
     optimizer: torch.optim.Optimizer | None = None  # the separate critic's
     scheduler: object | None = None
+    critic_train: object | None = None  # what training forwards call: the critic, or its DDP wrapper
+
+    def critic_forward(self, input_ids: Tensor, attention_mask: Tensor, T: int) -> Tensor:
+        return (self.critic_train or self.critic)(input_ids, attention_mask, T)
 
     @property
     def shared(self) -> bool:
@@ -118,15 +126,17 @@ def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:
 
 
 def rollout(sampler, tokenizer, examples, cfg: TrainConfig, generator: torch.Generator,
-            routing: Routing | None = None) -> tuple[Rollout, list[str], list[list[int]]]:
+            routing: Routing | None = None, rows: tuple[int, int] | None = None
+            ) -> tuple[Rollout, list[str], list[list[int]]]:
     """Sample cfg.group_size completions per example with `sampler` (the policy, or its copy in
     --rollout-dtype); returns the rollout, texts and token ids. With `routing`, the experts used
-    while sampling are recorded in the rollout."""
+    while sampling are recorded in the rollout. rows: (offset, total) of these rows in the
+    global batch when several processes share it (see gspo.rollout.generate)."""
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples])
     ro = generate(sampler, prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
                   temperature=cfg.temperature, top_p=cfg.top_p, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id, generator=generator, min_new_tokens=cfg.min_new_tokens,
-                  routing=routing)
+                  routing=routing, rows=rows)
     texts, ids = decode_completions(tokenizer, ro)
     return ro, texts, ids
 
@@ -160,52 +170,71 @@ def sequence_logprobs(model, ro: Rollout, temperature: float, batch_size: int, r
 
 
 def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.Generator,
-           vm: ValueModel | None = None, routing: Routing | None = None) -> list[dict]:
+           vm: ValueModel | None = None, routing: Routing | None = None, dist: Dist | None = None) -> list[dict]:
     """`epochs` passes of clipped policy-gradient updates over `num_minibatches` minibatches
     (PPO: and clipped value-loss updates of the critic on the same minibatches).
 
     MoE (`routing`): every forward records the experts the current router picks; `moe/drift`
     compares them with the old policy's, and with --routing-replay the old experts are forced
     for the ratio's log-probs (`moe/drift_in_ratio` is then 0).
+
+    Several processes (`dist`): `policy` is what training forwards call (the DDP wrapper, or
+    the FSDP-sharded module). The minibatches are those of the global batch (one permutation
+    of all processes' rows); each process takes its rows of each (possibly none: it then runs
+    one row with zero weight, since every process must join every gradient reduction) and
+    scales its loss so that the averaged gradient is that of the global minibatch's loss.
     """
+    dist = dist or Dist()
     ro = batch.rollout
     B, T = ro.completion_mask.shape
-    mb_size = B // cfg.num_minibatches
+    B_all, lo = B * dist.world, B * dist.rank  # this process holds global rows lo .. lo+B-1
+    mb_size = B_all // cfg.num_minibatches
     params = [p for group in optimizer.param_groups for p in group["params"]]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+    shared = vm is not None and vm.shared
     policy.train()
-    history = []
+    history, weights = [], []
     for _ in range(cfg.epochs):
-        order = torch.randperm(B, generator=generator)  # (B,)
-        for idx in order.split(mb_size):
+        order = torch.randperm(B_all, generator=generator)  # (B_all,) the same on every process
+        minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(mb_size)]  # local row indices
+        counts = torch.tensor([[float(agg_count(ro.completion_mask[idx], cfg.loss_agg)), float(ro.completion_mask[idx].sum())]
+                               for idx in minibatches], dtype=torch.float64)  # (M, 2) responses/tokens, tokens
+        scales = dist.loss_scales(counts).tolist()  # (M, 2): 1.0 on one process
+        for idx, (agg_scale, tok_scale) in zip(minibatches, scales):
+            live = 1.0 if len(idx) else 0.0
+            idx = idx if len(idx) else torch.zeros(1, dtype=torch.long)  # a zero-weight stand-in row
             mb = ro.select(idx)
-            shared = vm is not None and vm.shared
+            mask = mb.completion_mask * live  # (b, T)
             forced = batch.routing[idx] if (routing is not None and cfg.routing_replay) else None
             with routing.capture(forced, keep_logits=cfg.router_aux_loss_coef > 0) if routing is not None \
                     else contextlib.nullcontext() as cap:
-                out = completion_logprobs(policy, mb.input_ids, mb.attention_mask, mb.completion_mask,
+                out = completion_logprobs(policy, mb.input_ids, mb.attention_mask, mask,
                                           temperature=cfg.temperature, return_hidden=shared)
             logp, hidden = out if shared else (out, None)  # (b, T), (b, T, H)
             loss, metrics = policy_loss(
-                cfg.algorithm, logp, batch.old_logp[idx], batch.advantages[idx], mb.completion_mask,
+                cfg.algorithm, logp, batch.old_logp[idx], batch.advantages[idx], mask,
                 clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
                 ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
                 kl_estimator=cfg.kl_estimator,
             )
+            loss = loss * agg_scale
             if routing is not None:
-                aux, moe_metrics = moe_terms(cap, batch.routing[idx], mb.attention_mask, routing, cfg)
-                loss = loss + aux
+                aux, moe_metrics = moe_terms(cap, batch.routing[idx], mb.attention_mask * live, routing, cfg)
+                loss = loss + aux * live
                 metrics.update(moe_metrics)
             if vm is not None:
-                values = vm.head(hidden) if shared else vm.critic(mb.input_ids, mb.attention_mask, T)  # (b, T)
-                vloss, vmetrics = value_loss(values, batch.old_values[idx], batch.returns[idx], mb.completion_mask,
+                values = vm.head(hidden) if shared else vm.critic_forward(mb.input_ids, mb.attention_mask, T)  # (b, T)
+                vloss, vmetrics = value_loss(values, batch.old_values[idx], batch.returns[idx], mask,
                                              clip_range=cfg.value_clip)
+                vloss = vloss * tok_scale
                 metrics.update(vmetrics)
                 if shared:
                     loss = loss + cfg.vf_coef * vloss  # one backward through the shared trunk
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            if shared:
+                dist.average_grads(vm.head.parameters())  # the replicated head no wrapper owns
+            metrics["grad_norm"] = distributed.clip_grad_norm(params, max_norm)
             optimizer.step()
             if vm is not None and not shared:
                 vm.optimizer.zero_grad(set_to_none=True)
@@ -213,7 +242,9 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
                 metrics["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(vm.critic.parameters(), max_norm))
                 vm.optimizer.step()
             history.append(metrics)
-    return history
+            weights.append({"tokens": float(mask.sum()), "agg": float(agg_count(mask, cfg.loss_agg)),
+                            "attention": float(mb.attention_mask.sum()) * live})
+    return dist.reduce_metrics(history, weights)
 
 
 def moe_terms(cap, old_routing: Tensor, tokens: Tensor, routing: Routing, cfg: TrainConfig) -> tuple[Tensor | float, dict]:
@@ -253,21 +284,24 @@ def reference_context(policy, reference):
     return policy, policy.disable_adapter()
 
 
-def mismatch_metrics(sampled: Tensor, recomputed: Tensor, mask: Tensor) -> dict[str, float]:
+def mismatch_metrics(sampled: Tensor, recomputed: Tensor, mask: Tensor, gather=None) -> dict[str, float]:
     """How far the sampling pass's log-probs are from the training forward's (precision gap):
-    per token, and per response as the length-normalised log-ratio GSPO's s_i would see."""
+    per token, and per response as the length-normalised log-ratio GSPO's s_i would see.
+    gather: concatenates per-row statistics over processes (Dist.gather)."""
     diff = (recomputed - sampled) * mask  # (B, T)
-    n_tok = mask.sum(-1).clamp(min=1)  # (B,)
-    seq = diff.sum(-1) / n_tok  # (B,) (1/|y|) Σ_t (log π_train - log π_sample)
-    has = mask.sum(-1) > 0
-    return {"mismatch/token_abs": float(diff.abs().sum() / mask.sum().clamp(min=1)),
+    rows = torch.stack([diff.abs().sum(-1), diff.sum(-1), mask.sum(-1)], -1)  # (B, 3)
+    abs_sum, diff_sum, n_tok = (gather or (lambda t: t))(rows).unbind(-1)  # (B_all,) each
+    seq = diff_sum / n_tok.clamp(min=1)  # (B_all,) (1/|y|) Σ_t (log π_train - log π_sample)
+    has = n_tok > 0
+    return {"mismatch/token_abs": float(abs_sum.sum() / n_tok.sum().clamp(min=1)),
             "mismatch/seq_log_ratio": float(seq[has].abs().mean()) if has.any() else 0.0}
 
 
 def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, old_logp: Tensor, ref_logp: Tensor | None,
-                   cfg: TrainConfig) -> tuple[Tensor, Tensor]:
+                   cfg: TrainConfig, dist: Dist | None = None) -> tuple[Tensor, Tensor]:
     """GAE advantages and returns (B, T) from the sequence reward at the last completion token,
-    minus reward_kl_coef · (log π_old - log π_ref) on every token when that is on."""
+    minus reward_kl_coef · (log π_old - log π_ref) on every token when that is on. Whitening
+    uses the statistics of the global batch (all processes)."""
     token_rewards = rewards.to(old_values.device)  # (B,) placed at the last token by gae()
     if cfg.reward_kl_coef > 0:
         last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,)
@@ -275,7 +309,7 @@ def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, old_logp: 
         token_rewards[torch.arange(mask.shape[0]), last] += rewards.to(old_values.device)
     adv, returns = gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam=cfg.gae_lambda)  # (B, T)
     if cfg.whiten_advantages:
-        adv = masked_whiten(adv, mask)
+        adv = masked_whiten(adv, mask, all_sum=dist.all_sum if dist is not None else None)
     return adv, returns
 
 
@@ -297,21 +331,32 @@ class Sampler:
 
 def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Reward], optimizer, cfg: TrainConfig,
                vm: ValueModel | None = None, routing: Routing | None = None,
-               sampler: Sampler | None = None) -> tuple[dict, Batch]:
+               sampler: Sampler | None = None, dist: Dist | None = None, train_model=None) -> tuple[dict, Batch]:
     """One step: rollout → score → old log-probs → advantages → updates. Returns (metrics, batch).
 
     Randomness is a function of (seed, step): the sampling uniforms and the minibatch order
     come from generators made for this step (`step_generator`).
+
+    Several processes (`dist`): this process samples and scores its contiguous share of the
+    step's prompts; `batch` holds its rows; advantages and metrics are those of the global
+    batch. train_model: what training forwards call (the DDP wrapper; default `policy`).
     """
+    dist = dist or Dist()
     t0 = time.perf_counter()
     sampler = sampler or Sampler(policy)
     sampler.sync(policy)
-    examples = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
-    ro, completions, completion_ids = rollout(sampler.model, tokenizer, examples, cfg,
-                                              step_generator(cfg.seed, step, "sample"), sampler.routing)
+    all_examples = task.train_batch(step, cfg.prompts_per_step, cfg.seed)
+    n = cfg.prompts_per_step // dist.world
+    examples = all_examples[dist.rank * n:(dist.rank + 1) * n]  # whole groups per process
+    G = cfg.group_size
+    with dist.gathered(sampler.model):
+        ro, completions, completion_ids = rollout(sampler.model, tokenizer, examples, cfg,
+                                                  step_generator(cfg.seed, step, "sample"), sampler.routing,
+                                                  rows=(dist.rank * n * G, cfg.prompts_per_step * G))
     t_rollout = time.perf_counter() - t0
 
-    rewards_t, parts = score(rewards, examples, completions, completion_ids, cfg.group_size)  # (B,)
+    rewards_t, parts = score(rewards, examples, completions, completion_ids, G)  # (B,)
+    all_rewards = dist.gather(rewards_t)  # (B_all,)
     mb_size = ro.prompt_ids.shape[0] // cfg.num_minibatches
     old_routing = None
     if cfg.old_logp == "sampling":
@@ -328,37 +373,49 @@ def train_step(step: int, policy, reference, tokenizer, task, rewards: list[Rewa
     old_values = returns = None
     if vm is not None:  # PPO: GAE over the critic's values
         old_values = vm.values(policy, ro, cfg.temperature, mb_size)  # (B, T)
-        advantages, returns = ppo_advantages(rewards_t, old_values, ro.completion_mask, old_logp, ref_logp, cfg)
+        advantages, returns = ppo_advantages(rewards_t, old_values, ro.completion_mask, old_logp, ref_logp, cfg,
+                                             dist)
     else:
-        advantages = group_advantages(rewards_t, cfg.group_size, scale=cfg.adv_scale).to(ro.logp.device)  # (B,)
+        B = rewards_t.shape[0]
+        advantages = group_advantages(all_rewards, G, scale=cfg.adv_scale)  # (B_all,)
+        advantages = advantages[dist.rank * B:(dist.rank + 1) * B].to(ro.logp.device)  # (B,) this process's rows
     batch = Batch(ro, rewards_t, parts, advantages, old_logp, ref_logp, examples, completions, old_values, returns,
                   old_routing)
 
     t1 = time.perf_counter()
-    history = update(policy, optimizer, batch, cfg, step_generator(cfg.seed, step, "minibatches"), vm, routing)
+    history = update(train_model or policy, optimizer, batch, cfg, step_generator(cfg.seed, step, "minibatches"),
+                     vm, routing, dist)
     t_update = time.perf_counter() - t1
 
-    groups = rewards_t.view(-1, cfg.group_size)
-    lengths = ro.lengths.float()
+    # metrics of the global batch: per-row values gathered from every process
+    groups = all_rewards.view(-1, G)
+    lengths = dist.gather(ro.lengths.float())  # (B_all,)
     mask = ro.completion_mask
+    all_parts = {name: dist.gather(torch.tensor(v, dtype=torch.float64)) for name, v in parts.items()}
     metrics = {
         "step": step,
-        "reward/mean": float(rewards_t.mean()),
-        "reward/std": float(rewards_t.std()) if rewards_t.numel() > 1 else 0.0,
+        "reward/mean": float(all_rewards.mean()),
+        "reward/std": float(all_rewards.std()) if all_rewards.numel() > 1 else 0.0,
         "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
-        **{f"reward/{name}/mean": sum(v) / len(v) for name, v in parts.items()},
+        **{f"reward/{name}/mean": float(v.mean()) for name, v in all_parts.items()},
         **mean_metrics(history),
         "completion/mean_length": float(lengths.mean()),
         "completion/max_length": float(lengths.max()),
-        "completion/truncated_frac": float(ro.truncated.float().mean()),
-        **(mismatch_metrics(ro.logp, old_logp, mask) if cfg.old_logp == "recompute" else {}),
+        "completion/truncated_frac": float(dist.gather(ro.truncated.float()).mean()),
+        **(mismatch_metrics(ro.logp, old_logp, mask, dist.gather) if cfg.old_logp == "recompute" else {}),
         "lr": optimizer.param_groups[0]["lr"],
-        **({"value/mean": float((old_values * mask).sum() / mask.sum().clamp(min=1)),
-            "value/explained_variance": explained_variance(old_values, returns, mask)} if vm is not None else {}),
+    }
+    if vm is not None:
+        on = mask > 0
+        v, r = dist.gather(old_values[on]), dist.gather(returns[on])  # completion tokens of all processes
+        ones = torch.ones_like(v)
+        metrics["value/mean"] = float(v.mean()) if v.numel() else 0.0
+        metrics["value/explained_variance"] = explained_variance(v, r, ones)
+    metrics.update({
         "time/rollout_seconds": t_rollout,
         "time/update_seconds": t_update,
         "time/step_seconds": time.perf_counter() - t0,
-    }
+    })
     return metrics, batch
 
 
@@ -471,6 +528,8 @@ class Setup:
     value_model: ValueModel | None = None
     routing: Routing | None = None
     sampler: Sampler | None = None
+    dist: Dist = dataclasses.field(default_factory=Dist)
+    train_model: object | None = None  # what training forwards call: the policy, or its DDP wrapper
 
 
 def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
@@ -482,6 +541,12 @@ def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
             raise FileNotFoundError(f"{run_dir}: no checkpoint to resume from")
         cfg = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
     cfg = resolve(cfg)
+    world = distributed.world_size_from_env()
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step: must be divisible by the number of processes, {world}, so that "
+                          f"each process samples whole groups (got {cfg.prompts_per_step})")
+    dist = distributed.init(cfg.parallel, cfg.device)  # a single process without torchrun
+    cfg = dataclasses.replace(cfg, output_dir=dist.broadcast_object(cfg.output_dir))  # rank 0's timestamp
     run_dir = Path(cfg.output_dir)
     if resume is None and run_dir.exists() and any(run_dir.iterdir()):
         raise FileExistsError(f"{run_dir}: output directory exists and is not empty (use --resume {run_dir} to continue it)")
@@ -490,7 +555,7 @@ def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    device = resolve_device(cfg.device)
+    device = dist.device
     dtype = DTYPES[cfg.dtype]
 
     task, rewards = task_and_rewards(cfg)
@@ -534,7 +599,15 @@ def setup(cfg: TrainConfig, resume: str | Path | None) -> Setup:
         if resume_from is not None:
             head.load(resume_from / "value_head")
         vm = ValueModel(head=head.to(device))
-    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from, vm, routing, sampler)
+    train_model = policy
+    if dist.enabled:  # DDP wrappers, or FSDP shards in place
+        train_model = dist.wrap(policy, find_unused=routing is not None)  # MoE: unused experts get no grad
+        if vm is not None and not vm.shared:
+            vm.critic_train = dist.wrap(vm.critic)
+        if reference is not None and dist.parallel == "fsdp":
+            dist.shard(reference)
+    return Setup(cfg, run_dir, task, rewards, policy, reference, tokenizer, device, resume_from, vm, routing, sampler,
+                 dist, train_model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -547,59 +620,87 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
 
     resume: a run directory; training continues from its newest checkpoint with its saved
     configuration (`cfg` is then ignored).
+
+    Under torchrun every process calls this; rank 0 alone writes the run directory and logs.
     """
     t_start = time.time()
     s = setup(cfg, resume)  # raises on any bad input; nothing written yet
-    cfg, run_dir, policy, tokenizer, task, rewards = s.cfg, s.run_dir, s.policy, s.tokenizer, s.task, s.rewards
+    try:
+        summary = _train(s, t_start, log if s.dist.is_main else (lambda *a, **k: None))
+    except BaseException:
+        s.dist.close(clean=False)
+        raise
+    s.dist.close()
+    return summary
+
+
+def _train(s: Setup, t_start: float, log) -> dict:
+    cfg, run_dir, policy, tokenizer, task, rewards, dist = s.cfg, s.run_dir, s.policy, s.tokenizer, s.task, s.rewards, s.dist
+    main = dist.is_main
     config_yaml = yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
     vm = s.value_model
     optimizer, scheduler = make_optimizers(cfg, policy, vm)
+    # the modules whose parameters the policy optimizer holds (FSDP names its state by them)
+    optimized = torch.nn.ModuleDict({"policy": policy, "value_head": vm.head}) if vm is not None and vm.shared \
+        else policy
 
     def run_eval() -> dict:
-        return evaluate(policy, tokenizer, task, rewards, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens,
-                        progress=cfg.progress)
+        with dist.gathered(policy):
+            return evaluate(policy, tokenizer, task, rewards, n=cfg.eval_size, max_new_tokens=cfg.max_new_tokens,
+                            progress=cfg.progress and main, dist=dist)
 
+    dist.barrier()  # every process has checked the run directory before rank 0 writes to it
     if s.resume_from is not None:
-        ckpt.clean_partial(run_dir)
+        if main:
+            ckpt.clean_partial(run_dir)
         state = ckpt.load_trainer_state(s.resume_from)
-        optimizer.load_state_dict(state["optimizer"])
+        dist.load_optimizer_state(optimized, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if vm is not None and not vm.shared:
-            vm.optimizer.load_state_dict(state["critic_optimizer"])
+            dist.load_optimizer_state(vm.critic, vm.optimizer, state["critic_optimizer"])
             vm.scheduler.load_state_dict(state["critic_scheduler"])
-        set_rng_state(state["rng"])
+        per_rank = state.get("rng_per_rank") or [state["rng"]]
+        set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
         start_step, eval_before, evals = state["step"], state["eval_before"], state.get("evals", [])
         t_start -= state["wall_seconds"]
-        ckpt.trim_jsonl(run_dir / "metrics.jsonl", start_step)
-        ckpt.trim_jsonl(run_dir / "samples.jsonl", start_step)
+        if main:
+            ckpt.trim_jsonl(run_dir / "metrics.jsonl", start_step)
+            ckpt.trim_jsonl(run_dir / "samples.jsonl", start_step)
         log(f"resuming {run_dir} from step {start_step}")
     else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.atomic_write_text(run_dir / "config.yaml", config_yaml)
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.atomic_write_text(run_dir / "config.yaml", config_yaml)
         start_step = 0
         eval_before = run_eval()
         evals = [{"step": 0, **eval_before}]
     reporter = Reporter(run_dir, cfg.report_to, config=to_dict(cfg), start_step=start_step,
-                        wandb_project=cfg.wandb_project)
+                        wandb_project=cfg.wandb_project) if main else None
 
     def save(step: int):
-        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng": rng_state(), "eval_before": eval_before, "evals": evals,
-                 "wall_seconds": time.time() - t_start}
+        # under FSDP the gathers are collectives: every process takes part, rank 0 writes
+        state = {"step": step, "optimizer": dist.optimizer_state(optimized, optimizer), "scheduler": scheduler.state_dict(),
+                 "rng": rng_state(), "rng_per_rank": dist.gather_objects(rng_state()), "world_size": dist.world,
+                 "eval_before": eval_before, "evals": evals, "wall_seconds": time.time() - t_start}
+        state_dicts = {"": dist.full_state_dict(policy)}
         extra = {}
         if vm is not None:
             extra = {"value_head": vm.head} if vm.shared else {"critic": vm.critic}
             if not vm.shared:
-                state["critic_optimizer"] = vm.optimizer.state_dict()
+                state["critic_optimizer"] = dist.optimizer_state(vm.critic, vm.optimizer)
                 state["critic_scheduler"] = vm.scheduler.state_dict()
-        ckpt.save_checkpoint(run_dir, step, policy, tokenizer, state, config_yaml, cfg.keep_checkpoints, extra)
+                state_dicts["critic"] = dist.full_state_dict(vm.critic)
+        if main:
+            ckpt.save_checkpoint(run_dir, step, policy, tokenizer, state, config_yaml, cfg.keep_checkpoints, extra,
+                                 state_dicts)
+        dist.barrier()
 
     # --- the loop ----------------------------------------------------------------------------
-    bar = Progress(cfg, start_step, log)
+    bar = Progress(cfg, start_step, log) if main else None
     for step in range(start_step + 1, cfg.steps + 1):
         metrics, batch = train_step(step, policy, s.reference, tokenizer, task, rewards, optimizer, cfg, vm,
-                                    s.routing, s.sampler)
+                                    s.routing, s.sampler, dist, s.train_model)
         scheduler.step()
         if vm is not None and vm.scheduler is not None:
             vm.scheduler.step()
@@ -607,12 +708,15 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
             ev = run_eval()
             metrics["eval/accuracy"] = ev["accuracy"]
             evals.append({"step": step, **ev})
-        reporter.log(metrics)
-        ckpt.append_jsonl(run_dir / "samples.jsonl", samples_rows(step, batch, cfg.group_size, cfg.samples_per_step))
+        if main:
+            reporter.log(metrics)
+            ckpt.append_jsonl(run_dir / "samples.jsonl", samples_rows(step, batch, cfg.group_size, cfg.samples_per_step))
         if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
             save(step)
-        bar.update(metrics)
-    bar.close()
+        if main:
+            bar.update(metrics)
+    if main:
+        bar.close()
 
     eval_after = run_eval()
     if not evals or evals[-1]["step"] != cfg.steps:
@@ -628,8 +732,10 @@ def train(cfg: TrainConfig, *, resume: str | Path | None = None, log=print) -> d
         "evals": evals,
         "wall_seconds": time.time() - t_start,
         "final_checkpoint": str(last) if last else None,
+        **({"world_size": dist.world, "parallel": dist.parallel} if dist.enabled else {}),
     }
-    ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")
-    reporter.summary({"eval_before/accuracy": eval_before["accuracy"], "eval_after/accuracy": eval_after["accuracy"]})
-    reporter.close()
+    if main:
+        ckpt.atomic_write_text(run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")
+        reporter.summary({"eval_before/accuracy": eval_before["accuracy"], "eval_after/accuracy": eval_after["accuracy"]})
+        reporter.close()
     return summary

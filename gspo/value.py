@@ -82,13 +82,22 @@ class Critic(nn.Module):
         pos = position_ids_from_mask(attention_mask)  # (B, P+T)
         hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                             use_cache=False).last_hidden_state  # (B, P+T, H)
-        return self.head(hidden[:, -T - 1:-1])  # (B, T) state before each completion token
+        # (B, T) state before each completion token; a copy, not a view (FSDP hooks the output)
+        return self.head(hidden[:, -T - 1:-1]).clone()
 
-    def save_pretrained(self, directory: Path) -> None:
+    def save_pretrained(self, directory: Path, state_dict: dict | None = None) -> None:
+        """The trunk in Hugging Face format and the head; state_dict: a full state dict of this
+        Critic to write instead of the module's own (FSDP gathers one)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.trunk.save_pretrained(directory)
-        self.head.save(directory)
+        if state_dict is None:
+            self.trunk.save_pretrained(directory)
+            self.head.save(directory)
+            return
+        self.trunk.save_pretrained(directory, state_dict={k[len("trunk."):]: v for k, v in state_dict.items()
+                                                          if k.startswith("trunk.")})
+        torch.save({k[len("head."):]: v for k, v in state_dict.items() if k.startswith("head.")},
+                   directory / HEAD_FILE)
 
 
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
@@ -99,7 +108,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     loss_t = ½ · max((V - R)², (V_clip - R)²)     (the pessimistic one; ε_v = 0 disables clipping)
 
     Returns the loss and `value/loss`, `value/clip_frac` (fraction of tokens where the clipped
-    term is the larger, i.e. the gradient is cut).
+    term is the larger and V is outside the clip range, i.e. the gradient is cut).
     """
     mask = mask.to(values.dtype)
     n = mask.sum().clamp(min=1.0)
@@ -108,8 +117,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)  # (B, T)
         err_clipped = (clipped - returns).square()  # (B, T)
         per_token = 0.5 * torch.maximum(err, err_clipped)  # (B, T)
-        with torch.no_grad():
-            clip_frac = float(((err_clipped > err).to(values.dtype) * mask).sum() / n)
+        with torch.no_grad():  # the clamp is active and the clipped error is the larger one
+            cut = ((values - old_values).abs() > clip_range) & (err_clipped > err)  # (B, T)
+            clip_frac = float((cut.to(values.dtype) * mask).sum() / n)
     else:
         per_token = 0.5 * err
         clip_frac = 0.0
