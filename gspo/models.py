@@ -51,27 +51,28 @@ def build_char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
+# the trunk both built-in models share (the MoE model replaces each MLP with experts)
+_TINY_TRUNK = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+)
+
+
 def tiny_config(vocab_size: int, **overrides):
     """The built-in dense model's architecture: a 4-layer Qwen3 of about 0.8M parameters."""
     from transformers import Qwen3Config
 
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+    return Qwen3Config(**{"vocab_size": vocab_size, **_TINY_TRUNK, **overrides})
 
 
 def tiny_moe_config(vocab_size: int, **overrides):
@@ -79,30 +80,9 @@ def tiny_moe_config(vocab_size: int, **overrides):
     0.8M active per token, like the dense tiny model)."""
     from transformers import Qwen3MoeConfig
 
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=384,
-        moe_intermediate_size=192,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        router_aux_loss_coef=0.01,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
-    kw.update(overrides)
-    return Qwen3MoeConfig(**kw)
+    experts = dict(moe_intermediate_size=192, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01)
+    return Qwen3MoeConfig(**{"vocab_size": vocab_size, **_TINY_TRUNK, **experts, **overrides})
 
 
 def resolve_device(device: str) -> torch.device:
