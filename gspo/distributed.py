@@ -249,10 +249,14 @@ class Dist:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        seen, tied = set(), []  # tied weights (embeddings = LM head) are written once, as save_pretrained does
+        if not self.is_main:
+            return None
+        seen, tied = set(), set()  # tied weights (embeddings = LM head) are written once, as save_pretrained does
         for name, p in model.named_parameters(remove_duplicate=False):
-            (tied.append(name) if id(p) in seen else seen.add(id(p)))
-        return {k: v for k, v in sd.items() if k not in tied} if self.is_main else None
+            if id(p) in seen:
+                tied.add(name)
+            seen.add(id(p))
+        return {k: v for k, v in sd.items() if k not in tied}
 
     def optimizer_state(self, model, optimizer) -> dict:
         """FSDP: the gathered optimizer state (keyed by parameter name) on rank 0; otherwise

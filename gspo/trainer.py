@@ -200,7 +200,7 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
         counts = torch.tensor([[float(agg_count(ro.completion_mask[idx], cfg.loss_agg)), float(ro.completion_mask[idx].sum())]
                                for idx in minibatches], dtype=torch.float64)  # (M, 2) responses/tokens, tokens
         scales = dist.loss_scales(counts).tolist()  # (M, 2): 1.0 on one process
-        for idx, (agg_scale, tok_scale) in zip(minibatches, scales):
+        for idx, (n_agg, n_tok), (agg_scale, tok_scale) in zip(minibatches, counts.tolist(), scales):
             live = 1.0 if len(idx) else 0.0
             idx = idx if len(idx) else torch.zeros(1, dtype=torch.long)  # a zero-weight stand-in row
             mb = ro.select(idx)
@@ -242,8 +242,7 @@ def update(policy, optimizer, batch: Batch, cfg: TrainConfig, generator: torch.G
                 metrics["value/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(vm.critic.parameters(), max_norm))
                 vm.optimizer.step()
             history.append(metrics)
-            weights.append({"tokens": float(mask.sum()), "agg": float(agg_count(mask, cfg.loss_agg)),
-                            "attention": float(mb.attention_mask.sum()) * live})
+            weights.append({"tokens": n_tok, "agg": n_agg, "attention": float(mb.attention_mask.sum()) * live})
     return dist.reduce_metrics(history, weights)
 
 
@@ -680,8 +679,9 @@ def _train(s: Setup, t_start: float, log) -> dict:
 
     def save(step: int):
         # under FSDP the gathers are collectives: every process takes part, rank 0 writes
+        rngs = dist.gather_objects(rng_state())  # every process's, in rank order
         state = {"step": step, "optimizer": dist.optimizer_state(optimized, optimizer), "scheduler": scheduler.state_dict(),
-                 "rng": rng_state(), "rng_per_rank": dist.gather_objects(rng_state()), "world_size": dist.world,
+                 "rng": rngs[dist.rank], "rng_per_rank": rngs, "world_size": dist.world,
                  "eval_before": eval_before, "evals": evals, "wall_seconds": time.time() - t_start}
         state_dicts = {"": dist.full_state_dict(policy)}
         extra = {}
