@@ -29,7 +29,8 @@ def worker(args) -> None:
     import transformers  # noqa: F401  (imported before the baseline: libraries are not the run's memory)
 
     from gspo.config import TrainConfig, resolve
-    from gspo.trainer import make_optimizers, setup, train_step
+    from gspo.run import build_run
+    from gspo.trainer import train_step
 
     base_rss = peak_rss_mb()
     torch.set_num_threads(args.threads)
@@ -38,17 +39,16 @@ def worker(args) -> None:
                               prompts_per_step=args.prompts, group_size=args.group_size,
                               max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
                               output_dir="/dev/null/unused", progress=False, **extra))
-    s = setup(cfg, None)
-    vm = s.value_model
-    opt, _ = make_optimizers(cfg, s.policy, vm)
+    run = build_run(cfg)
+    vm = run.value_model
     times = []
     for step in range(1, cfg.steps + 1):
         with Timer() as t:
-            train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg, vm)
+            train_step(run, step)
         if step > 1:  # the first step warms up allocators and kernels
             times.append(t.seconds)
     print(json.dumps({"step_seconds": median(times), "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
-                      "params": n_params(s.policy) + (n_params(vm.module()) if vm else 0)}))
+                      "params": n_params(run.policy) + (n_params(vm.head if vm.shared else vm.critic) if vm else 0)}))
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ def main() -> None:
     import torch
 
     from gspo.models import load_policy
-    from gspo.rollout import generate, left_pad
+    from gspo.rollout import generate, left_pad, sampling_params
     from gspo.tasks import get_task
 
     torch.set_num_threads(args.threads)
@@ -52,8 +52,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
 
         def ours():
-            generate(model, prompts, group_size=G, max_new_tokens=L, min_new_tokens=L, eos_token_id=tok.eos_token_id,
-                     pad_token_id=tok.pad_token_id, generator=g)
+            generate(model, prompts, sampling_params(tok, group_size=G, max_new_tokens=L, min_new_tokens=L), generator=g)
 
         def hf():
             with torch.inference_mode():

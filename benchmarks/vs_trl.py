@@ -59,7 +59,8 @@ def run_gspo(args) -> dict:
     import torch
 
     from gspo.config import TrainConfig, resolve
-    from gspo.trainer import make_optimizers, setup, train_step
+    from gspo.run import build_run
+    from gspo.trainer import train_step
 
     torch.set_num_threads(args.threads)
     model, P, G, L = CONFIGS[args.config]
@@ -67,17 +68,15 @@ def run_gspo(args) -> dict:
     cfg = resolve(TrainConfig(model=model_path(model), prompts_per_step=P, group_size=G, max_new_tokens=L,
                               min_new_tokens=L, num_minibatches=4, lr=1e-5, output_dir="-", progress=False,
                               device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32"))
-    s = setup(cfg, None)
-    opt, _ = make_optimizers(cfg, s.policy, s.value_model)
+    run = build_run(cfg)
     steps, rollouts = [], []
     for step in range(1, args.steps + 2):
         t = time.perf_counter()
-        m, _ = train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg,
-                          s.value_model, s.routing, s.sampler)
+        m, _ = train_step(run, step)
         if step > 1:
             steps.append(time.perf_counter() - t)
             rollouts.append(m["time/rollout_seconds"])
-    return {"steps": steps, "rollouts": rollouts, "params": n_params(s.policy)}
+    return {"steps": steps, "rollouts": rollouts, "params": n_params(run.policy)}
 
 
 def run_trl(args) -> dict:

@@ -56,6 +56,16 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
     return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)  # (B,)
 
 
+def at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
+    """(B,) one reward per response -> (B, T) zeros with each reward at its response's last
+    completion token (right-padded rows; an empty row gets nothing)."""
+    B = mask.shape[0]
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,) index of each row's last completion token
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)  # (B, T)
+    out[torch.arange(B), last] = rewards * (mask.sum(-1) > 0)
+    return out
+
+
 def gae(
     rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95
 ) -> tuple[Tensor, Tensor]:
@@ -80,9 +90,7 @@ def gae(
     if values.shape != (B, T):
         raise ValueError(f"values must be (B, T)={(B, T)}, got {tuple(values.shape)}")
     if rewards.dim() == 1:
-        last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,) index of each row's last completion token
-        token_rewards = torch.zeros_like(values)  # (B, T)
-        token_rewards[torch.arange(B), last] = rewards.to(values.dtype) * (mask.sum(-1) > 0)
+        token_rewards = at_last_token(rewards.to(values.dtype), mask)  # (B, T)
     elif rewards.shape == (B, T):
         token_rewards = rewards.to(values.dtype)  # (B, T)
     else:

@@ -23,11 +23,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import shutil
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import yaml
+
+from gspo import parallel
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -112,7 +118,7 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, config_yaml: str, keep: int,
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, config_yaml: str, keep: int,
                     extra_models: dict | None = None, state_dicts: dict | None = None) -> Path:
     """Write checkpoint `step` atomically; delete all but the newest `keep` checkpoints.
 
@@ -164,3 +170,71 @@ def clean_partial(run_dir: Path) -> None:
 
 def load_trainer_state(ckpt: Path) -> dict:
     return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole run: save and restore
+# ----------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """Global RNG states (dropout in LoRA, user code); gspo's own draws use per-step generators."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def config_yaml(cfg) -> str:
+    from gspo.config import to_dict
+
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_run(run, step: int) -> None:
+    """Checkpoint `step` of a gspo.run.Run: weights, optimizer and scheduler states, RNG states
+    and where the run stands. Under FSDP the gathers are collectives: every process takes
+    part, rank 0 writes."""
+    dist, vm = run.dist, run.value_model
+    rngs = dist.gather_objects(rng_state())  # every process's, in rank order
+    state = {"step": step, "optimizer": parallel.optimizer_state(run.optimized, run.optimizer, dist),
+             "scheduler": run.scheduler.state_dict(), "rng": rngs[dist.rank], "rng_per_rank": rngs,
+             "world_size": dist.world, "eval_before": run.eval_before, "evals": run.evals,
+             "wall_seconds": time.time() - run.t_start}
+    state_dicts = {"": parallel.full_state_dict(run.policy, dist)}
+    extra = {}
+    if vm is not None:
+        extra = {"value_head": vm.head} if vm.shared else {"critic": vm.critic}
+        if not vm.shared:
+            state["critic_optimizer"] = parallel.optimizer_state(vm.critic, vm.optimizer, dist)
+            state["critic_scheduler"] = vm.scheduler.state_dict()
+            state_dicts["critic"] = parallel.full_state_dict(vm.critic, dist)
+    if dist.is_main:
+        save_checkpoint(run.run_dir, step, run.policy, run.tokenizer, state=state, config_yaml=config_yaml(run.cfg),
+                        keep=run.cfg.keep_checkpoints, extra_models=extra, state_dicts=state_dicts)
+    dist.barrier()
+
+
+def restore_run(run) -> None:
+    """Continue a gspo.run.Run from `run.resume_from` (its weights are loaded already): the
+    optimizer, scheduler and RNG states, and where the run stood; the logs are trimmed back to
+    the checkpoint's step so the resumed run appends what an uninterrupted one would."""
+    dist, vm = run.dist, run.value_model
+    if dist.is_main:
+        clean_partial(run.run_dir)
+    state = load_trainer_state(run.resume_from)
+    parallel.load_optimizer_state(run.optimized, run.optimizer, state["optimizer"], dist)
+    run.scheduler.load_state_dict(state["scheduler"])
+    if vm is not None and not vm.shared:
+        parallel.load_optimizer_state(vm.critic, vm.optimizer, state["critic_optimizer"], dist)
+        vm.scheduler.load_state_dict(state["critic_scheduler"])
+    per_rank = state.get("rng_per_rank") or [state["rng"]]
+    set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
+    run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
+    run.t_start -= state["wall_seconds"]
+    if dist.is_main:
+        trim_jsonl(run.run_dir / "metrics.jsonl", run.start_step)
+        trim_jsonl(run.run_dir / "samples.jsonl", run.start_step)

@@ -173,7 +173,7 @@ def cmd_eval(args: list[str]) -> int:
     from gspo.config import resolve
     from gspo.evaluation import evaluate
     from gspo.models import DTYPES, load_policy, resolve_device
-    from gspo.trainer import task_and_rewards
+    from gspo.run import task_and_rewards
 
     config_file, args = _take(args, "--config")
     k_arg, args = _take(args, "--k")
@@ -203,7 +203,7 @@ class PlotArgs:
     runs: tyro.conf.Positional[tuple[str, ...]]
     """Run directories to compare."""
     metrics: str = "reward/mean,clip/frac"
-    """Comma-separated metric names (see README, Metrics); eval/accuracy uses summary.json too."""
+    """Comma-separated metric names (see docs/metrics.md); eval/accuracy uses summary.json too."""
     output: str = "gspo-plot.png"
     """PNG file to write."""
     smooth: int = 1

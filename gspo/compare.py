@@ -29,13 +29,10 @@ import json
 import math
 import statistics
 import time
-import typing
 from pathlib import Path
 
-import yaml
-
 from gspo import checkpoint as ckpt
-from gspo.config import ConfigError, TrainConfig, _coerce, resolve
+from gspo.config import ConfigError, TrainConfig, check_value, resolve, yaml_value
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -59,7 +56,6 @@ def parse_config(spec: str) -> tuple[str, dict]:
                               "or name:key=value,key=value")
         return spec, dict(PRESETS[spec])
     name, _, body = spec.partition(":")
-    hints = typing.get_type_hints(TrainConfig)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     out = {}
     for item in filter(None, body.split(",")):
@@ -67,7 +63,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
         key = key.strip().replace("-", "_")
         if not eq or key not in fields:
             raise ConfigError(f"configuration {name!r}: {item!r} is not key=value with a gspo train option as key")
-        out[key] = _coerce(yaml.safe_load(raw), hints[key], f"configuration {name!r}: {key}")
+        out[key] = check_value(key, yaml_value(raw), f"configuration {name!r}: {key}")
     return name, out
 
 

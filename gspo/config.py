@@ -4,8 +4,12 @@ Each field's docstring is its `--help` text (parsed by `tyro`). A run's configur
 from, in order: the defaults below, then a YAML file (`--config run.yaml`, keys are the field
 names), then command-line flags (`--group-size 16`). Fields left as None are derived after
 parsing (`resolve`): the clip range comes from the algorithm's preset. The resolved config is
-saved as `config.yaml` in the run directory and in every checkpoint, and `validate` rejects
-bad values with a one-line message naming the field before any work starts.
+saved as `config.yaml` in the run directory and in every checkpoint.
+
+Checking: every value is checked against its field's type annotation by pydantic (strict:
+`steps="2"` is an error, not 2; lists become tuples) wherever it comes from (YAML, the Python
+API; the CLI is tyro's), then `validate` checks ranges and combinations. Either way a bad
+value is a `ConfigError` with a one-line message naming the field, before any work starts.
 
     from gspo.config import TrainConfig, resolve
     cfg = resolve(TrainConfig(algorithm="grpo", steps=50))
@@ -14,8 +18,9 @@ bad values with a one-line message naming the field before any work starts.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import re
 import time
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,12 +198,14 @@ class TrainConfig:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError with a one-line message for the first bad value."""
+    """Raise ConfigError with a one-line message for the first bad value (its type, then its range)."""
     from gspo.tasks import TASKS
 
+    for f in dataclasses.fields(TrainConfig):
+        check_value(f.name, getattr(cfg, f.name), f.name)
+
     def need(ok: bool, name: str, msg: str):
-        if not ok:
-            raise ConfigError(f"{name}: {msg} (got {getattr(cfg, name)!r})")
+        _need(cfg, ok, name, msg)
 
     need(cfg.algorithm in PRESETS, "algorithm", f"must be one of {', '.join(PRESETS)}")
     need(cfg.dataset is not None or cfg.task in TASKS, "task", f"must be one of {', '.join(TASKS)} (or give --dataset)")
@@ -232,6 +239,20 @@ def validate(cfg: TrainConfig) -> None:
         need(v is None or v >= 0, name, "must be >= 0")
     need(cfg.clip_low is None or cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio is clipped at 1 - clip_low > 0)")
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
+    _validate_rest(cfg)
+
+
+def _need(cfg: TrainConfig, ok: bool, name: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: {msg} (got {getattr(cfg, name)!r})")
+
+
+def _validate_rest(cfg: TrainConfig) -> None:
+    """validate, continued: losses, PPO, MoE, combinations, optimisation, the run."""
+
+    def need(ok: bool, name: str, msg: str):
+        _need(cfg, ok, name, msg)
+
     need(cfg.beta >= 0, "beta", "must be >= 0")
     need(cfg.lr > 0, "lr", "must be > 0")
     need(cfg.critic_lr is None or cfg.critic_lr > 0, "critic_lr", "must be > 0")
@@ -262,6 +283,8 @@ def validate(cfg: TrainConfig) -> None:
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Validate, then fill the derived fields: the clip range from the preset, the run directory."""
+    cfg = dataclasses.replace(cfg, **{f.name: check_value(f.name, getattr(cfg, f.name), f.name)
+                                      for f in dataclasses.fields(TrainConfig)})  # lists -> tuples, ints -> floats
     validate(cfg)
     out = dataclasses.replace(cfg)
     for key, value in PRESETS[cfg.algorithm].items():
@@ -292,64 +315,62 @@ def to_dict(cfg: TrainConfig) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
-def save_yaml(cfg: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+@functools.cache
+def _hint(name: str):
+    return typing.get_type_hints(TrainConfig)[name]
 
 
-def _coerce(value, tp, where: str):
-    """Check a YAML value against a field's type annotation; return it converted."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union or origin is types.UnionType:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: unexpected null")
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: expected one of {', '.join(map(str, choices))}, got {value!r}")
-        return value
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if len(args) == 2 and args[1] is Ellipsis:  # tuple[X, ...]: any length
-            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-                value = [value]  # a single value for a list option
-            if not isinstance(value, (list, tuple)):
-                raise ConfigError(f"{where}: expected a list, got {value!r}")
-            return tuple(_coerce(v, args[0], where) for v in value)
-        if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(v, a, where) for v, a in zip(value, args))
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-5 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{where}: unsupported field type {tp}")
+@functools.cache
+def _adapter(name: str):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(_hint(name))
+
+
+_PHRASES = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true or false",
+            "string_type": "expected a string", "tuple_type": "expected a list"}
+
+
+def check_value(name: str, value, where: str):
+    """`value` checked against field `name`'s type (pydantic, strict) and returned converted:
+    a list for a tuple field becomes a tuple (a single value, a 1-tuple), an int for a float
+    field a float. Raises ConfigError naming `where`."""
+    from pydantic import ValidationError
+
+    hint = _hint(name)
+    if "tuple" in str(hint):
+        if isinstance(value, list):
+            value = tuple(value)
+        elif "..." in str(hint) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = (value,)  # one value for a list option
+    try:
+        return _adapter(name).validate_python(value, strict=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "literal_error":
+            choices = re.findall(r"'([^']*)'", err["ctx"]["expected"])  # "'gspo', 'grpo' or 'ppo'"
+            msg = f"expected one of {', '.join(choices)}"
+        elif typing.get_origin(hint) is tuple and Ellipsis not in typing.get_args(hint) and \
+                len(value if isinstance(value, tuple) else ()) != len(typing.get_args(hint)):
+            msg = f"expected a list of {len(typing.get_args(hint))} values"
+        else:
+            msg = _PHRASES.get(err["type"], err["msg"])
+        raise ConfigError(f"{where}: {msg}, got {value!r}") from None
+
+
+def yaml_value(text: str):
+    """A value written in YAML (`3e-4`, `true`, `[a, b]`), as a config file would give it."""
+    return yaml.load(text, Loader=_Loader)
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2's numbers: `1e-5` is a float (YAML 1.1 reads it as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 
 
 def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
@@ -358,7 +379,7 @@ def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no such config file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_value(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
@@ -367,12 +388,11 @@ def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(data).__name__}")
-    hints = typing.get_type_hints(TrainConfig)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in fields:
             raise ConfigError(f"{path}: unknown option {key!r}")
-        values[name] = _coerce(value, hints[name], f"{path}: {key}")
+        values[name] = check_value(name, value, f"{path}: {key}")
     return dataclasses.replace(base or TrainConfig(), **values)

@@ -1,4 +1,4 @@
-"""Several processes, one run: torch.distributed under torchrun, with DDP or FSDP2.
+"""Several processes, one run: torch.distributed under torchrun: collectives and the data split.
 
     torchrun --nproc-per-node 4 -m gspo train --parallel ddp  --device cuda ...
     torchrun --nproc-per-node 8 -m gspo train --parallel fsdp --device cuda ...
@@ -14,28 +14,16 @@ What each process does (the trainer's side is in gspo.trainer):
 - scores its groups and computes their advantages from the gathered global rewards;
 - in each update, takes its rows of the *global* minibatch (one permutation of all rows, the
   same on every process), and scales its loss so that the gradient DDP/FSDP average is the
-  gradient of the global minibatch's loss, normalised by global counts (`loss_scale`);
-- reduces metrics exactly: each process's value weighted by its share of the count it was
-  averaged over (`reduce_metrics`).
+  gradient of the global minibatch's loss, normalised by global counts (`loss_scales`);
+- reduces metrics exactly (gspo.metrics: each metric declares what it averages over).
 
 Backends: gloo for CPU, NCCL for CUDA, chosen from `--device`. Under torchrun `--device cuda`
-means `cuda:$LOCAL_RANK`.
-
-Parallelism:
-- `ddp`: the policy (and a separate critic) replicated, gradients all-reduced by
-  `DistributedDataParallel`. Training forwards go through the DDP wrapper; sampling and
-  no-grad passes use the module itself.
-- `fsdp`: FSDP2 `fully_shard` on every decoder layer and on the root (policy, separate critic,
-  frozen reference): parameters, gradients and AdamW state are sharded. Sampling runs with the
-  parameters gathered (`gathered`), since processes decode different numbers of tokens and
-  so cannot take part in per-layer collectives.
-- A shared value head (`--critic shared`) is small and replicated; its gradients are
-  all-reduced by hand (`average_grads`).
+means `cuda:$LOCAL_RANK`. Wrapping models (DDP, FSDP2 sharding), gathering sharded
+parameters and state dicts is gspo.parallel's.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from dataclasses import dataclass, field
@@ -44,13 +32,6 @@ import torch
 import torch.distributed as torch_dist
 
 Tensor = torch.Tensor
-
-# metric name -> which count the per-process value is an average over ("min"/"max": reduce so)
-TOKEN_METRICS = ("clip/frac", "clip/low_frac", "clip/high_frac", "ratio/mean", "kl/old_new", "value/loss",
-                 "value/clip_frac")
-AGG_METRICS = ("loss/policy", "kl/ref", "loss/kl")
-MOE_METRICS = ("moe/drift", "moe/drift_in_ratio", "moe/aux_loss")
-
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -83,11 +64,7 @@ class Dist:
         return t.detach().to(dev, copy=True)
 
     def all_sum(self, t: Tensor) -> Tensor:
-        if not self.enabled:
-            return t
-        out = self._comm(t)
-        torch_dist.all_reduce(out, op=torch_dist.ReduceOp.SUM)
-        return out.to(t.device)
+        return self._reduce(t, torch_dist.ReduceOp.SUM)
 
     def gather(self, t: Tensor) -> Tensor:
         """Concatenate every process's `t` along dim 0, in rank order (sizes may differ)."""
@@ -111,6 +88,19 @@ class Dist:
         box = [obj]
         torch_dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def all_min(self, t: Tensor) -> Tensor:
+        return self._reduce(t, torch_dist.ReduceOp.MIN)
+
+    def all_max(self, t: Tensor) -> Tensor:
+        return self._reduce(t, torch_dist.ReduceOp.MAX)
+
+    def _reduce(self, t: Tensor, op) -> Tensor:
+        if not self.enabled:
+            return t
+        out = self._comm(t)
+        torch_dist.all_reduce(out, op=op)
+        return out.to(t.device)
 
     def barrier(self) -> None:
         if self.enabled:
@@ -142,141 +132,6 @@ class Dist:
         total = self.all_sum(local_counts)
         return self.world * local_counts / total.clamp(min=1)
 
-    def reduce_metrics(self, history: list[dict], weights: list[dict]) -> list[dict]:
-        """Exact cross-process values of per-update metrics.
-
-        history[i][key] is this process's value for update i, an average over weights[i][name]
-        items (completion tokens, responses, ...): the global value is Σ_r w_r·m_r / Σ_r w_r.
-        Keys ending in /min and /max take the min and max; any other key the plain mean over
-        processes (e.g. grad_norm, already the same everywhere).
-        """
-        if not self.enabled or not history:
-            return history
-        keys = list(history[0])
-        n = len(history)
-        num = torch.zeros(n, len(keys), dtype=torch.float64)
-        den = torch.zeros(n, len(keys), dtype=torch.float64)
-        lo = torch.full((n, len(keys)), math.inf, dtype=torch.float64)
-        hi = torch.full((n, len(keys)), -math.inf, dtype=torch.float64)
-        for i, (h, w) in enumerate(zip(history, weights)):
-            for j, key in enumerate(keys):
-                v = h[key]
-                if key.endswith("/min"):
-                    lo[i, j] = v if v == v else math.inf
-                elif key.endswith("/max"):
-                    hi[i, j] = v if v == v else -math.inf
-                else:
-                    wt = float(w.get(metric_count(key), 1.0))
-                    if wt > 0 and v == v:
-                        num[i, j], den[i, j] = v * wt, wt
-        if self.device.type == "cuda":
-            num, den, lo, hi = (x.to(self.device) for x in (num, den, lo, hi))
-        both = torch.stack([num, den])
-        torch_dist.all_reduce(both, op=torch_dist.ReduceOp.SUM)
-        torch_dist.all_reduce(lo, op=torch_dist.ReduceOp.MIN)
-        torch_dist.all_reduce(hi, op=torch_dist.ReduceOp.MAX)
-        both, lo, hi = both.cpu(), lo.cpu(), hi.cpu()
-        out = []
-        for i in range(n):
-            row = {}
-            for j, key in enumerate(keys):
-                if key.endswith("/min"):
-                    row[key] = float(lo[i, j]) if math.isfinite(lo[i, j]) else float("nan")
-                elif key.endswith("/max"):
-                    row[key] = float(hi[i, j]) if math.isfinite(hi[i, j]) else float("nan")
-                else:
-                    row[key] = float(both[0, i, j] / both[1, i, j]) if both[1, i, j] > 0 else float("nan")
-            out.append(row)
-        return out
-
-    # --- models ----------------------------------------------------------------------------
-
-    def wrap(self, model, *, find_unused: bool = False):
-        """Prepare a trainable model; returns what training forwards should call.
-
-        ddp: the DDP wrapper (the module itself is unchanged and used for sampling);
-        fsdp: the module, sharded in place; none: the module.
-        """
-        if self.parallel == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
-        if self.parallel == "fsdp":
-            self.shard(model)
-        return model
-
-    def shard(self, model) -> None:
-        """FSDP2: fully_shard each decoder layer (the model's `_no_split_modules`), then the root."""
-        from torch.distributed.fsdp import fully_shard
-
-        names = set()
-        for m in model.modules():
-            names.update(getattr(m, "_no_split_modules", None) or [])
-        for m in list(model.modules()):
-            if m is not model and type(m).__name__ in names:
-                fully_shard(m, mesh=self.mesh)
-        fully_shard(model, mesh=self.mesh)
-        # settle which module is the root now: sampling may call the decoder layers without
-        # going through the root's forward (gspo.fastdecode), which FSDP would otherwise reject
-        model._get_fsdp_state()._lazy_init()
-
-    @contextlib.contextmanager
-    def gathered(self, model):
-        """FSDP: hold `model`'s full parameters on every process for the block (sampling,
-        evaluation), so forwards there need no collectives; a no-op otherwise."""
-        if self.parallel != "fsdp":
-            yield model
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for m in units:
-            m.set_reshard_after_forward(False, recurse=False)
-            m.unshard()
-        try:
-            yield model
-        finally:
-            for m in units:
-                m.reshard()
-                m.set_reshard_after_forward(True, recurse=False)
-
-    def full_state_dict(self, model) -> dict | None:
-        """FSDP: the gathered state dict on rank 0 (None elsewhere); otherwise None (the
-        module's own state dict is complete)."""
-        if self.parallel != "fsdp":
-            return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.is_main:
-            return None
-        seen, tied = set(), set()  # tied weights (embeddings = LM head) are written once, as save_pretrained does
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:
-                tied.add(name)
-            seen.add(id(p))
-        return {k: v for k, v in sd.items() if k not in tied}
-
-    def optimizer_state(self, model, optimizer) -> dict:
-        """FSDP: the gathered optimizer state (keyed by parameter name) on rank 0; otherwise
-        the optimizer's own state dict (identical on every DDP process)."""
-        if self.parallel != "fsdp":
-            return optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(model, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def load_optimizer_state(self, model, optimizer, state: dict) -> None:
-        if self.parallel != "fsdp":
-            optimizer.load_state_dict(state)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
-                                 options=StateDictOptions(full_state_dict=True))
-
     def close(self, clean: bool = True) -> None:
         """Leave the process group; `clean`: after a barrier, so that no process tears down its
         connections while another still uses them (skipped after an error: it could hang)."""
@@ -284,33 +139,6 @@ class Dist:
             if clean:
                 torch_dist.barrier()
             torch_dist.destroy_process_group()
-
-
-def clip_grad_norm(params: list, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_ that also takes a mix of FSDP-sharded (DTensor) and plain
-    parameters (a sharded policy and its replicated value head): the norm is over all of them."""
-    params = [p for p in params if p.grad is not None]
-    sharded = [p for p in params if hasattr(p, "placements")]
-    if not sharded or len(sharded) == len(params):
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    plain = [p for p in params if not hasattr(p, "placements")]
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in (sharded, plain)]
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    for group in (sharded, plain):
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return float(total)
-
-
-def metric_count(key: str) -> str:
-    """Which count a per-update metric is an average over (see Dist.reduce_metrics)."""
-    if key in TOKEN_METRICS:
-        return "tokens"
-    if key in AGG_METRICS:
-        return "agg"
-    if key in MOE_METRICS:
-        return "attention"
-    return "rank"
 
 
 def init(parallel: str, device: str) -> Dist:

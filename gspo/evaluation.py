@@ -17,25 +17,7 @@ import sys
 import torch
 
 from gspo.rewards import Reward, score_completions
-from gspo.rollout import generate
-
-
-def encode_prompt(tokenizer, prompt) -> list[int]:
-    """Token ids of a prompt: plain text as is, chat messages through the chat template."""
-    if isinstance(prompt, list):
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
-
-
-def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
-    return [encode_prompt(tokenizer, p) for p in prompts]
-
-
-def decode_completions(tokenizer, ro) -> tuple[list[str], list[list[int]]]:
-    """Completion texts (special tokens dropped) and token ids (padding dropped, EOS kept)."""
-    ids = [row[: int(n)].tolist() for row, n in zip(ro.completion_ids, ro.lengths)]
-    return tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True), ids
+from gspo.rollout import decode_completions, encode_prompts, generate, sampling_params
 
 
 @torch.no_grad()
@@ -50,6 +32,8 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
     first = rewards[0].name
     acc = total = pass_k = sample_acc = 0.0
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    greedy = sampling_params(tokenizer, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
+    sampled = sampling_params(tokenizer, group_size=k, max_new_tokens=max_new_tokens, temperature=temperature)
     starts = range(0, len(examples), batch_size)
     if progress and len(starts) > 1 and sys.stderr.isatty():
         from tqdm import tqdm
@@ -58,15 +42,13 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
     for start in starts:
         chunk = examples[start:start + batch_size]
         prompts = encode_prompts(tokenizer, [ex.prompt for ex in chunk])
-        ro = generate(model, prompts, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        ro = generate(model, prompts, greedy)
         texts, ids = decode_completions(tokenizer, ro)
         weighted, per = score_completions(rewards, chunk, texts, ids, 1)
         acc += sum(per[first])
         total += sum(weighted)
         if k > 0:
-            ro = generate(model, prompts, group_size=k, max_new_tokens=max_new_tokens, temperature=temperature,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, generator=gen)
+            ro = generate(model, prompts, sampled, generator=gen)
             texts, ids = decode_completions(tokenizer, ro)
             _, per = score_completions(rewards, chunk, texts, ids, k)
             r = torch.tensor(per[first]).view(len(chunk), k)

@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from gspo.metrics import Max, Mean, Min
+
 Tensor = torch.Tensor
 
 # log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp(): e^20 ≈ 4.9e8 is
@@ -230,8 +232,32 @@ def policy_loss(
 
     Returns:
         loss: scalar to minimise (the negative of the objective, plus β·KL).
-        metrics: Python floats, see README "Metrics".
+        metrics: floats (gspo.metrics.Mean/Min/Max, which say how each averages), see docs/metrics.md.
     """
+    _check_inputs(name, logp, old_logp, mask, clip_low=clip_low, clip_high=clip_high)
+    agg = agg or "seq-mean-token-mean"
+    mask = mask.to(logp.dtype)
+    old_logp = old_logp.detach()
+    out = TOKEN_LOSSES[name](logp, old_logp, advantages.detach(), mask, clip_low=clip_low, clip_high=clip_high)
+    pg_loss = aggregate(out.loss, mask, agg, max_len=max_len)
+    loss = pg_loss
+
+    metrics: dict[str, float] = {}
+    n_agg = float(agg_count(mask, agg))  # what the aggregated metrics average over
+    if beta != 0.0 or ref_logp is not None:
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs")
+        kl = kl_penalty(logp, ref_logp.detach(), kl_estimator)  # (B, T)
+        kl_loss = aggregate(kl, mask, agg, max_len=max_len)
+        loss = pg_loss + beta * kl_loss
+        metrics["kl/ref"] = Mean(kl_loss.detach(), n_agg)
+        metrics["loss/kl"] = Mean(beta * kl_loss.detach(), n_agg)
+    metrics.update(_ratio_metrics(out, logp, old_logp, mask))
+    metrics["loss/policy"] = Mean(pg_loss.detach(), n_agg)
+    return loss, metrics
+
+
+def _check_inputs(name: str, logp: Tensor, old_logp: Tensor, mask: Tensor, *, clip_low: float, clip_high: float) -> None:
     if name not in TOKEN_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; valid losses: {', '.join(TOKEN_LOSSES)}")
     if clip_low < 0 or clip_high < 0:
@@ -241,31 +267,13 @@ def policy_loss(
             f"logp, old_logp and mask must share one (B, T) shape, got "
             f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}"
         )
-    agg = agg or "seq-mean-token-mean"
-    mask = mask.to(logp.dtype)
-    old_logp = old_logp.detach()
-    out = TOKEN_LOSSES[name](logp, old_logp, advantages.detach(), mask, clip_low=clip_low, clip_high=clip_high)
-    pg_loss = aggregate(out.loss, mask, agg, max_len=max_len)
-    loss = pg_loss
-
-    metrics: dict[str, float] = {}
-    if beta != 0.0 or ref_logp is not None:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs")
-        kl = kl_penalty(logp, ref_logp.detach(), kl_estimator)  # (B, T)
-        kl_loss = aggregate(kl, mask, agg, max_len=max_len)
-        loss = pg_loss + beta * kl_loss
-        metrics["kl/ref"] = float(kl_loss.detach())
-        metrics["loss/kl"] = float(beta * kl_loss.detach())
-    metrics.update(_ratio_metrics(out, logp, old_logp, mask))
-    metrics["loss/policy"] = float(pg_loss.detach())
-    return loss, metrics
 
 
 @torch.no_grad()
 def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor) -> dict[str, float]:
     """Clip fractions and ratio statistics over completion tokens (each token counts once)."""
     on = mask > 0  # (B, T)
+    tokens = float(on.sum())  # every metric here averages over completion tokens
     n = on.sum().clamp(min=1).to(logp.dtype)
     low = (out.clipped_low & on).sum() / n
     high = (out.clipped_high & on).sum() / n
@@ -275,11 +283,11 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
     kl_old_new = (torch.exp(log_w) - 1.0 - log_w).mean() if log_w.numel() else log_w.new_zeros(())
     empty = ratio.numel() == 0
     return {
-        "clip/frac": float(low + high),
-        "clip/low_frac": float(low),
-        "clip/high_frac": float(high),
-        "ratio/mean": float("nan") if empty else float(ratio.mean()),
-        "ratio/min": float("nan") if empty else float(ratio.min()),
-        "ratio/max": float("nan") if empty else float(ratio.max()),
-        "kl/old_new": float(kl_old_new),
+        "clip/frac": Mean(low + high, tokens),
+        "clip/low_frac": Mean(low, tokens),
+        "clip/high_frac": Mean(high, tokens),
+        "ratio/mean": Mean("nan" if empty else ratio.mean(), tokens),
+        "ratio/min": Min("nan" if empty else ratio.min()),
+        "ratio/max": Max("nan" if empty else ratio.max()),
+        "kl/old_new": Mean(kl_old_new, tokens),
     }

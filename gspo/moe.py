@@ -32,6 +32,8 @@ import contextlib
 
 import torch
 
+from gspo.metrics import Mean
+
 Tensor = torch.Tensor
 
 
@@ -192,3 +194,18 @@ def load_balancing_loss(logits_per_layer: list[Tensor], mask: Tensor, top_k: int
         P = (probs * flat[:, None]).sum(0) / n  # (E,) mean router probability
         losses.append(E * (f * P).sum())
     return torch.stack(losses).mean()
+
+
+def moe_terms(cap: Capture, old_routing: Tensor, tokens: Tensor, top_k: int, aux_coef: float) -> tuple[Tensor | float, dict]:
+    """What an update adds on an MoE model: expert drift of this forward against the old
+    policy's routing, and (aux_coef > 0) the weighted load-balancing loss.
+    tokens: (b, P+T) attention mask: every real token counts."""
+    b, S = tokens.shape
+    n = float(tokens.sum())
+    metrics = {"moe/drift": Mean(drift(cap.natural_indices(b, S), old_routing, tokens), n),  # what the router picks
+               "moe/drift_in_ratio": Mean(drift(cap.indices(b, S), old_routing, tokens), n)}  # what the experts got
+    if aux_coef == 0:
+        return 0.0, metrics
+    aux = load_balancing_loss([torch.cat(x) for x in cap.logits], tokens, top_k)
+    metrics["moe/aux_loss"] = Mean(aux.detach(), n)
+    return aux_coef * aux, metrics

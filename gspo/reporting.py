@@ -68,3 +68,14 @@ class Reporter:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def samples_rows(step: int, batch, n: int) -> list[dict]:
+    """The first `n` completions of a step's gspo.trainer.Batch, for samples.jsonl."""
+    G = batch.rollout.group_size
+    rows = []
+    for i in range(min(n, len(batch.completions))):
+        ex = batch.examples[i // G]
+        rows.append({"step": step, "prompt": ex.prompt, "completion": batch.completions[i], "answer": ex.answer,
+                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i].flatten()[0])})
+    return rows

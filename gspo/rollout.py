@@ -1,10 +1,15 @@
-"""Sampling groups of completions with their log-probs, and recomputing those log-probs.
+"""Rollouts: who samples (the `Sampler` interface), our own sampler, and token log-probs.
 
-    from gspo.rollout import generate, completion_logprobs
-    ro = generate(model, prompt_ids, group_size=8, max_new_tokens=8, temperature=1.0,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    from gspo.rollout import PolicySampler, sampling_params, completion_logprobs
+    params = sampling_params(tokenizer, group_size=8, max_new_tokens=8, temperature=1.0)
+    ro = PolicySampler(model).sample(prompt_ids, params, generator=g)   # a Rollout
     logp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask,
                                temperature=1.0)   # (B, T), equals ro.logp in fp32
+
+A `Sampler` turns prompts (token id lists) into a `Rollout` of G completions per prompt, with
+the log-prob of every sampled token recorded, and loads the policy's current weights before
+each rollout (`sync`). `PolicySampler` is gspo's own (the policy itself, or a copy in
+another precision); inference engines implement the same two methods.
 
 Layout. Prompts are left-padded to a common width P and completions right-padded to T, so
 every completion starts at column P; row b holds prompt b // G (groups are contiguous).
@@ -15,21 +20,24 @@ Log-probs are those of the temperature-scaled distribution, log softmax(logits /
 while sampling; top-p truncation changes which tokens can be drawn but not the recorded
 log-prob (as in TRL and verl), so recorded and recomputed log-probs agree.
 
-The sampling loop prefills each distinct prompt once and shares its KV cache across the G
-samples of its group, computes logits only for the last position, decodes Llama-family
-models with a compact step (gspo.fastdecode), samples by inverse CDF, and runs under
-`torch.inference_mode` (the returned tensors are ordinary ones).
+The sampling loop (`generate`) prefills each distinct prompt once and shares its KV cache
+across the G samples of its group, computes logits only for the last position, decodes
+Llama-family models with a compact step (gspo.fastdecode), samples by inverse CDF, and runs
+under `torch.inference_mode` (the returned tensors are ordinary ones).
 
-Left out: vLLM and other inference engines; beam search.
+Left out: beam search.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from gspo import parallel
 from gspo.fastdecode import decoder
 from gspo.lmhead import chunked_logprobs, fused_head
 
@@ -58,13 +66,88 @@ class Rollout:
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask.to(self.prompt_mask.dtype)], 1)  # (B, P+T)
 
+    def map(self, fn) -> "Rollout":
+        """The same rollout with `fn` applied to every tensor field."""
+        return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), Tensor)})
+
     def select(self, idx: Tensor) -> "Rollout":
         """Rows `idx` (for minibatches); the group layout no longer holds for the result."""
-        return Rollout(
-            self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx], self.completion_mask[idx],
-            self.logp[idx], self.lengths[idx], self.truncated[idx], self.group_size,
-            None if self.routing is None else self.routing[idx],
-        )
+        return self.map(lambda t: t[idx])
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are sampled; every engine takes the same parameters."""
+
+    group_size: int  # G completions per prompt
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]  # any of them ends a completion (and is part of it)
+    pad_token_id: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    min_new_tokens: int = 0  # no stop token before this many tokens
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The tokens that end a completion, for rollouts and evaluation alike."""
+    return (tokenizer.eos_token_id,)
+
+
+def sampling_params(tokenizer, **kw) -> SamplingParams:
+    """SamplingParams with the tokenizer's stop and padding tokens."""
+    return SamplingParams(stop_token_ids=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, **kw)
+
+
+class Sampler(Protocol):
+    """A rollout engine: gspo's own `PolicySampler`, or an inference engine (vLLM)."""
+
+    def sync(self, policy) -> None:
+        """Load the policy's current weights, so the next rollout samples from it."""
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
+               rows: tuple[int, int] | None = None) -> "Rollout":
+        """G completions per prompt (see `generate` for `generator` and `rows`)."""
+
+
+class PolicySampler:
+    """gspo's own sampler: the policy itself, or a copy of it in another precision (an inference
+    engine's, `--rollout-dtype`) whose weights are copied from the policy before every rollout.
+
+    routing: a gspo.moe.Routing on `model` that records the experts used while sampling.
+    dist: under FSDP the sampling model's parameters are gathered for the rollout.
+    """
+
+    def __init__(self, model, *, routing=None, dist=None):
+        self.model, self.routing, self.dist = model, routing, dist
+
+    def sync(self, policy) -> None:
+        if self.model is not policy:
+            with torch.no_grad():
+                for dst, src in zip(self.model.parameters(), policy.parameters()):
+                    dst.copy_(src)
+
+    def sample(self, prompts, params, *, generator=None, rows=None) -> "Rollout":
+        with parallel.gathered(self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
+            return generate(self.model, prompts, params, generator=generator, routing=self.routing, rows=rows)
+
+
+def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
+    """Token ids of prompts: plain text as is, chat messages through the chat template."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        else:
+            out.append(tokenizer(prompt)["input_ids"])
+    return out
+
+
+def decode_completions(tokenizer, ro: "Rollout") -> tuple[list[str], list[list[int]]]:
+    """Completion texts (special tokens dropped) and token ids (padding dropped, stop token kept)."""
+    ids = [row[: int(n)].tolist() for row, n in zip(ro.completion_ids, ro.lengths)]
+    return tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True), ids
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
@@ -84,8 +167,8 @@ def position_ids_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
-                 banned: int | None = None, uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, *,
+                 banned: tuple[int, ...] | None = None, uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row from `logits` (B, V); returns (tokens (B,), log-probs (B,)).
 
     Sampling is by inverse CDF: one uniform u per row, and the token is the first whose
@@ -95,15 +178,15 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     makes sampling independent of how rows are split across processes (`uniforms`, (B,),
     supplied by the caller, else drawn from `generator`).
 
-    temperature == 0 means greedy; the returned log-prob is then that of τ = 1. `banned` is a
-    token id that cannot be drawn (EOS before min_new_tokens); like top-p, it changes what can
-    be drawn, not the recorded log-prob.
+    temperature == 0 means greedy; the returned log-prob is then that of τ = 1. `banned`: token
+    ids that cannot be drawn (stop tokens before min_new_tokens); like top-p, they change what
+    can be drawn, not the recorded log-prob.
     """
     logits = logits.float()  # (B, V)
     scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V)
     if temperature == 0:
         logprobs = torch.log_softmax(scaled, -1)  # (B, V)
-        masked = logits if banned is None else logits.index_fill(-1, torch.tensor([banned], device=logits.device),
+        masked = logits if banned is None else logits.index_fill(-1, torch.tensor(banned, device=logits.device),
                                                                   float("-inf"))
         tokens = masked.argmax(-1)  # (B,)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -117,7 +200,7 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     else:
         log_total = e.sum(-1, keepdim=True).log()  # (B, 1) of the full distribution: the recorded log-prob
         if banned is not None:
-            e[:, banned] = 0.0
+            e[:, list(banned)] = 0.0
         if top_p < 1.0:
             sorted_e, order = e.sort(-1, descending=True)  # (B, V)
             mass = sorted_e.cumsum(-1)  # (B, V)
@@ -133,46 +216,27 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     return tokens, logp
 
 
-def generate(
-    model,
-    prompts: list[list[int]],
-    *,
-    group_size: int,
-    max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
-    min_new_tokens: int = 0,
-    routing=None,
-    rows: tuple[int, int] | None = None,
-) -> Rollout:
-    """Sample `group_size` completions for each prompt (token id lists) with a KV cache.
+def generate(model, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
+             routing=None, rows: tuple[int, int] | None = None) -> Rollout:
+    """Sample `params.group_size` completions for each prompt (token id lists) with a KV cache.
 
     generator: a CPU generator; each decode step draws one uniform per row from it.
     rows: (offset, total): these rows are rows offset... of a batch of `total` rows split
     across processes; every process draws all `total` uniforms each step and uses its own,
     so a row's tokens do not depend on how the batch is split (nor on the device).
-    min_new_tokens: EOS cannot be drawn before this many tokens (min = max gives every
-    completion the same length, as benchmarks need).
+    params.min_new_tokens: no stop token can be drawn before this many tokens (min = max gives
+    every completion the same length, as benchmarks need).
     routing: a gspo.moe.Routing on `model`: record the experts every token used while
     sampling into `Rollout.routing` (for Routing Replay with sampling-time log-probs).
     """
     ctx = routing.capture() if routing is not None else contextlib.nullcontext()
     with ctx as cap, torch.inference_mode():
-        ro = _generate(model, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, temperature=temperature, top_p=top_p,
-                       generator=generator, min_new_tokens=min_new_tokens, rows=rows)
+        ro = _generate(model, prompts, params, generator, rows)
         if routing is not None:
             ro.routing = _assemble_routing(cap, ro, len(prompts))
     # ordinary tensors from here on: inference tensors cannot take part in autograd later
     # (old log-probs and replayed expert ids meet the training graph)
-    for f in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "logp", "lengths", "truncated", "routing"):
-        v = getattr(ro, f)
-        if v is not None:
-            setattr(ro, f, v.clone())
-    return ro
+    return ro.map(Tensor.clone)
 
 
 def _assemble_routing(cap, ro: Rollout, n_prompts: int) -> Tensor:
@@ -189,24 +253,13 @@ def _assemble_routing(cap, ro: Rollout, n_prompts: int) -> Tensor:
     return out
 
 
-def _generate(
-    model,
-    prompts: list[list[int]],
-    *,
-    group_size: int,
-    max_new_tokens: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    temperature: float,
-    top_p: float,
-    generator: torch.Generator | None,
-    min_new_tokens: int,
-    rows: tuple[int, int] | None,
-) -> Rollout:
+def _generate(model, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None,
+              rows: tuple[int, int] | None) -> Rollout:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    G = group_size
+    G, max_new_tokens, pad_token_id = params.group_size, params.max_new_tokens, params.pad_token_id
+    stop = torch.tensor(params.stop_token_ids, device=device)  # (S,)
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
     dec = decoder(model, prompt_ids.shape[1] + max_new_tokens)
     pos = position_ids_from_mask(prompt_mask)  # (N, P)
@@ -226,14 +279,14 @@ def _generate(
     offset, total = rows or (0, B)
     n_steps = 0
     for t in range(max_new_tokens):
-        banned = eos_token_id if t < min_new_tokens else None
-        u = None if temperature == 0 else torch.rand(total, generator=generator)[offset:offset + B]  # (B,) CPU
-        tok, lp = sample_token(logits, temperature, top_p, generator, banned, u)  # (B,), (B,)
+        banned = params.stop_token_ids if t < params.min_new_tokens else None
+        u = None if params.temperature == 0 else torch.rand(total, generator=generator)[offset:offset + B]  # (B,) CPU
+        tok, lp = sample_token(logits, params.temperature, params.top_p, generator, banned=banned, uniforms=u)  # (B,), (B,)
         tok = tok.masked_fill(done, pad_token_id)
         tokens[:, t] = tok
         logp[:, t] = lp.masked_fill(done, 0.0)
         lengths += (~done).long()
-        done |= tok == eos_token_id
+        done |= torch.isin(tok, stop)
         n_steps = t + 1
         if bool(done.all()) or t == max_new_tokens - 1:
             break
@@ -275,3 +328,22 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, comple
     if return_hidden:
         return logp * completion_mask, out.hidden_states[-1][:, -T - 1:-1]  # (B, T), (B, T, H)
     return logp * completion_mask
+
+
+@torch.no_grad()
+def token_logprobs(model, ro: Rollout, *, temperature: float, batch_size: int, routing=None
+                   ) -> tuple[Tensor, Tensor | None]:
+    """log π of every sampled token under `model`, in chunks of rows, without gradient, in eval
+    mode: (B, T). With `routing` (MoE), also the experts every token used, (B, P+T, L, k)."""
+    was_training = model.training
+    model.eval()
+    out, experts = [], []
+    for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
+        sub = ro.select(idx)
+        with routing.capture() if routing is not None else contextlib.nullcontext() as cap:
+            out.append(completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                           temperature=temperature))
+        if routing is not None:
+            experts.append(cap.indices(*sub.input_ids.shape))
+    model.train(was_training)
+    return torch.cat(out), (torch.cat(experts) if routing is not None else None)

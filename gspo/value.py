@@ -22,12 +22,15 @@ rewards here are verifiers).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from gspo.rollout import position_ids_from_mask
+from gspo.advantages import at_last_token, gae, masked_whiten
+from gspo.metrics import Mean
+from gspo.rollout import Rollout, completion_logprobs, position_ids_from_mask
 
 Tensor = torch.Tensor
 HEAD_FILE = "value_head.pt"
@@ -124,7 +127,8 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         per_token = 0.5 * err
         clip_frac = 0.0
     loss = (per_token * mask).sum() / n
-    return loss, {"value/loss": float(loss.detach()), "value/clip_frac": clip_frac}
+    tokens = float(mask.sum())
+    return loss, {"value/loss": Mean(loss.detach(), tokens), "value/clip_frac": Mean(clip_frac, tokens)}
 
 
 @torch.no_grad()
@@ -139,3 +143,56 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     if r.numel() == 0 or var_r == 0:
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
+
+
+@dataclass
+class ValueModel:
+    """PPO's critic as the trainer holds it: a separate model with its own optimizer, or a
+    head on the policy's trunk (whose parameters live in the policy's optimizer)."""
+
+    critic: Critic | None = None  # --critic separate
+    head: ValueHead | None = None  # --critic shared
+    optimizer: torch.optim.Optimizer | None = None  # the separate critic's
+    scheduler: object | None = None
+    critic_train: object | None = None  # what training forwards call: the critic, or its DDP wrapper
+
+    @property
+    def shared(self) -> bool:
+        return self.head is not None
+
+    def forward(self, mb: Rollout, hidden: Tensor | None) -> Tensor:
+        """V(s_t) of a minibatch's completion tokens, with gradient: (b, T). hidden: the
+        policy's final hidden states at those positions (shared head)."""
+        if self.shared:
+            return self.head(hidden)
+        return (self.critic_train or self.critic)(mb.input_ids, mb.attention_mask, mb.completion_mask.shape[1])
+
+    @torch.no_grad()
+    def values(self, policy, ro: Rollout, temperature: float, batch_size: int) -> Tensor:
+        """V(s_t) of every completion token, without gradient. (B, T)"""
+        out = []
+        for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
+            sub = ro.select(idx)
+            if self.shared:
+                _, hidden = completion_logprobs(policy, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                                temperature=temperature, return_hidden=True)
+                out.append(self.head(hidden))
+            else:
+                out.append(self.critic(sub.input_ids, sub.attention_mask, sub.completion_mask.shape[1]))
+        return torch.cat(out) * ro.completion_mask
+
+
+def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, *, gamma: float, lam: float,
+                   kl: Tensor | None = None, kl_coef: float = 0.0, whiten: bool = True,
+                   all_sum=None) -> tuple[Tensor, Tensor]:
+    """GAE advantages and returns (B, T) from the sequence reward (B,) at the last completion
+    token, minus kl_coef · kl on every token when kl_coef > 0 (kl: (B, T) log π_old - log π_ref,
+    the RLHF reward penalty). Whitening uses the global batch's statistics (`all_sum`: sums
+    over processes, gspo.distributed.Dist.all_sum)."""
+    token_rewards = rewards.to(old_values.device)  # (B,) placed at the last token by gae()
+    if kl_coef > 0:
+        token_rewards = -kl_coef * kl * mask + at_last_token(token_rewards, mask)  # (B, T)
+    adv, returns = gae(token_rewards, old_values, mask, gamma=gamma, lam=lam)  # (B, T)
+    if whiten:
+        adv = masked_whiten(adv, mask, all_sum=all_sum)
+    return adv, returns

@@ -1,9 +1,9 @@
 """The Markdown table of `gspo train` options, from TrainConfig's field docstrings.
 
     python scripts/options_table.py            # print it
-    python scripts/options_table.py --write    # replace the table in README.md
+    python scripts/options_table.py --write    # replace the table in docs/options.md
 
-tests/test_docs.py fails when README.md's table differs from this output.
+tests/test_docs.py fails when docs/options.md's table differs from this output.
 """
 
 import ast
@@ -28,7 +28,7 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 START, END = "<!-- options:start -->", "<!-- options:end -->"
 
 
@@ -44,10 +44,10 @@ def table() -> str:
 
 def main():
     if "--write" in sys.argv:
-        text = README.read_text()
+        text = OPTIONS_PAGE.read_text()
         head, rest = text.split(START, 1)
         _, tail = rest.split(END, 1)
-        README.write_text(f"{head}{START}\n{table()}\n{END}{tail}")
+        OPTIONS_PAGE.write_text(f"{head}{START}\n{table()}\n{END}{tail}")
     else:
         print(table())
 

@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from gspo.config import ConfigError, TrainConfig, load_yaml, resolve, save_yaml
+from gspo.checkpoint import config_yaml
+from gspo.config import ConfigError, TrainConfig, load_yaml, resolve
 
 
 def test_presets_fill_clip_ranges():
@@ -51,7 +52,7 @@ def test_minibatch_message_names_the_batch():
 
 def test_yaml_round_trip(tmp_path):
     cfg = resolve(TrainConfig(algorithm="grpo", steps=7, adam_betas=(0.8, 0.95), output_dir=str(tmp_path / "r")))
-    save_yaml(cfg, tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text(config_yaml(cfg))
     assert load_yaml(tmp_path / "c.yaml") == cfg
 
 

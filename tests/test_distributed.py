@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from gspo import checkpoint as ckpt
-from gspo.distributed import Dist, metric_count
+from gspo.distributed import Dist
+from gspo.metrics import Max, Mean, Min, reduce_across
 
 pytestmark = pytest.mark.slow
 
@@ -171,12 +172,10 @@ def test_batch_that_does_not_split_is_one_line_error(tmp_path):
 # --- the reduction arithmetic, in one process ----------------------------------------------
 
 
-def test_metric_counts_and_single_process_identity():
-    assert metric_count("clip/frac") == "tokens" and metric_count("loss/policy") == "agg"
-    assert metric_count("moe/drift") == "attention" and metric_count("grad_norm") == "rank"
+def test_single_process_identity():
     d = Dist()
-    h = [{"clip/frac": 0.25, "ratio/min": 0.9}]
-    assert d.reduce_metrics(h, [{"tokens": 4.0}]) is h
+    h = [{"clip/frac": Mean(0.25, 4), "ratio/min": Min(0.9)}]
+    assert reduce_across(h, d) is h
     assert d.loss_scales(torch.tensor([[3.0, 5.0]])).tolist() == [[1.0, 1.0]]
     # shares: 10 rows over 4 processes -> 3, 3, 3, 1
     assert [Dist(rank=r, world=4).share(10) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 10)]
@@ -189,10 +188,11 @@ def _reduce_worker(rank: int, init_file: str, out_dir: str):
     d = Dist(rank=rank, world=2, parallel="ddp")
     # rank 0: 1 of its 2 tokens clipped, loss/policy 0.3 over 1 response, ratio in [0.9, 1.2]
     # rank 1: 0 of 6 tokens clipped,      loss/policy 0.1 over 3 responses, ratio in [0.95, 1.1]
-    h = [{"clip/frac": 0.5, "loss/policy": 0.3, "ratio/min": 0.9, "ratio/max": 1.2, "grad_norm": 2.0},
-         {"clip/frac": 0.0, "loss/policy": 0.1, "ratio/min": 0.95, "ratio/max": 1.1, "grad_norm": 2.0}][rank:rank + 1]
-    w = [{"tokens": 2.0, "agg": 1.0}, {"tokens": 6.0, "agg": 3.0}][rank:rank + 1]
-    out = d.reduce_metrics(h, w)[0]
+    h = [{"clip/frac": Mean(0.5, 2), "loss/policy": Mean(0.3, 1), "ratio/min": Min(0.9), "ratio/max": Max(1.2),
+          "grad_norm": Mean(2.0)},
+         {"clip/frac": Mean(0.0, 6), "loss/policy": Mean(0.1, 3), "ratio/min": Min(0.95), "ratio/max": Max(1.1),
+          "grad_norm": Mean(2.0)}][rank:rank + 1]
+    out = {k: (type(v).__name__, float(v)) for k, v in reduce_across(h, d)[0].items()}
     scales = d.loss_scales(torch.tensor([[1.0, 2.0], [3.0, 6.0]][rank], dtype=torch.float64)).tolist()
     torch.save({"metrics": out, "scales": scales}, f"{out_dir}/{rank}.pt")
     td.destroy_process_group()
@@ -204,9 +204,12 @@ def test_reduce_metrics_and_loss_scales_by_hand(tmp_path):
     mp.spawn(_reduce_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert r0["metrics"] == r1["metrics"]
-    m = r0["metrics"]
+    kinds = {k: kind for k, (kind, _) in r0["metrics"].items()}
+    m = {k: v for k, (_, v) in r0["metrics"].items()}
     assert m["clip/frac"] == pytest.approx(1 / 8, abs=1e-12)  # (0.5·2 + 0·6) / 8 tokens; not (0.5 + 0) / 2
     assert m["loss/policy"] == pytest.approx((0.3 * 1 + 0.1 * 3) / 4, abs=1e-12)  # 0.15 over 4 responses
     assert (m["ratio/min"], m["ratio/max"], m["grad_norm"]) == (0.9, 1.2, 2.0)
+    assert kinds == {"clip/frac": "Mean", "loss/policy": "Mean", "ratio/min": "Min", "ratio/max": "Max",
+                     "grad_norm": "Mean"}  # still declared, for the step's averaging
     # loss scale = world · local / global: responses 1 of 4 and 3 of 4, tokens 2 of 8 and 6 of 8
     assert r0["scales"] == pytest.approx([2 * 1 / 4, 2 * 2 / 8]) and r1["scales"] == pytest.approx([2 * 3 / 4, 2 * 6 / 8])

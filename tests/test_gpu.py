@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.rollout import completion_logprobs, generate
+from gspo.rollout import completion_logprobs, generate, sampling_params
 from gspo.trainer import train
 
 
@@ -23,8 +23,7 @@ def test_rollout_logprobs_match_on_cuda(char_tokenizer):
     model = random_tiny_model(char_tokenizer).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = [char_tokenizer(p)["input_ids"] for p in ["12+7=", "999-123="]]
-    ro = generate(model, ids, group_size=4, max_new_tokens=6, eos_token_id=char_tokenizer.eos_token_id,
-                  pad_token_id=char_tokenizer.pad_token_id, generator=g)
+    ro = generate(model, ids, sampling_params(char_tokenizer, group_size=4, max_new_tokens=6), generator=g)
     with torch.no_grad():
         lp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask)
     torch.testing.assert_close(lp, ro.logp, rtol=1e-4, atol=1e-4)

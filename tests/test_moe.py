@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gspo.moe import MoEError, Routing, drift, find_routers, load_balancing_loss
-from gspo.rollout import completion_logprobs, generate
+from gspo.rollout import completion_logprobs, generate, sampling_params
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
@@ -155,8 +155,7 @@ def test_sampling_routing_matches_teacher_forced_routing(arch, char_tokenizer):
     model = tiny_moe(arch, vocab=len(tok))
     routing = Routing(model)
     prompts = [tok(p)["input_ids"] for p in ["12+7=", "999-123=", "5+5="]]
-    ro = generate(model, prompts, group_size=2, max_new_tokens=5, min_new_tokens=5, eos_token_id=tok.eos_token_id,
-                  pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0), routing=routing)
+    ro = generate(model, prompts, sampling_params(tok, group_size=2, max_new_tokens=5, min_new_tokens=5), generator=torch.Generator().manual_seed(0), routing=routing)
     B, S = ro.input_ids.shape
     assert ro.routing.shape == (B, S, 2, 2)
     assert (ro.routing[:, -1] == -1).all() and (ro.routing[:, :-1] >= 0).all()

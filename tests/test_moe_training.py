@@ -1,17 +1,16 @@
 """MoE and §5.4 features in real training steps, and `gspo compare`."""
 
-import dataclasses
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from gspo.cli import main
 from gspo.config import TrainConfig, resolve
-from gspo.trainer import make_optimizers, setup, train_step
+from gspo.run import build_run
+from gspo.trainer import train_step
 from tests.test_moe import tiny_moe
 
 
@@ -29,14 +28,8 @@ def moe_dir(tmp_path_factory):
 
 def run_steps(model: str, steps: int = 2, **kw):
     cfg = resolve(TrainConfig(model=model, prompts_per_step=4, group_size=4, output_dir="-", progress=False, **kw))
-    s = setup(cfg, None)
-    opt, _ = make_optimizers(cfg, s.policy, s.value_model)
-    out = []
-    for step in range(1, steps + 1):
-        m, _ = train_step(step, s.policy, s.reference, s.tokenizer, s.task, s.rewards, opt, cfg, s.value_model,
-                          s.routing, s.sampler)
-        out.append(m)
-    return out
+    run = build_run(cfg)
+    return [train_step(run, step)[0] for step in range(1, steps + 1)]
 
 
 DETERMINISTIC = ("reward/mean", "loss/policy", "clip/frac", "ratio/mean", "ratio/min", "ratio/max", "kl/old_new",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gspo.rollout import completion_logprobs, generate, left_pad, position_ids_from_mask, sample_token
+from gspo.rollout import completion_logprobs, generate, left_pad, position_ids_from_mask, sample_token, sampling_params
 
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
 
@@ -18,8 +18,7 @@ def test_recorded_logprobs_equal_recomputation(tiny_random, char_tokenizer):
     tok = char_tokenizer
     g = torch.Generator().manual_seed(0)
     for temperature in (1.0, 0.7):
-        ro = generate(tiny_random, encode(tok, PROMPTS), group_size=3, max_new_tokens=6, temperature=temperature,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+        ro = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=3, max_new_tokens=6, temperature=temperature), generator=g)
         with torch.no_grad():
             logp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask,
                                        temperature=temperature)
@@ -31,8 +30,7 @@ def test_recorded_logprobs_equal_recomputation(tiny_random, char_tokenizer):
 def test_group_layout_and_shapes(tiny_random, char_tokenizer):
     tok = char_tokenizer
     g = torch.Generator().manual_seed(1)
-    ro = generate(tiny_random, encode(tok, PROMPTS), group_size=4, max_new_tokens=5,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    ro = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=4, max_new_tokens=5), generator=g)
     B = len(PROMPTS) * 4
     assert ro.prompt_ids.shape[0] == B and ro.completion_ids.shape[0] == B
     assert ro.completion_ids.shape[1] <= 5
@@ -50,8 +48,7 @@ def test_stops_at_eos_and_flags_truncation(char_tokenizer):
     model = random_tiny_model(tok)
     with torch.no_grad():
         model.lm_head.weight.zero_()  # tied with embeddings: fine for this test
-    ro = generate(model, encode(tok, PROMPTS), group_size=2, max_new_tokens=3, temperature=0.0,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate(model, encode(tok, PROMPTS), sampling_params(tok, group_size=2, max_new_tokens=3, temperature=0.0))
     # all logits equal: argmax picks token 0 (<pad>) forever, never EOS -> truncated at 3
     assert ro.truncated.all() and (ro.lengths == 3).all()
 
@@ -66,8 +63,7 @@ def test_stops_at_eos_and_flags_truncation(char_tokenizer):
 def test_eos_ends_rows_independently(tiny_random, char_tokenizer):
     tok = char_tokenizer
     g = torch.Generator().manual_seed(3)
-    ro = generate(tiny_random, encode(tok, PROMPTS * 4), group_size=4, max_new_tokens=8,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    ro = generate(tiny_random, encode(tok, PROMPTS * 4), sampling_params(tok, group_size=4, max_new_tokens=8), generator=g)
     for b in range(ro.completion_ids.shape[0]):
         L = int(ro.lengths[b])
         row = ro.completion_ids[b]
@@ -81,11 +77,9 @@ def test_left_padding_changes_nothing(tiny_random, char_tokenizer):
     # A prompt's greedy completion and its log-probs are the same alone and in a padded batch.
     tok = char_tokenizer
     prompts = encode(tok, PROMPTS)
-    batch = generate(tiny_random, prompts, group_size=1, max_new_tokens=5, temperature=0.0,
-                     eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    batch = generate(tiny_random, prompts, sampling_params(tok, group_size=1, max_new_tokens=5, temperature=0.0))
     for i, p in enumerate(prompts):
-        alone = generate(tiny_random, [p], group_size=1, max_new_tokens=5, temperature=0.0,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        alone = generate(tiny_random, [p], sampling_params(tok, group_size=1, max_new_tokens=5, temperature=0.0))
         L = int(alone.lengths[0])
         assert torch.equal(batch.completion_ids[i, :L], alone.completion_ids[0, :L])
         torch.testing.assert_close(batch.logp[i, :L], alone.logp[0, :L], rtol=1e-5, atol=1e-5)
@@ -96,8 +90,7 @@ def test_sampling_is_seeded(tiny_random, char_tokenizer):
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return generate(tiny_random, encode(tok, PROMPTS), group_size=4, max_new_tokens=6,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g).completion_ids
+        return generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=4, max_new_tokens=6), generator=g).completion_ids
 
     assert torch.equal(run(5), run(5))
     assert not torch.equal(run(5), run(6))
@@ -134,8 +127,7 @@ def test_left_pad_and_positions():
 def test_temperature_scales_training_logprobs(tiny_random, char_tokenizer, temperature):
     # the training log-probs use the sampling temperature: log softmax(logits / τ)
     tok = char_tokenizer
-    ro = generate(tiny_random, encode(tok, PROMPTS[:1]), group_size=1, max_new_tokens=3, temperature=0.0,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ro = generate(tiny_random, encode(tok, PROMPTS[:1]), sampling_params(tok, group_size=1, max_new_tokens=3, temperature=0.0))
     with torch.no_grad():
         lp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask,
                                  temperature=temperature)
@@ -151,15 +143,13 @@ def test_min_new_tokens_fixes_the_length(tiny_random, char_tokenizer):
     with torch.no_grad():  # make EOS the most likely token everywhere
         tiny_random.lm_head.weight[tok.eos_token_id] += 5.0
     g = torch.Generator().manual_seed(0)
-    ro = generate(tiny_random, encode(tok, PROMPTS), group_size=2, max_new_tokens=5, min_new_tokens=5,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    ro = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=2, max_new_tokens=5, min_new_tokens=5), generator=g)
     assert (ro.lengths == 5).all() and ro.truncated.all()
     assert not (ro.completion_ids == tok.eos_token_id).any()
     with torch.no_grad():
         logp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask)
     torch.testing.assert_close(logp, ro.logp, rtol=1e-5, atol=1e-5)
-    free = generate(tiny_random, encode(tok, PROMPTS), group_size=2, max_new_tokens=5,
-                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, generator=g)
+    free = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=2, max_new_tokens=5), generator=g)
     assert (free.lengths < 5).any()  # without the ban, EOS does get drawn
 
 
@@ -168,17 +158,17 @@ def test_split_batches_sample_the_same_tokens(tiny_random, char_tokenizer):
     # 4..7 in two calls (two processes): every row draws the same uniforms, so the tokens match
     tok = char_tokenizer
     prompts = encode(tok, PROMPTS)
-    kw = dict(group_size=2, max_new_tokens=6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    whole = generate(tiny_random, prompts, generator=torch.Generator().manual_seed(7), **kw)
-    first = generate(tiny_random, prompts[:2], generator=torch.Generator().manual_seed(7), rows=(0, 8), **kw)
-    second = generate(tiny_random, prompts[2:], generator=torch.Generator().manual_seed(7), rows=(4, 8), **kw)
+    params = sampling_params(tok, group_size=2, max_new_tokens=6)
+    whole = generate(tiny_random, prompts, params, generator=torch.Generator().manual_seed(7))
+    first = generate(tiny_random, prompts[:2], params, generator=torch.Generator().manual_seed(7), rows=(0, 8))
+    second = generate(tiny_random, prompts[2:], params, generator=torch.Generator().manual_seed(7), rows=(4, 8))
     for part, rows in ((first, slice(0, 4)), (second, slice(4, 8))):
         T = part.completion_ids.shape[1]
         assert torch.equal(part.completion_ids, whole.completion_ids[rows, :T])
         assert torch.equal(part.lengths, whole.lengths[rows])
         torch.testing.assert_close(part.logp, whole.logp[rows, :T], rtol=1e-5, atol=1e-5)
     # and a different seed samples differently
-    other = generate(tiny_random, prompts, generator=torch.Generator().manual_seed(8), **kw)
+    other = generate(tiny_random, prompts, params, generator=torch.Generator().manual_seed(8))
     assert not torch.equal(other.completion_ids, whole.completion_ids)
 
 
@@ -197,7 +187,7 @@ def test_inverse_cdf_sampling_frequencies_and_logprobs():
     assert (freq - t2).abs().max() < 0.015, freq
     torch.testing.assert_close(lp, torch.log(t2)[tokens], rtol=1e-5, atol=1e-6)
     # a banned token is never drawn, and the others keep their relative frequencies
-    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(2), banned=3)
+    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(2), banned=(3,))
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert freq[3] == 0 and (freq[:3] - probs[:3] / 0.6).abs().max() < 0.015
     torch.testing.assert_close(lp, torch.log(probs)[tokens], rtol=1e-6, atol=1e-6)  # unmasked log-probs

@@ -6,14 +6,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from gspo import checkpoint as ckpt
 from gspo.config import TrainConfig
-from gspo.trainer import lr_factor, mean_metrics, train
+from gspo.metrics import Max, Mean, Min, step_means
+from gspo.run import lr_factor
+from gspo.trainer import train
 
 FAST = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "16", "--no-progress"]
 REQUIRED_METRICS = {"step", "reward/mean", "reward/std", "clip/frac", "clip/low_frac", "clip/high_frac", "ratio/mean",
@@ -125,10 +126,15 @@ def test_lr_schedule_by_hand():
     assert lr_factor(TrainConfig(warmup_steps=0))(7) == 1.0
 
 
-def test_mean_metrics():
-    h = [{"clip/frac": 0.0, "ratio/min": 1.0, "ratio/max": 1.0}, {"clip/frac": 0.5, "ratio/min": 0.9, "ratio/max": float("nan")}]
-    m = mean_metrics(h)
+def test_step_means():
+    # Mean: the mean over updates; Min/Max: the min/max over updates, NaN skipped
+    h = [{"clip/frac": Mean(0.0, 8), "ratio/min": Min(1.0), "ratio/max": Max(1.0)},
+         {"clip/frac": Mean(0.5, 2), "ratio/min": Min(0.9), "ratio/max": Max("nan")}]
+    m = step_means(h)
     assert m == {"clip/frac": 0.25, "ratio/min": 0.9, "ratio/max": 1.0}
+    # a metric that does not say how it reduces is refused, not averaged by accident
+    with pytest.raises(TypeError, match="new/metric"):
+        step_means([{"new/metric": 0.5}])
 
 
 def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from gspo.config import TrainConfig, resolve
-from gspo.trainer import ppo_advantages, train
-from gspo.value import Critic, ValueHead, explained_variance, value_loss
+from gspo.config import TrainConfig
+from gspo.trainer import train
+from gspo.value import Critic, ValueHead, explained_variance, ppo_advantages, value_loss
 
 D = torch.float64
 
@@ -57,15 +57,14 @@ def test_ppo_advantages_with_kl_in_reward():
     # one response, 2 tokens, score 1.0, γ = 1, λ = 1, no whitening, values 0
     # log π_old - log π_ref = [0.5, 0.25], coef 0.2 -> token rewards [-0.1, -0.05 + 1.0]
     # GAE with V = 0, γ = λ = 1: Â_t = Σ_{k≥t} r_k -> [0.85, 0.95]; returns the same
-    cfg = resolve(TrainConfig(algorithm="ppo", gamma=1.0, gae_lambda=1.0, whiten_advantages=False,
-                              reward_kl_coef=0.2, output_dir="-"))
     mask = t([[1.0, 1.0]])
-    adv, ret = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, t([[-0.5, -1.0]]), t([[-1.0, -1.25]]), cfg)
+    kl = t([[-0.5, -1.0]]) - t([[-1.0, -1.25]])  # log π_old - log π_ref
+    kw = dict(gamma=1.0, lam=1.0, kl=kl, kl_coef=0.2)
+    adv, ret = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, whiten=False, **kw)
     torch.testing.assert_close(adv, t([[0.85, 0.95]]))
     torch.testing.assert_close(ret, t([[0.85, 0.95]]))
     # whitened: zero mean and unit variance over the tokens
-    cfg.whiten_advantages = True
-    adv, _ = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, t([[-0.5, -1.0]]), t([[-1.0, -1.25]]), cfg)
+    adv, _ = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, whiten=True, **kw)
     torch.testing.assert_close(adv, t([[-1.0, 1.0]]), rtol=1e-6, atol=1e-6)
 
 

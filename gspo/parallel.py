@@ -1,0 +1,133 @@
+"""Models across processes: DDP wrappers, FSDP2 sharding, gathered parameters and state dicts.
+
+    train_model = parallel.wrap(policy, dist)            # what training forwards call
+    with parallel.gathered(policy, dist): sample(...)    # full parameters for a block (FSDP)
+    sd = parallel.full_state_dict(policy, dist)          # for a checkpoint (FSDP: rank 0 only)
+
+Every function is the identity (or the module's own state) in one process or under DDP where
+nothing is sharded, so callers have one code path; `dist` is a gspo.distributed.Dist.
+
+- `ddp`: the policy (and a separate critic) replicated, gradients all-reduced by
+  `DistributedDataParallel`. Training forwards go through the DDP wrapper; sampling and
+  no-grad passes use the module itself.
+- `fsdp`: FSDP2 `fully_shard` on every decoder layer and on the root (policy, separate critic,
+  frozen reference): parameters, gradients and AdamW state are sharded. Sampling runs with the
+  parameters gathered (`gathered`), since processes decode different numbers of tokens and
+  so cannot take part in per-layer collectives.
+- A shared value head (`--critic shared`) is small and replicated; its gradients are
+  all-reduced by hand (`Dist.average_grads`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def wrap(model, dist, *, find_unused: bool = False):
+    """Prepare a trainable model; returns what training forwards should call.
+
+    ddp: the DDP wrapper (the module itself is unchanged and used for sampling);
+    fsdp: the module, sharded in place; one process: the module.
+    """
+    if not dist.enabled:
+        return model
+    if dist.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
+    if dist.parallel == "fsdp":
+        shard(model, dist)
+    return model
+
+
+def shard(model, dist) -> None:
+    """FSDP2: fully_shard each decoder layer (the model's `_no_split_modules`), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or [])
+    for m in list(model.modules()):
+        if m is not model and type(m).__name__ in names:
+            fully_shard(m, mesh=dist.mesh)
+    fully_shard(model, mesh=dist.mesh)
+    # settle which module is the root now: sampling may call the decoder layers without
+    # going through the root's forward (gspo.fastdecode), which FSDP would otherwise reject
+    model._get_fsdp_state()._lazy_init()
+
+
+@contextlib.contextmanager
+def gathered(model, dist):
+    """FSDP: hold `model`'s full parameters on every process for the block (sampling,
+    evaluation), so forwards there need no collectives; a no-op otherwise."""
+    if dist.parallel != "fsdp":
+        yield model
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield model
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def full_state_dict(model, dist) -> dict | None:
+    """FSDP: the gathered state dict on rank 0 (None elsewhere); otherwise None (the
+    module's own state dict is complete)."""
+    if dist.parallel != "fsdp":
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not dist.is_main:
+        return None
+    seen, tied = set(), set()  # tied weights (embeddings = LM head) are written once, as save_pretrained does
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.add(name)
+        seen.add(id(p))
+    return {k: v for k, v in sd.items() if k not in tied}
+
+
+def optimizer_state(model, optimizer, dist) -> dict:
+    """FSDP: the gathered optimizer state (keyed by parameter name) on rank 0; otherwise
+    the optimizer's own state dict (identical on every DDP process)."""
+    if dist.parallel != "fsdp":
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state: dict, dist) -> None:
+    if dist.parallel != "fsdp":
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+def clip_grad_norm(params: list, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ that also takes a mix of FSDP-sharded (DTensor) and plain
+    parameters (a sharded policy and its replicated value head): the norm is over all of them."""
+    params = [p for p in params if p.grad is not None]
+    sharded = [p for p in params if hasattr(p, "placements")]
+    if not sharded or len(sharded) == len(params):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    plain = [p for p in params if not hasattr(p, "placements")]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in (sharded, plain)]
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    for group in (sharded, plain):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return float(total)

@@ -1,0 +1,239 @@
+"""Setting up a run: everything the training loop needs, built and checked before anything is written.
+
+    from gspo.run import build_run
+    run = build_run(TrainConfig(steps=60), resume=None)   # raises on any bad input
+    run.policy, run.sampler, run.optimizer, run.task, run.rewards ...
+
+`build_run` validates the configuration, the task's rows, the rewards and the model before
+the run directory is created, so bad input never leaves a half-made run behind. It loads the
+policy (or, resuming, the checkpoint's weights; a LoRA checkpoint onto its base), the sampler
+(the policy itself, or a copy in `--rollout-dtype`), MoE routing hooks, the frozen reference,
+PPO's value model, the DDP/FSDP wrappers under torchrun, and the optimizers with their
+learning-rate schedules. Restoring the optimizer state and the run's progress from a
+checkpoint is gspo.checkpoint's (`restore_run`).
+
+Also here: the learning-rate schedule (`lr_factor`) and the progress display.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gspo import checkpoint as ckpt
+from gspo import distributed, parallel
+from gspo.config import ConfigError, TrainConfig, load_yaml, resolve
+from gspo.data import DataError
+from gspo.distributed import Dist
+from gspo.models import DTYPES, add_lora, load_policy, unwrap
+from gspo.moe import MoEError, Routing, is_moe
+from gspo.rewards import Reward, load_rewards
+from gspo.rollout import PolicySampler, Sampler
+from gspo.tasks import build_task
+from gspo.value import Critic, ValueHead, ValueModel
+
+
+@dataclass
+class Run:
+    """A run: its configuration, models, optimizers, data and where it stands."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    task: object  # train_batch(step, n, seed), test_set(n)
+    rewards: list[Reward]
+    policy: object  # the model being trained (PEFT-wrapped with LoRA); what checkpoints save
+    tokenizer: object
+    sampler: Sampler  # who samples rollouts
+    dist: Dist
+    train_model: object  # what training forwards call: the policy, or its DDP wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    reference: object | None = None  # the frozen initial policy, for the KL terms (not with LoRA)
+    value_model: ValueModel | None = None  # PPO
+    routing: Routing | None = None  # MoE models: hooks on every router
+    resume_from: Path | None = None  # the checkpoint to continue from
+    # where the run stands; saved in every checkpoint
+    start_step: int = 0
+    eval_before: dict | None = None
+    evals: list[dict] = field(default_factory=list)
+    t_start: float = field(default_factory=time.time)
+
+    @property
+    def optimized(self):
+        """The modules whose parameters the policy optimizer holds (FSDP names its state by them)."""
+        vm = self.value_model
+        if vm is not None and vm.shared:
+            return torch.nn.ModuleDict({"policy": self.policy, "value_head": vm.head})
+        return self.policy
+
+
+def build_run(cfg: TrainConfig, resume: str | Path | None = None) -> Run:
+    """Check everything and build the run; nothing is written. resume: a run directory whose
+    newest checkpoint and saved configuration continue the run (`cfg` is then ignored)."""
+    resume_from = None
+    if resume is not None:
+        run_dir = Path(resume)
+        resume_from = ckpt.latest_checkpoint(run_dir)
+        if resume_from is None:
+            raise FileNotFoundError(f"{run_dir}: no checkpoint to resume from")
+        cfg = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
+    cfg = resolve(cfg)
+    world = distributed.world_size_from_env()
+    if cfg.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step: must be divisible by the number of processes, {world}, so that "
+                          f"each process samples whole groups (got {cfg.prompts_per_step})")
+    dist = distributed.init(cfg.parallel, cfg.device)  # a single process without torchrun
+    cfg = dataclasses.replace(cfg, output_dir=dist.broadcast_object(cfg.output_dir))  # rank 0's timestamp
+    run_dir = Path(cfg.output_dir)
+    if resume is None and run_dir.exists() and any(run_dir.iterdir()):
+        raise FileExistsError(f"{run_dir}: output directory exists and is not empty (use --resume {run_dir} to continue it)")
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+
+    task, rewards = task_and_rewards(cfg)
+    policy, tokenizer = _load_policy(cfg, resume_from, dist.device)
+    if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
+        raise DataError(f"{cfg.dataset}: prompts are chat messages but the tokenizer of {cfg.model} has no chat template")
+    if cfg.gradient_checkpointing:
+        unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    sampler, routing = _sampler_and_routing(cfg, policy, dist)
+    reference = None
+    if (cfg.beta > 0 or cfg.reward_kl_coef > 0) and cfg.lora_r == 0:
+        reference, _ = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=dist.device)  # the initial policy
+        reference.eval().requires_grad_(False)
+    vm = _value_model(cfg, policy, resume_from, dist.device)
+    train_model = parallel.wrap(policy, dist, find_unused=routing is not None)  # MoE: unused experts get no grad
+    if vm is not None and not vm.shared:
+        vm.critic_train = parallel.wrap(vm.critic, dist)
+    if reference is not None and dist.enabled and dist.parallel == "fsdp":
+        parallel.shard(reference, dist)
+    optimizer, scheduler = make_optimizers(cfg, policy, vm)
+    return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
+               reference, vm, routing, resume_from)
+
+
+def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:
+    """The task (built-in or the user's dataset, validated) and its reward functions."""
+    task = build_task(task=cfg.task, dataset=cfg.dataset, dataset_split=cfg.dataset_split,
+                      eval_dataset=cfg.eval_dataset, eval_split=cfg.eval_split, prompt_column=cfg.prompt_column,
+                      answer_column=cfg.answer_column, eval_size=cfg.eval_size, rewards=cfg.reward)
+    rewards = load_rewards(list(cfg.reward or task.default_rewards), list(cfg.reward_weights) or None,
+                           format_pattern=cfg.format_pattern, max_new_tokens=cfg.max_new_tokens)
+    return task, rewards
+
+
+def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.device):
+    """The policy to train and its tokenizer: the model, or the checkpoint's weights (a LoRA
+    checkpoint: the base model plus the saved adapter, trainable)."""
+    dtype = DTYPES[cfg.dtype]
+    if resume_from is not None and cfg.lora_r > 0:
+        return load_policy(str(resume_from), dtype=dtype, device=device, base_model=cfg.model, trainable_adapter=True)
+    if resume_from is not None:
+        return load_policy(str(resume_from), dtype=dtype, device=device)
+    policy, tokenizer = load_policy(cfg.model, dtype=dtype, device=device)
+    if cfg.lora_r > 0:
+        policy = add_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                          target_modules=list(cfg.lora_target_modules))
+    return policy, tokenizer
+
+
+def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist) -> tuple[Sampler, Routing | None]:
+    """The sampler (the policy, or a copy in --rollout-dtype made before any hook is
+    installed) and, for MoE models, the routing hooks (drift is always measured)."""
+    rollout_dtype = DTYPES[cfg.dtype] if cfg.rollout_dtype == "same" else DTYPES[cfg.rollout_dtype]
+    model = policy if rollout_dtype == DTYPES[cfg.dtype] else copy.deepcopy(policy).to(rollout_dtype)
+    sampler = PolicySampler(model, dist=dist)
+    if not is_moe(policy):
+        if cfg.routing_replay or cfg.router_aux_loss_coef > 0:
+            option = "--routing-replay" if cfg.routing_replay else "--router-aux-loss-coef"
+            raise MoEError(f"{option}: {cfg.model} is not a Mixture-of-Experts model with router modules "
+                           "(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE style)")
+        return sampler, None
+    routing = Routing(policy, cfg.model)
+    if cfg.old_logp == "sampling":  # the experts used while sampling are the old policy's
+        sampler.routing = routing if model is policy else Routing(model, cfg.model)
+    return sampler, routing
+
+
+def _value_model(cfg: TrainConfig, policy, resume_from: Path | None, device: torch.device) -> ValueModel | None:
+    """PPO's critic, initialised from the policy's weights (or restored from the checkpoint)."""
+    if cfg.algorithm != "ppo":
+        return None
+    if cfg.critic == "separate":
+        src = resume_from / "critic" if resume_from is not None else cfg.model
+        return ValueModel(critic=Critic.from_pretrained(src, dtype=DTYPES[cfg.dtype], device=device,
+                                                        head_from=resume_from / "critic" if resume_from else None))
+    head = ValueHead(unwrap(policy).config.hidden_size)
+    if resume_from is not None:
+        head.load(resume_from / "value_head")
+    return ValueModel(head=head.to(device))
+
+
+def make_optimizers(cfg: TrainConfig, policy, vm: ValueModel | None):
+    """AdamW and its LR schedule for the policy (and a shared value head, at critic_lr); a
+    separate critic gets its own AdamW and schedule on `vm`."""
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
+    if vm is not None and vm.shared:  # the shared value head trains with the policy, at the critic's rate
+        groups.append({"params": list(vm.head.parameters()), "lr": cfg.critic_lr})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+    if vm is not None and not vm.shared:
+        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr, betas=cfg.adam_betas,
+                                         weight_decay=cfg.weight_decay)
+        vm.scheduler = torch.optim.lr_scheduler.LambdaLR(vm.optimizer, lr_factor(cfg))
+    return optimizer, scheduler
+
+
+def lr_factor(cfg: TrainConfig):
+    """LR multiplier for training step k (1-based; LambdaLR's counter is k - 1)."""
+
+    def f(counter: int) -> float:
+        k = counter + 1
+        if cfg.warmup_steps and k <= cfg.warmup_steps:
+            return k / cfg.warmup_steps
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (k - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
+
+    return f
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise a plain log line every ~10% of the run."""
+
+    def __init__(self, cfg: TrainConfig, start: int, log):
+        self.enabled, self.total, self.log = cfg.progress, cfg.steps, log
+        self.bar = None
+        self.every = max(1, cfg.steps // 10)
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=start, desc=f"gspo train ({cfg.algorithm})", unit="step",
+                            dynamic_ncols=True)
+
+    def update(self, m: dict) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", clip=f"{m['clip/frac']:.2g}")
+            self.bar.update(1)
+        elif m["step"] % self.every == 0 or m["step"] == self.total:
+            self.log(f"step {m['step']}/{self.total}  reward {m['reward/mean']:.3f}  clip/frac {m['clip/frac']:.3g}"
+                     f"  {m['time/step_seconds']:.2f}s/step")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
