@@ -7,7 +7,8 @@
       summary.json           accuracy before/after, wall time (written at the end)
       checkpoints/step-000020/
         config.json, model.safetensors, tokenizer files   (save_pretrained: loads with HF)
-        trainer_state.pt     optimizer, LR scheduler, RNG states, step, eval_before
+        trainer_state.pt     LR scheduler, loss scaler and RNG states, step, evaluations
+        optimizer.pt         AdamW states (policy, and a separate critic's)
         config.yaml          the run's configuration
 
 Atomicity: a checkpoint is written into `checkpoints/.tmp-step-N/`, flushed to disk, and
@@ -119,7 +120,8 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, config_yaml: str, keep: int,
-                    extra_models: dict | None = None, state_dicts: dict | None = None) -> Path:
+                    extra_models: dict | None = None, state_dicts: dict | None = None,
+                    optimizers: dict | None = None) -> Path:
     """Write checkpoint `step` atomically; delete all but the newest `keep` checkpoints.
 
     extra_models: name -> model saved with save_pretrained into a sub-directory (e.g. a critic).
@@ -146,6 +148,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, 
             extra.save_pretrained(tmp / name)
     (tmp / "config.yaml").write_text(config_yaml)
     torch.save(state, tmp / "trainer_state.pt")
+    if optimizers is not None:  # apart, so that a resuming process that does not need it never loads it
+        torch.save(optimizers, tmp / "optimizer.pt")
     for f in tmp.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
@@ -172,6 +176,13 @@ def load_trainer_state(ckpt: Path) -> dict:
     return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
 
 
+def load_optimizers(ckpt: Path, state: dict) -> dict:
+    """The optimizer states of a checkpoint (older checkpoints kept them in trainer_state.pt)."""
+    if (ckpt / "optimizer.pt").exists():
+        return torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
+    return {k: state[k] for k in ("optimizer", "critic_optimizer") if k in state}
+
+
 # ----------------------------------------------------------------------------------------------
 # A whole run: save and restore
 # ----------------------------------------------------------------------------------------------
@@ -195,41 +206,49 @@ def config_yaml(cfg) -> str:
 
 
 def save_run(run, step: int) -> None:
-    """Checkpoint `step` of a gspo.run.Run: weights, optimizer and scheduler states, RNG states
-    and where the run stands. Under FSDP the gathers are collectives: every process takes
-    part, rank 0 writes."""
+    """Checkpoint `step` of a gspo.run.Run: weights, optimizer, scheduler, loss-scaler and RNG
+    states, and where the run stands. Under FSDP the gathers are collectives: every process
+    takes part, rank 0 writes."""
     dist, vm = run.dist, run.value_model
     rngs = dist.gather_objects(rng_state())  # every process's, in rank order
-    state = {"step": step, "optimizer": parallel.optimizer_state(run.optimized, run.optimizer, dist),
-             "scheduler": run.scheduler.state_dict(), "rng": rngs[dist.rank], "rng_per_rank": rngs,
+    optimizers = {"optimizer": parallel.optimizer_state(run.optimized, run.optimizer, dist)}
+    state = {"step": step, "scheduler": run.scheduler.state_dict(), "rng": rngs[dist.rank], "rng_per_rank": rngs,
              "world_size": dist.world, "eval_before": run.eval_before, "evals": run.evals,
              "wall_seconds": time.time() - run.t_start}
+    if run.scaler is not None:
+        state["scaler"] = run.scaler.state_dict()
     state_dicts = {"": parallel.full_state_dict(run.policy, dist)}
     extra = {}
     if vm is not None:
         extra = {"value_head": vm.head} if vm.shared else {"critic": vm.critic}
         if not vm.shared:
-            state["critic_optimizer"] = parallel.optimizer_state(vm.critic, vm.optimizer, dist)
+            optimizers["critic_optimizer"] = parallel.optimizer_state(vm.critic, vm.optimizer, dist)
             state["critic_scheduler"] = vm.scheduler.state_dict()
             state_dicts["critic"] = parallel.full_state_dict(vm.critic, dist)
     if dist.is_main:
         save_checkpoint(run.run_dir, step, run.policy, run.tokenizer, state=state, config_yaml=config_yaml(run.cfg),
-                        keep=run.cfg.keep_checkpoints, extra_models=extra, state_dicts=state_dicts)
+                        keep=run.cfg.keep_checkpoints, extra_models=extra, state_dicts=state_dicts,
+                        optimizers=optimizers)
     dist.barrier()
 
 
 def restore_run(run) -> None:
     """Continue a gspo.run.Run from `run.resume_from` (its weights are loaded already): the
-    optimizer, scheduler and RNG states, and where the run stood; the logs are trimmed back to
-    the checkpoint's step so the resumed run appends what an uninterrupted one would."""
+    optimizer, scheduler, loss-scaler and RNG states, and where the run stood; the logs are
+    trimmed back to the checkpoint's step so the resumed run appends what an uninterrupted one
+    would. Under FSDP only rank 0 reads the optimizer states and sends each process its shard."""
     dist, vm = run.dist, run.value_model
     if dist.is_main:
         clean_partial(run.run_dir)
     state = load_trainer_state(run.resume_from)
-    parallel.load_optimizer_state(run.optimized, run.optimizer, state["optimizer"], dist)
+    sharded = dist.enabled and dist.parallel == "fsdp"
+    optimizers = load_optimizers(run.resume_from, state) if dist.is_main or not sharded else {}
+    parallel.load_optimizer_state(run.optimized, run.optimizer, optimizers.get("optimizer", {}), dist)
     run.scheduler.load_state_dict(state["scheduler"])
+    if run.scaler is not None:
+        run.scaler.load_state_dict(state["scaler"])
     if vm is not None and not vm.shared:
-        parallel.load_optimizer_state(vm.critic, vm.optimizer, state["critic_optimizer"], dist)
+        parallel.load_optimizer_state(vm.critic, vm.optimizer, optimizers.get("critic_optimizer", {}), dist)
         vm.scheduler.load_state_dict(state["critic_scheduler"])
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])

@@ -91,6 +91,10 @@ class TrainConfig:
     """Sampling temperature; the same temperature scales the logits of training log-probs."""
     top_p: float = 1.0
     """Nucleus sampling mass (1.0 = off)."""
+    top_k: int = 0
+    """Sample only among the k most likely tokens (0 = off). Like top-p it limits what can be drawn; log-probs stay those of the full distribution."""
+    stop_token: tuple[str, ...] = ()
+    """More tokens that end a completion (e.g. <|im_end|>); the tokenizer's EOS and the model's generation_config.eos_token_id always do."""
 
     # --- policy update -------------------------------------------------------------------
     num_minibatches: int = 4
@@ -108,7 +112,7 @@ class TrainConfig:
     beta: float = 0.0
     """KL penalty coefficient against the initial policy (the paper uses 0)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator for the penalty."""
+    """KL estimator for the --beta penalty, per sampled token with ρ = π_ref/π: k1 = -log ρ (its expected gradient is 0: no KL pressure at all), k2 = ½ (log ρ)² (gradient of KL(π‖π_ref)), k3 = ρ - 1 - log ρ (unbiased value ≥ 0; gradient of the reverse KL(π_ref‖π), as in GRPO)."""
     old_logp: Literal["auto", "recompute", "sampling"] = "auto"
     """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4). auto: sampling when the policy itself samples in float32 (the two agree to 1e-5), else recompute."""
 
@@ -119,6 +123,18 @@ class TrainConfig:
     """MoE: weight of the router load-balancing loss added to the policy loss (0 = off)."""
     rollout_dtype: Literal["same", "float32", "bfloat16", "float16"] = "same"
     """Sample with a copy of the policy in this dtype, synced every step, to emulate an inference engine's precision (same = sample with the policy itself)."""
+
+    # --- rollout engine ------------------------------------------------------------------
+    rollout_engine: Literal["hf", "vllm"] = "hf"
+    """Who samples: hf (gspo's own sampler) or vllm (a colocated vLLM engine in this process, synced with the policy's weights before every rollout; install: see docs/vllm.md)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """vLLM on CUDA: the share of the GPU the engine may take (its weights and KV cache); the rest is the trainer's."""
+    vllm_kv_cache_gib: float = 2.0
+    """vLLM on CPU: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE, unless set)."""
+    vllm_max_model_len: int = 0
+    """vLLM: the longest prompt + completion the engine accepts (0 = the model's max_position_embeddings)."""
+    vllm_sleep: bool = True
+    """vLLM on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during the update phase."""
 
     # --- PPO: value model and GAE ---------------------------------------------------------
     critic: Literal["separate", "shared"] = "separate"
@@ -154,7 +170,13 @@ class TrainConfig:
 
     # --- model ---------------------------------------------------------------------------
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and compute dtype of the policy (log-softmax and the loss are always float32)."""
+    """Compute dtype of the policy. bfloat16 / float16: mixed precision, float32 master weights and optimizer state with forwards under autocast (float16 adds loss scaling); the sampler is a copy in this dtype. Log-softmax and the loss are always float32."""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the trained weights and their optimizer state: float32 (mixed precision with --dtype), or the same as --dtype for pure low-precision training (bfloat16: half the memory, but updates smaller than a weight's resolution are lost)."""
+    micro_batch_tokens: int = 0
+    """Token budget of one forward/backward pass: updates, old-policy, reference and critic passes run in micro-batches of at most this many tokens (rows x padded length, or real tokens with --packing) and gradients accumulate to the same update; 0 = a whole minibatch per pass."""
+    packing: bool = False
+    """Pack each micro-batch's sequences into one row (no padding computed, positions restart per sequence, attention kept within each); padding is used where the model does not support it and for MoE models."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, more time."""
     lora_r: int = 0
@@ -197,6 +219,15 @@ class TrainConfig:
     """Weights & Biases project (set WANDB_MODE=offline to log without a network)."""
 
 
+AT_LEAST = {  # simple lower bounds: field -> smallest valid value
+    "lora_r": 0, "steps": 0, "prompts_per_step": 1, "min_new_tokens": 0, "num_minibatches": 1, "epochs": 1,
+    "beta": 0, "value_clip": 0, "vf_coef": 0, "reward_kl_coef": 0, "router_aux_loss_coef": 0,
+    "weight_decay": 0, "max_grad_norm": 0, "warmup_steps": 0, "eval_size": 1, "eval_every": 0, "save_every": 0,
+    "keep_checkpoints": 1, "samples_per_step": 0, "threads": 0, "micro_batch_tokens": 0, "top_k": 0,
+    "vllm_max_model_len": 0,
+}
+
+
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError with a one-line message for the first bad value (its type, then its range)."""
     from gspo.tasks import TASKS
@@ -207,39 +238,35 @@ def validate(cfg: TrainConfig) -> None:
     def need(ok: bool, name: str, msg: str):
         _need(cfg, ok, name, msg)
 
+    for name, low in AT_LEAST.items():
+        need(getattr(cfg, name) >= low, name, f"must be >= {low}")
     need(cfg.algorithm in PRESETS, "algorithm", f"must be one of {', '.join(PRESETS)}")
     need(cfg.dataset is not None or cfg.task in TASKS, "task", f"must be one of {', '.join(TASKS)} (or give --dataset)")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward), "reward_weights",
          f"needs one weight per --reward ({len(cfg.reward)} rewards)")
-    need(cfg.lora_r >= 0, "lora_r", "must be >= 0")
     need(cfg.lora_alpha > 0, "lora_alpha", "must be > 0")
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", "must be in [0, 1)")
     need(len(cfg.lora_target_modules) >= 1, "lora_target_modules", "needs at least one module name")
     need(cfg.device == "auto" or cfg.device.split(":")[0] in ("cpu", "cuda", "mps"), "device",
          "must be cpu, cuda, cuda:N, mps or auto")
-    need(cfg.steps >= 0, "steps", "must be >= 0")
-    need(cfg.prompts_per_step >= 1, "prompts_per_step", "must be >= 1")
     if cfg.algorithm == "ppo":
         need(cfg.group_size >= 1, "group_size", "must be >= 1")
     else:
         need(cfg.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)")
     need(cfg.max_new_tokens is None or cfg.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
-    need(cfg.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
     need(cfg.max_new_tokens is None or cfg.min_new_tokens <= cfg.max_new_tokens, "min_new_tokens",
          "must be <= max_new_tokens")
     need(cfg.temperature > 0, "temperature", "must be > 0 for sampling")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(cfg.num_minibatches >= 1, "num_minibatches", "must be >= 1")
     batch = cfg.prompts_per_step * cfg.group_size
     need(batch % cfg.num_minibatches == 0, "num_minibatches",
          f"must divide the rollout batch prompts_per_step * group_size = {batch}")
-    need(cfg.epochs >= 1, "epochs", "must be >= 1")
     for name in ("clip_low", "clip_high"):
         v = getattr(cfg, name)
         need(v is None or v >= 0, name, "must be >= 0")
     need(cfg.clip_low is None or cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio is clipped at 1 - clip_low > 0)")
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
-    _validate_rest(cfg)
+    _validate_combinations(cfg)
 
 
 def _need(cfg: TrainConfig, ok: bool, name: str, msg: str) -> None:
@@ -247,21 +274,16 @@ def _need(cfg: TrainConfig, ok: bool, name: str, msg: str) -> None:
         raise ConfigError(f"{name}: {msg} (got {getattr(cfg, name)!r})")
 
 
-def _validate_rest(cfg: TrainConfig) -> None:
-    """validate, continued: losses, PPO, MoE, combinations, optimisation, the run."""
+def _validate_combinations(cfg: TrainConfig) -> None:
+    """validate, continued: the remaining ranges, and options that do not go together."""
 
     def need(ok: bool, name: str, msg: str):
         _need(cfg, ok, name, msg)
 
-    need(cfg.beta >= 0, "beta", "must be >= 0")
     need(cfg.lr > 0, "lr", "must be > 0")
     need(cfg.critic_lr is None or cfg.critic_lr > 0, "critic_lr", "must be > 0")
     need(0 <= cfg.gamma <= 1, "gamma", "must be in [0, 1]")
     need(0 <= cfg.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]")
-    need(cfg.value_clip >= 0, "value_clip", "must be >= 0")
-    need(cfg.vf_coef >= 0, "vf_coef", "must be >= 0")
-    need(cfg.reward_kl_coef >= 0, "reward_kl_coef", "must be >= 0")
-    need(cfg.router_aux_loss_coef >= 0, "router_aux_loss_coef", "must be >= 0")
     need(not (cfg.routing_replay and cfg.gradient_checkpointing), "routing_replay",
          "cannot be combined with --gradient-checkpointing (the recomputed forward would route freely)")
     need(not (cfg.parallel == "fsdp" and cfg.lora_r > 0), "parallel",
@@ -270,15 +292,22 @@ def _validate_rest(cfg: TrainConfig) -> None:
          "fsdp cannot be combined with --rollout-dtype (use --parallel ddp)")
     need(not (cfg.algorithm == "ppo" and cfg.critic == "separate" and cfg.lora_r > 0), "critic",
          "separate needs full weights; with --lora-r use --critic shared (a value head on the LoRA policy)")
-    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
-    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0")
-    need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-    need(cfg.eval_size >= 1, "eval_size", "must be >= 1")
-    need(cfg.eval_every >= 0, "eval_every", "must be >= 0")
-    need(cfg.save_every >= 0, "save_every", "must be >= 0")
-    need(cfg.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")
-    need(cfg.samples_per_step >= 0, "samples_per_step", "must be >= 0")
-    need(cfg.threads >= 0, "threads", "must be >= 0")
+    need(cfg.param_dtype in ("float32", cfg.dtype), "param_dtype",
+         f"must be float32 (mixed precision) or the compute --dtype {cfg.dtype} (pure low precision)")
+    need(cfg.param_dtype != "float16", "param_dtype",
+         "float16 weights cannot be trained directly (Adam's eps 1e-8 rounds to 0 and every weight turns NaN); "
+         "use the default float32 master weights with --dtype float16")
+    need(not (cfg.dtype == "float16" and cfg.parallel == "fsdp"), "dtype",
+         "float16 (loss scaling) is not supported with --parallel fsdp; use bfloat16")
+    vllm = cfg.rollout_engine == "vllm"
+    need(not (vllm and cfg.routing_replay), "routing_replay",
+         "cannot be combined with --rollout-engine vllm: this vLLM cannot return the experts it routed each token "
+         "to (R3 needs its Model Runner V2); use --rollout-engine hf")
+    need(not (vllm and cfg.old_logp == "sampling" and (cfg.top_p < 1 or cfg.top_k > 0)), "old_logp",
+         "sampling with --rollout-engine vllm needs --top-p 1 and --top-k 0: vLLM renormalises its log-probs over "
+         "the tokens top-p/top-k keep, which are then not the policy's (use --old-logp recompute or auto)")
+    need(0 < cfg.vllm_gpu_memory_utilization < 1, "vllm_gpu_memory_utilization", "must be in (0, 1)")
+    need(cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
@@ -292,7 +321,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
             setattr(out, key, value)
     if out.old_logp == "auto":  # in fp32 the sampling pass's log-probs are the recomputation's, to 1e-5
         same_precision = out.dtype == "float32" and out.rollout_dtype in ("same", "float32")
-        out.old_logp = "sampling" if same_precision else "recompute"
+        full_distribution = out.rollout_engine == "hf" or (out.top_p == 1.0 and out.top_k == 0)
+        out.old_logp = "sampling" if same_precision and full_distribution else "recompute"
     if out.critic_lr is None:
         out.critic_lr = 10 * out.lr
     if out.max_new_tokens is None:

@@ -102,6 +102,10 @@ class Dist:
         torch_dist.all_reduce(out, op=op)
         return out.to(t.device)
 
+    def max_int(self, n: int) -> int:
+        """The largest `n` over processes."""
+        return int(self.all_max(torch.tensor([n], dtype=torch.long))) if self.enabled else n
+
     def barrier(self) -> None:
         if self.enabled:
             torch_dist.barrier()

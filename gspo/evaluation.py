@@ -17,23 +17,28 @@ import sys
 import torch
 
 from gspo.rewards import Reward, score_completions
-from gspo.rollout import decode_completions, encode_prompts, generate, sampling_params
+from gspo.rollout import decode_completions, encode_prompts, generate, sampling_params, stop_token_ids
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: int = 0, temperature: float = 1.0,
              max_new_tokens: int = 8, batch_size: int = 128, seed: int = 0, progress: bool = False,
-             dist=None) -> dict:
+             dist=None, stop: tuple[int, ...] | None = None) -> dict:
     """dist (gspo.distributed.Dist): each process evaluates its contiguous share of the rows
-    and the sums are added up; every process returns the same result."""
+    and the sums are added up; every process returns the same result. stop: the stop token
+    ids (default: the tokenizer's EOS and the model's generation config's, `stop_token_ids`).
+    The pass@k samples draw from a CPU generator whatever the model's device (the sampler
+    draws its uniforms on the CPU)."""
     all_examples = task.test_set(n)
     lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
     examples = all_examples[lo:hi]
     first = rewards[0].name
     acc = total = pass_k = sample_acc = 0.0
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    greedy = sampling_params(tokenizer, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
-    sampled = sampling_params(tokenizer, group_size=k, max_new_tokens=max_new_tokens, temperature=temperature)
+    gen = torch.Generator().manual_seed(seed)
+    stop = stop or stop_token_ids(tokenizer, model)
+    greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
+    sampled = sampling_params(tokenizer, stop=stop, group_size=k, max_new_tokens=max_new_tokens,
+                              temperature=temperature)
     starts = range(0, len(examples), batch_size)
     if progress and len(starts) > 1 and sys.stderr.isatty():
         from tqdm import tqdm

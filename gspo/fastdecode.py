@@ -7,10 +7,14 @@
 
 Why. On CPU, a Hugging Face decode step for a 35M-parameter Qwen3 at 32 rows spends ~22 ms
 walking modules, building a causal mask and growing the KV cache by concatenation, for
-~10-14 ms of weight traffic. `FastDecoder` runs the same mathematics with four matmuls per
-layer (fused QKV and gate-up weights, packed once per rollout, transposed for skinny
-matmuls), a pre-allocated KV cache seeded from Hugging Face's own prefill, and the model's
-own rotary-embedding module for identical cos/sin.
+~10-14 ms of weight traffic. `FastDecoder` runs the same mathematics as a flat loop of
+`F.linear` calls on the model's own weights (no packed or transposed copy of them is made),
+a KV cache of its own seeded from Hugging Face's prefill, and the model's own
+rotary-embedding module for identical cos/sin.
+
+Memory. The KV cache grows with what is generated: it starts at the prompt width plus
+`BLOCK` columns and doubles when full, up to the longest possible completion, so a rollout
+whose completions stop early never holds prompt + max_new_tokens columns for every row.
 
 Safety. It is used only for dense Llama-family decoders it knows (Llama, Mistral, Qwen2,
 Qwen3: RMSNorm, rotary, SiLU-gated MLP, optional QKV bias and Q/K norms), not for PEFT-wrapped
@@ -30,6 +34,7 @@ from gspo.lmhead import fused_head
 Tensor = torch.Tensor
 
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+BLOCK = 64  # KV-cache columns added beyond the prompt at first; the cache doubles when full
 CHECK_TOL = {torch.float32: 1e-3, torch.float64: 1e-6}  # bf16/fp16: 0.25
 
 
@@ -39,11 +44,7 @@ class HFDecoder:
     def __init__(self, model):
         self.model = model
         fused = fused_head(model)
-        if fused is None:
-            self.backbone, self.head_t = None, None
-        else:
-            self.backbone, head = fused
-            self.head_t = head.weight.detach().T.contiguous()  # (H, V): faster skinny matmul on CPU
+        self.backbone, self.head = fused if fused is not None else (None, None)
         self.cache = None
 
     def _forward(self, ids, attn, pos):
@@ -55,7 +56,7 @@ class HFDecoder:
         out = self.backbone(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
                             use_cache=True)
         self.cache = out.past_key_values
-        return out.last_hidden_state[:, -1] @ self.head_t  # (B, V)
+        return F.linear(out.last_hidden_state[:, -1], self.head.weight)  # (B, V)
 
     def prefill(self, ids: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
         return self._forward(ids, attn, pos)
@@ -68,9 +69,10 @@ class HFDecoder:
         return self._forward(tok[:, None], attn, pos[:, None])
 
 
-def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Hugging Face's RMSNorm: in fp32, scaled by the weight after casting back (one fused op
-    when the model is fp32 already)."""
+def _rms(x: Tensor, norm) -> Tensor:
+    """Hugging Face's RMSNorm module `norm` applied to x: in fp32, scaled by the weight after
+    casting back (one fused op when the model is fp32 already)."""
+    weight, eps = norm.weight, norm.variance_epsilon
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
@@ -82,37 +84,17 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 class FastDecoder(HFDecoder):
-    """Prefill with Hugging Face, then compact decode steps over packed weights."""
+    """Prefill with Hugging Face, then compact decode steps over the model's own weights."""
 
     def __init__(self, model, max_len: int):
         super().__init__(model)
         cfg = model.config
         self.max_len = max_len
-        self.layers = []
-        for layer in self.backbone.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
-            bqkv = None
-            if a.q_proj.bias is not None:
-                bqkv = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
-            self.layers.append(dict(
-                ln1=(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon),
-                ln2=(layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon),
-                qkv_t=wqkv.T.contiguous(), qkv_b=bqkv,
-                q_norm=(a.q_norm.weight.detach(), a.q_norm.variance_epsilon) if hasattr(a, "q_norm") else None,
-                k_norm=(a.k_norm.weight.detach(), a.k_norm.variance_epsilon) if hasattr(a, "k_norm") else None,
-                o_t=a.o_proj.weight.detach().T.contiguous(),
-                o_b=None if a.o_proj.bias is None else a.o_proj.bias.detach(),
-                gu_t=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().T.contiguous(),
-                down_t=mlp.down_proj.weight.detach().T.contiguous(),
-            ))
         a0 = self.backbone.layers[0].self_attn
         self.head_dim = a0.head_dim
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.scaling = a0.scaling
-        self.inter = cfg.intermediate_size
-        self.norm = (self.backbone.norm.weight.detach(), self.backbone.norm.variance_epsilon)
         self.checked = False
         self.fallback = False
 
@@ -135,8 +117,8 @@ class FastDecoder(HFDecoder):
         super().expand(group_size)  # the DynamicCache too: it is the fallback and the check's reference
         first = self.cache.layers[0].keys  # (B, n_kv, P, hd)
         B, _, P, hd = first.shape
-        self.P = P
-        self.k = torch.zeros((len(self.layers), B, self.n_kv, self.max_len, hd), dtype=first.dtype, device=first.device)
+        cap = min(self.max_len, P + BLOCK)
+        self.k = first.new_zeros((len(self.cache.layers), B, self.n_kv, cap, hd))  # (L, B, n_kv, cap, hd)
         self.v = torch.zeros_like(self.k)
         for i, lay in enumerate(self.cache.layers):
             self.k[i, :, :, :P] = lay.keys
@@ -147,6 +129,14 @@ class FastDecoder(HFDecoder):
         probe = torch.zeros((1, 1, 1), dtype=first.dtype, device=first.device)
         cos, sin = self.backbone.rotary_emb(probe, positions)  # (1, max_len, hd)
         self.cos, self.sin = cos[0], sin[0]  # (max_len, hd)
+
+    def _grow(self) -> None:
+        """Double the KV cache's columns (up to max_len) when the next token would not fit."""
+        if self.t < self.k.shape[3]:
+            return
+        more = min(self.k.shape[3], self.max_len - self.k.shape[3])
+        self.k = torch.cat([self.k, torch.zeros_like(self.k[:, :, :, :more])], 3)
+        self.v = torch.cat([self.v, torch.zeros_like(self.v[:, :, :, :more])], 3)
 
     def step(self, tok: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
         if self.fallback:
@@ -163,35 +153,31 @@ class FastDecoder(HFDecoder):
         return logits
 
     def _fast_step(self, tok: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
+        self._grow()
         B, hd, t = tok.shape[0], self.head_dim, self.t
         x = self.backbone.embed_tokens(tok)  # (B, H)
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # (B, 1, 1, hd)
         mask = attn[:, None, None, : t + 1].bool()  # (B, 1, 1, t+1) real tokens only
-        q_dim, kv_dim = self.n_heads * hd, self.n_kv * hd
-        for i, L in enumerate(self.layers):
-            h = _rms(x, *L["ln1"])  # (B, H)
-            qkv = h @ L["qkv_t"]  # (B, q + 2 kv)
-            if L["qkv_b"] is not None:
-                qkv = qkv + L["qkv_b"]
-            q = qkv[:, :q_dim].view(B, self.n_heads, 1, hd)
-            k = qkv[:, q_dim:q_dim + kv_dim].view(B, self.n_kv, 1, hd)
-            v = qkv[:, q_dim + kv_dim:].view(B, self.n_kv, 1, hd)
-            if L["q_norm"] is not None:
-                q, k = _rms(q, *L["q_norm"]), _rms(k, *L["k_norm"])
+        for i, layer in enumerate(self.backbone.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            h = _rms(x, layer.input_layernorm)  # (B, H)
+            q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(B, self.n_heads, 1, hd)
+            k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(B, self.n_kv, 1, hd)
+            v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(B, self.n_kv, 1, hd)
+            if hasattr(a, "q_norm"):
+                q, k = _rms(q, a.q_norm), _rms(k, a.k_norm)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             self.k[i, :, :, t] = k[:, :, 0]
             self.v[i, :, :, t] = v[:, :, 0]
             att = F.scaled_dot_product_attention(q, self.k[i, :, :, : t + 1], self.v[i, :, :, : t + 1], attn_mask=mask,
                                                  scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)  # (B, nh, 1, hd)
-            o = att.reshape(B, q_dim) @ L["o_t"]
-            if L["o_b"] is not None:
-                o = o + L["o_b"]
-            x = x + o
-            gu = _rms(x, *L["ln2"]) @ L["gu_t"]  # (B, 2 I)
-            x = x + (F.silu(gu[:, : self.inter]) * gu[:, self.inter:]) @ L["down_t"]
+            x = x + F.linear(att.reshape(B, -1), a.o_proj.weight, a.o_proj.bias)  # (B, H)
+            h = _rms(x, layer.post_attention_layernorm)
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight),
+                             mlp.down_proj.weight)  # (B, H)
         self.t += 1
-        return _rms(x, *self.norm) @ self.head_t  # (B, V)
+        return F.linear(_rms(x, self.backbone.norm), self.head.weight)  # (B, V)
 
 
 def decoder(model, max_len: int) -> HFDecoder:

@@ -18,7 +18,9 @@ chunk), so peak memory is one chunk of logits (`CHUNK_BYTES`) whatever N and V. 
 what is saved is the full-size log-softmax, its backward and the scatter behind `gather`.
 
 Log-probs and gradients equal the full-logits computation to float rounding (tested to 1e-5).
-Logits are computed in the weights' dtype and promoted to fp32, like the full path.
+Logits are computed in the weights' dtype (or autocast's, under mixed precision) and promoted
+to fp32, like the full path. The entropy of each token's distribution comes from the same
+chunks of logits when asked for (a metric; no gradient).
 
 Left out: logit soft-capping and logit scaling (models with them use the full path; see
 `fused_head`), vocabulary-parallel heads.
@@ -42,43 +44,61 @@ def chunk_tokens(vocab: int) -> int:
     return max(16, CHUNK_BYTES // (4 * vocab))
 
 
+def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's when it is on (mixed precision: float32
+    weights, bf16 compute), else the weights'."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return weight.dtype
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, dtype: torch.dtype,
+                entropy: bool):
         N, V = hidden.shape[0], weight.shape[0]
         step = chunk_tokens(V)
         keep = N * V * 4 <= SAVE_BYTES
-        logp = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
-        lse = torch.empty(N, dtype=torch.float32, device=hidden.device)  # (N,)
+        w = weight.to(dtype)  # (V, H) the compute copy (the weight itself when dtypes agree)
+        acc = torch.promote_types(dtype, torch.float32)  # logits and sums: float32 (float64 for a float64 model)
+        logp = torch.empty(N, dtype=acc, device=hidden.device)  # (N,)
+        lse = torch.empty(N, dtype=acc, device=hidden.device)  # (N,)
+        ent = torch.empty(N if entropy else 0, dtype=acc, device=hidden.device)  # (N,)
         kept = []
         for s in range(0, N, step):
-            z = (hidden[s:s + step] @ weight.T).float()  # (c, V)
+            z = (hidden[s:s + step].to(dtype) @ w.T).to(acc)  # (c, V)
             if temperature != 1.0:
                 z.div_(temperature)
             lse[s:s + step] = torch.logsumexp(z, -1)
             logp[s:s + step] = z.gather(-1, targets[s:s + step, None]).squeeze(-1) - lse[s:s + step]
+            if entropy:  # H = lse - Σ_v softmax(z)_v z_v
+                ent[s:s + step] = lse[s:s + step] - (torch.softmax(z, -1) * z).sum(-1)
             if keep:
                 kept.append(z)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.kept = temperature, kept
-        return logp
+        ctx.temperature, ctx.kept, ctx.dtype = temperature, kept, dtype
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor):
+    def backward(ctx, grad: Tensor, _grad_entropy):
         hidden, weight, targets, lse = ctx.saved_tensors
-        tau, kept = ctx.temperature, ctx.kept
+        tau, kept, dtype = ctx.temperature, ctx.kept, ctx.dtype
         ctx.kept = None
         step = chunk_tokens(weight.shape[0])
+        w = weight.to(dtype)  # (V, H)
+        acc = lse.dtype
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # (N, H) every row is written
-        grad_w = None  # (V, H) fp32: the first chunk assigns, the others accumulate
+        grad_w = None  # (V, H) float32 (or float64): the first chunk assigns, the others accumulate
         for i, s in enumerate(range(0, hidden.shape[0], step)):
-            h = hidden[s:s + step]  # (c, H)
-            g = grad[s:s + step].float()  # (c,)
+            h = hidden[s:s + step].to(dtype)  # (c, H)
+            g = grad[s:s + step].to(acc)  # (c,)
             if kept:
                 gz = kept[i]  # (c, V) the forward's logits, consumed in place
             else:
-                gz = (h @ weight.T).float()  # (c, V) recomputed
+                gz = (h @ w.T).to(acc)  # (c, V) recomputed
                 if tau != 1.0:
                     gz.div_(tau)
             # d logp / d z = onehot(y) - softmax(z); times the upstream gradient and d z / d(hW^T) = 1/τ
@@ -86,20 +106,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
             gz.scatter_add_(-1, targets[s:s + step, None], g[:, None])
             if tau != 1.0:
                 gz.div_(tau)
-            gz = gz.to(weight.dtype)
+            gz = gz.to(dtype)
             if grad_h is not None:
-                grad_h[s:s + step] = gz @ weight  # (c, H)
+                grad_h[s:s + step] = gz @ w  # (c, H)
             if ctx.needs_input_grad[1]:
                 if grad_w is None:
-                    grad_w = gz.T.float() @ h.float()  # (V, H)
+                    grad_w = gz.T.to(acc) @ h.to(acc)  # (V, H)
                 else:
-                    grad_w.addmm_(gz.T.float(), h.float())
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
+                    grad_w.addmm_(gz.T.to(acc), h.to(acc))
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
-def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(hidden @ weight.T / τ)[targets] for (N, H) hidden and (V, H) weight: (N,)."""
-    return _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature))
+def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
+                     entropy: bool = False):
+    """log softmax(hidden @ weight.T / τ)[targets] for (N, H) hidden and (V, H) weight: (N,).
+    With `entropy`, also the entropy of each token's distribution, (N,) (no gradient)."""
+    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), compute_dtype(hidden, weight),
+                                       entropy)
+    return (logp, ent) if entropy else logp
 
 
 def fused_head(model):

@@ -189,6 +189,11 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
     - k1 = -log ρ                 (unbiased, high variance, can be negative)
     - k2 = ½ (log ρ)²             (biased, low variance)
     - k3 = ρ - 1 - log ρ          (unbiased, low variance, always ≥ 0)
+
+    As a loss term (`beta > 0`) what matters is the expected gradient over y ~ π_θ, and it is
+    not the same KL for each (tests/test_losses.py checks it exactly): k1's is 0 (E[∇log π] = 0:
+    no pull towards the reference at all), k2's is ∇KL(π_θ‖π_ref), k3's is ∇KL(π_ref‖π_θ),
+    the reverse KL (what GRPO's penalty pulls along).
     """
     log_rho = ref_logp - logp  # (B, T)
     if estimator == "k1":

@@ -2,6 +2,7 @@
 
     from gspo.metrics import Mean, Max, Min, step_means
     m = {"clip/frac": Mean(0.25, count=8), "ratio/max": Max(1.3), "grad_norm": Mean(0.7)}
+    metrics = combine(micro_batch_metrics)     # an update's metrics from its micro-batches'
     history = reduce_across(history, dist)     # each update's global value (identity on one process)
     row = step_means(history)                  # one value per metric for the step's log row
     row.update(mismatch(sampled_logp, old_logp, mask))   # mismatch/token_abs, mismatch/seq_log_ratio
@@ -16,7 +17,8 @@ A per-update metric is a float that says how it combines:
 Over a step's updates a Mean is averaged (each update counts once), a Min/Max takes the
 min/max. NaN values (a statistic over nothing) are skipped.
 
-Also here: `mismatch`, the gap between the sampler's log-probs and the trainer's.
+Also here: `step_row`, a step's row of metrics.jsonl, and `mismatch`, the gap between the
+sampler's log-probs and the trainer's.
 
 They are floats, so callers of `gspo.losses.policy_loss` still get plain numbers; a metric
 made as a plain float cannot be reduced and raises (a new metric must say how it averages,
@@ -81,6 +83,25 @@ def step_means(history: list[dict]) -> dict[str, float]:
     return out
 
 
+def combine(parts: list[dict]) -> dict:
+    """One update's metrics from its micro-batches' (Mean: count-weighted, Min/Max: min/max),
+    exactly what one pass over all their rows gives; a single part is returned as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for key, first in parts[0].items():
+        kind = _kind(key, first)
+        vals = [p[key] for p in parts if p[key] == p[key]]  # skip NaN
+        if kind is Min:
+            out[key] = Min(min(vals)) if vals else Min("nan")
+        elif kind is Max:
+            out[key] = Max(max(vals)) if vals else Max("nan")
+        else:
+            count = sum(v.count for v in vals)
+            out[key] = Mean(sum(v * v.count for v in vals) / count, count) if count > 0 else Mean("nan", 0.0)
+    return out
+
+
 def reduce_across(history: list[dict], dist) -> list[dict]:
     """The global value of every per-update metric, the same on every process (`dist`: a
     gspo.distributed.Dist; the identity on one process)."""
@@ -133,3 +154,35 @@ def mismatch(sampled: Tensor, recomputed: Tensor, mask: Tensor, gather=None) -> 
     has = n_tok > 0
     return {"mismatch/token_abs": float(abs_sum.sum() / n_tok.sum().clamp(min=1)),
             "mismatch/seq_log_ratio": float(seq[has].abs().mean()) if has.any() else 0.0}
+
+
+def step_row(run, step: int, batch, history: list[dict]) -> dict:
+    """The step's row of metrics.jsonl (without timings), over the global batch: batch-level
+    values gathered from every process, then the step's means of the updates' `history`.
+    run: a gspo.run.Run; batch: a gspo.trainer.Batch."""
+    cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    groups = batch.all_rewards.view(-1, cfg.group_size)  # (N_all, G)
+    lengths = dist.gather(ro.lengths.float())  # (B_all,)
+    all_parts = {name: dist.gather(torch.tensor(v, dtype=torch.float64)) for name, v in batch.reward_parts.items()}
+    metrics = {
+        "step": step,
+        "reward/mean": float(batch.all_rewards.mean()),
+        "reward/std": float(batch.all_rewards.std()) if batch.all_rewards.numel() > 1 else 0.0,
+        "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
+        **{f"reward/{name}/mean": float(v.mean()) for name, v in all_parts.items()},
+        **step_means(history),
+        "completion/mean_length": float(lengths.mean()),
+        "completion/max_length": float(lengths.max()),
+        "completion/truncated_frac": float(dist.gather(ro.truncated.float()).mean()),
+        **(mismatch(ro.logp, batch.old_logp, ro.completion_mask, dist.gather)
+           if cfg.old_logp == "recompute" else {}),
+        "lr": run.optimizer.param_groups[0]["lr"],
+    }
+    if run.value_model is not None:
+        on = ro.completion_mask > 0
+        v, r = dist.gather(batch.old_values[on]), dist.gather(batch.returns[on])  # completion tokens of all processes
+        metrics["value/mean"] = float(v.mean()) if v.numel() else 0.0
+        from gspo.value import explained_variance
+
+        metrics["value/explained_variance"] = explained_variance(v, r, torch.ones_like(v))
+    return metrics

@@ -25,11 +25,13 @@ import contextlib
 import torch
 
 
-def wrap(model, dist, *, find_unused: bool = False):
+def wrap(model, dist, *, find_unused: bool = False, mixed: torch.dtype | None = None):
     """Prepare a trainable model; returns what training forwards should call.
 
-    ddp: the DDP wrapper (the module itself is unchanged and used for sampling);
-    fsdp: the module, sharded in place; one process: the module.
+    ddp: the DDP wrapper (the module itself is unchanged and used for sampling; buffers are not
+    broadcast at every forward, so processes may run different numbers of no-grad passes);
+    fsdp: the module, sharded in place, its parameters gathered in `mixed` (mixed precision,
+    gradients reduced in float32); one process: the module.
     """
     if not dist.enabled:
         return model
@@ -37,23 +39,31 @@ def wrap(model, dist, *, find_unused: bool = False):
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [dist.device.index] if dist.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused)
+        import inspect
+
+        no_sync_buffers = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
+            inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False}  # torch < 2.13
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused, **no_sync_buffers)
     if dist.parallel == "fsdp":
-        shard(model, dist)
+        shard(model, dist, mixed=mixed)
     return model
 
 
-def shard(model, dist) -> None:
-    """FSDP2: fully_shard each decoder layer (the model's `_no_split_modules`), then the root."""
-    from torch.distributed.fsdp import fully_shard
+def shard(model, dist, *, mixed: torch.dtype | None = None) -> None:
+    """FSDP2: fully_shard each decoder layer (the model's `_no_split_modules`), then the root;
+    `mixed`: a MixedPrecisionPolicy gathering parameters in that dtype, reducing in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    kw = {"mesh": dist.mesh}
+    if mixed is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mixed, reduce_dtype=torch.float32)
     names = set()
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or [])
     for m in list(model.modules()):
         if m is not model and type(m).__name__ in names:
-            fully_shard(m, mesh=dist.mesh)
-    fully_shard(model, mesh=dist.mesh)
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
     # settle which module is the root now: sampling may call the decoder layers without
     # going through the root's forward (gspo.fastdecode), which FSDP would otherwise reject
     model._get_fsdp_state()._lazy_init()
@@ -78,6 +88,25 @@ def gathered(model, dist):
         for m in units:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
+
+
+@contextlib.contextmanager
+def no_sync(model, dist, skip: bool):
+    """Gradient accumulation: with `skip`, the backward passes in the block keep their gradients
+    local (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); the last micro-batch of
+    a minibatch runs without it and reduces everything accumulated."""
+    if not (skip and dist.enabled):
+        yield
+        return
+    if dist.parallel == "ddp":
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def full_state_dict(model, dist) -> dict | None:
@@ -114,7 +143,9 @@ def load_optimizer_state(model, optimizer, state: dict, dist) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    # rank 0 holds the full state and sends each process its shard; the others pass nothing
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
 def clip_grad_norm(params: list, max_norm: float) -> float:

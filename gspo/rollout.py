@@ -1,10 +1,9 @@
-"""Rollouts: who samples (the `Sampler` interface), our own sampler, and token log-probs.
+"""Rollouts: who samples (the `Sampler` interface) and our own sampler.
 
-    from gspo.rollout import PolicySampler, sampling_params, completion_logprobs
+    from gspo.rollout import PolicySampler, sampling_params
     params = sampling_params(tokenizer, group_size=8, max_new_tokens=8, temperature=1.0)
     ro = PolicySampler(model).sample(prompt_ids, params, generator=g)   # a Rollout
-    logp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask,
-                               temperature=1.0)   # (B, T), equals ro.logp in fp32
+    # ro.logp (B, T) equals gspo.logprobs.completion_logprobs(model, ...) in fp32
 
 A `Sampler` turns prompts (token id lists) into a `Rollout` of G completions per prompt, with
 the log-prob of every sampled token recorded, and loads the policy's current weights before
@@ -39,7 +38,6 @@ import torch
 
 from gspo import parallel
 from gspo.fastdecode import decoder
-from gspo.lmhead import chunked_logprobs, fused_head
 
 Tensor = torch.Tensor
 
@@ -56,7 +54,7 @@ class Rollout:
     lengths: Tensor  # (B,) completion lengths (number of ones in completion_mask)
     truncated: Tensor  # (B,) bool: stopped by max_new_tokens before an EOS
     group_size: int
-    routing: Tensor | None = None  # (B, P+T, L, k) int16 MoE experts used while sampling; -1 = not fed
+    routing: Tensor | None = None  # (B, P+T, L, k) int8/int16 MoE experts used while sampling; -1 = not fed
 
     @property
     def input_ids(self) -> Tensor:
@@ -86,17 +84,31 @@ class SamplingParams:
     pad_token_id: int
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
+    top_k: int = 0  # 0 = off
     min_new_tokens: int = 0  # no stop token before this many tokens
 
 
-def stop_token_ids(tokenizer) -> tuple[int, ...]:
-    """The tokens that end a completion, for rollouts and evaluation alike."""
-    return (tokenizer.eos_token_id,)
+def stop_token_ids(tokenizer, model=None, extra: tuple[str, ...] = ()) -> tuple[int, ...]:
+    """The tokens that end a completion, for rollouts and evaluation alike: the tokenizer's EOS,
+    the model's `generation_config.eos_token_id` (an id or a list: a chat model closes its turns
+    with a token of its own, e.g. Qwen2.5's `<|im_end|>` beside the base `<|endoftext|>`), and
+    `extra` token strings (`--stop-token`), each of which must be one token of the vocabulary."""
+    ids = [tokenizer.eos_token_id]
+    gen = getattr(model.get_base_model() if hasattr(model, "get_base_model") else model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    ids += list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    for token in extra:
+        found = tokenizer.convert_tokens_to_ids(token)
+        if found is None or (found == tokenizer.unk_token_id and token != tokenizer.unk_token):
+            raise ValueError(f"stop_token: {token!r} is not a token of the tokenizer's vocabulary")
+        ids.append(found)
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 
-def sampling_params(tokenizer, **kw) -> SamplingParams:
-    """SamplingParams with the tokenizer's stop and padding tokens."""
-    return SamplingParams(stop_token_ids=stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, **kw)
+def sampling_params(tokenizer, *, stop: tuple[int, ...] | None = None, **kw) -> SamplingParams:
+    """SamplingParams with the tokenizer's padding token and the stop set (default: the
+    tokenizer's own stop tokens, `stop_token_ids(tokenizer)`)."""
+    return SamplingParams(stop_token_ids=stop or stop_token_ids(tokenizer), pad_token_id=tokenizer.pad_token_id, **kw)
 
 
 class Sampler(Protocol):
@@ -115,11 +127,12 @@ class PolicySampler:
     engine's, `--rollout-dtype`) whose weights are copied from the policy before every rollout.
 
     routing: a gspo.moe.Routing on `model` that records the experts used while sampling.
-    dist: under FSDP the sampling model's parameters are gathered for the rollout.
+    dist: under FSDP the sampling model's parameters are gathered for the rollout, those of
+    `root` (the FSDP root that holds `model`; default `model` itself).
     """
 
-    def __init__(self, model, *, routing=None, dist=None):
-        self.model, self.routing, self.dist = model, routing, dist
+    def __init__(self, model, *, routing=None, dist=None, root=None):
+        self.model, self.routing, self.dist, self.root = model, routing, dist, root
 
     def sync(self, policy) -> None:
         if self.model is not policy:
@@ -128,7 +141,7 @@ class PolicySampler:
                     dst.copy_(src)
 
     def sample(self, prompts, params, *, generator=None, rows=None) -> "Rollout":
-        with parallel.gathered(self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
+        with parallel.gathered(self.root or self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
             return generate(self.model, prompts, params, generator=generator, routing=self.routing, rows=rows)
 
 
@@ -168,7 +181,8 @@ def position_ids_from_mask(mask: Tensor) -> Tensor:
 
 
 def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, *,
-                 banned: tuple[int, ...] | None = None, uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 banned: tuple[int, ...] | None = None, uniforms: Tensor | None = None,
+                 top_k: int = 0) -> tuple[Tensor, Tensor]:
     """Draw one token per row from `logits` (B, V); returns (tokens (B,), log-probs (B,)).
 
     Sampling is by inverse CDF: one uniform u per row, and the token is the first whose
@@ -179,8 +193,8 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     supplied by the caller, else drawn from `generator`).
 
     temperature == 0 means greedy; the returned log-prob is then that of τ = 1. `banned`: token
-    ids that cannot be drawn (stop tokens before min_new_tokens); like top-p, they change what
-    can be drawn, not the recorded log-prob.
+    ids that cannot be drawn (stop tokens before min_new_tokens); like top-p and top-k (only
+    the k most likely tokens), they change what can be drawn, not the recorded log-prob.
     """
     logits = logits.float()  # (B, V)
     scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V)
@@ -194,18 +208,21 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
     # normaliser, and log p(token) = z - max - log(sum e) is log_softmax without a pass of its own
     top = scaled.amax(-1, keepdim=True)  # (B, 1)
     e = (scaled - top).exp_()  # (B, V) unnormalised probabilities
-    if banned is None and top_p >= 1.0:
+    if banned is None and top_p >= 1.0 and not 0 < top_k < e.shape[-1]:
         cdf = e.cumsum(-1)  # (B, V)
         log_total = cdf[:, -1:].log()  # (B, 1)
     else:
         log_total = e.sum(-1, keepdim=True).log()  # (B, 1) of the full distribution: the recorded log-prob
         if banned is not None:
             e[:, list(banned)] = 0.0
+        if 0 < top_k < e.shape[-1]:
+            kth = e.topk(top_k, -1).values[:, -1:]  # (B, 1) the k-th largest mass
+            e = e.masked_fill(e < kth, 0.0)
         if top_p < 1.0:
             sorted_e, order = e.sort(-1, descending=True)  # (B, V)
             mass = sorted_e.cumsum(-1)  # (B, V)
             # drop a token once the mass before it already reaches top_p (the first always stays)
-            drop = (mass - sorted_e) >= top_p * log_total.exp()  # (B, V)
+            drop = (mass - sorted_e) >= top_p * mass[:, -1:]  # (B, V) of what top-k and bans left
             e = torch.zeros_like(e).scatter_(-1, order, sorted_e.masked_fill(drop, 0.0))  # (B, V)
         cdf = e.cumsum(-1)  # (B, V) non-decreasing; zero-mass tokens can never be drawn
     if uniforms is None:
@@ -246,7 +263,7 @@ def _assemble_routing(cap, ro: Rollout, n_prompts: int) -> Tensor:
     T = ro.completion_ids.shape[1]
     prefill = cap.call_indices(0)  # (N·P, L, k)
     L, k = prefill.shape[-2:]
-    out = torch.full((B, P + T, L, k), -1, dtype=torch.int16, device=prefill.device)
+    out = torch.full((B, P + T, L, k), -1, dtype=prefill.dtype, device=prefill.device)
     out[:, :P] = prefill.view(n_prompts, P, L, k).repeat_interleave(ro.group_size, 0)
     for j in range(1, T):  # decode call j fed completion token j-1
         out[:, P + j - 1] = cap.call_indices(j)
@@ -281,7 +298,8 @@ def _generate(model, prompts: list[list[int]], params: SamplingParams, generator
     for t in range(max_new_tokens):
         banned = params.stop_token_ids if t < params.min_new_tokens else None
         u = None if params.temperature == 0 else torch.rand(total, generator=generator)[offset:offset + B]  # (B,) CPU
-        tok, lp = sample_token(logits, params.temperature, params.top_p, generator, banned=banned, uniforms=u)  # (B,), (B,)
+        tok, lp = sample_token(logits, params.temperature, params.top_p, generator, banned=banned, uniforms=u,
+                               top_k=params.top_k)  # (B,), (B,)
         tok = tok.masked_fill(done, pad_token_id)
         tokens[:, t] = tok
         logp[:, t] = lp.masked_fill(done, 0.0)
@@ -297,53 +315,3 @@ def _generate(model, prompts: list[list[int]], params: SamplingParams, generator
     tokens, logp = tokens[:, :n_steps], logp[:, :n_steps]  # (B, T)
     completion_mask = (torch.arange(n_steps, device=device)[None, :] < lengths[:, None]).float()  # (B, T)
     return Rollout(prompt_ids, prompt_mask, tokens, completion_mask, logp, lengths, ~done, G)
-
-
-def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor,
-                        *, temperature: float = 1.0, return_hidden: bool = False):
-    """log π(y_t | x, y_<t) / τ-scaled, for the last T columns of `input_ids`; (B, T).
-
-    One forward pass over prompt + completion; the LM head runs only on the T positions that
-    predict completion tokens, and (for a plain linear head, see gspo.lmhead) in chunks,
-    without ever holding T × vocabulary logits. With `return_hidden`, also returns the final
-    hidden state at those positions, (B, T, H) (for a shared value head).
-    """
-    B, T = completion_mask.shape
-    pos = position_ids_from_mask(attention_mask)  # (B, P+T)
-    targets = input_ids[:, -T:]  # (B, T)
-    fused = fused_head(model)
-    if fused is not None:
-        backbone, head = fused
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                          use_cache=False).last_hidden_state[:, -T - 1:-1]  # (B, T, H) position j predicts j+1
-        logp = chunked_logprobs(hidden.reshape(B * T, -1), head.weight, targets.reshape(-1), temperature)
-        logp = logp.view(B, T) * completion_mask  # (B, T)
-        return (logp, hidden) if return_hidden else logp
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
-                logits_to_keep=T + 1, output_hidden_states=return_hidden)
-    logits = out.logits[:, :-1].float()  # (B, T, V) position j predicts token j+1
-    if temperature not in (0, 1):
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
-    if return_hidden:
-        return logp * completion_mask, out.hidden_states[-1][:, -T - 1:-1]  # (B, T), (B, T, H)
-    return logp * completion_mask
-
-
-@torch.no_grad()
-def token_logprobs(model, ro: Rollout, *, temperature: float, batch_size: int, routing=None
-                   ) -> tuple[Tensor, Tensor | None]:
-    """log π of every sampled token under `model`, in chunks of rows, without gradient, in eval
-    mode: (B, T). With `routing` (MoE), also the experts every token used, (B, P+T, L, k)."""
-    was_training = model.training
-    model.eval()
-    out, experts = [], []
-    for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
-        sub = ro.select(idx)
-        with routing.capture() if routing is not None else contextlib.nullcontext() as cap:
-            out.append(completion_logprobs(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
-                                           temperature=temperature))
-        if routing is not None:
-            experts.append(cap.indices(*sub.input_ids.shape))
-    model.train(was_training)
-    return torch.cat(out), (torch.cat(experts) if routing is not None else None)

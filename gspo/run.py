@@ -17,7 +17,7 @@ Also here: the learning-rate schedule (`lr_factor`) and the progress display.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
 import math
 import random
@@ -34,10 +34,11 @@ from gspo import distributed, parallel
 from gspo.config import ConfigError, TrainConfig, load_yaml, resolve
 from gspo.data import DataError
 from gspo.distributed import Dist
-from gspo.models import DTYPES, add_lora, load_policy, unwrap
+from gspo.logprobs import TokenLogprobs, supports_packing
+from gspo.models import DTYPES, add_lora, disable_dropout, load_policy, low_precision_copy, unwrap
 from gspo.moe import MoEError, Routing, is_moe
 from gspo.rewards import Reward, load_rewards
-from gspo.rollout import PolicySampler, Sampler
+from gspo.rollout import PolicySampler, Sampler, stop_token_ids
 from gspo.tasks import build_task
 from gspo.value import Critic, ValueHead, ValueModel
 
@@ -61,11 +62,21 @@ class Run:
     value_model: ValueModel | None = None  # PPO
     routing: Routing | None = None  # MoE models: hooks on every router
     resume_from: Path | None = None  # the checkpoint to continue from
+    stop_ids: tuple[int, ...] = ()  # tokens that end a completion (gspo.rollout.stop_token_ids)
+    scaler: torch.amp.GradScaler | None = None  # float16 mixed precision: loss scaling
+    packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
     # where the run stands; saved in every checkpoint
     start_step: int = 0
     eval_before: dict | None = None
     evals: list[dict] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
+
+    def autocast(self):
+        """Mixed precision: forwards compute in --dtype over float32 master weights."""
+        compute = DTYPES[self.cfg.dtype]
+        if compute == DTYPES[self.cfg.param_dtype]:
+            return contextlib.nullcontext()
+        return torch.autocast(self.dist.device.type, dtype=compute)
 
     @property
     def optimized(self):
@@ -106,22 +117,30 @@ def build_run(cfg: TrainConfig, resume: str | Path | None = None) -> Run:
     policy, tokenizer = _load_policy(cfg, resume_from, dist.device)
     if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
         raise DataError(f"{cfg.dataset}: prompts are chat messages but the tokenizer of {cfg.model} has no chat template")
+    disable_dropout(policy)  # training forwards compute the log-probs the no-grad passes do
     if cfg.gradient_checkpointing:
         unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    stop_ids = stop_token_ids(tokenizer, policy, cfg.stop_token)
     sampler, routing = _sampler_and_routing(cfg, policy, dist)
     reference = None
     if (cfg.beta > 0 or cfg.reward_kl_coef > 0) and cfg.lora_r == 0:
         reference, _ = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=dist.device)  # the initial policy
         reference.eval().requires_grad_(False)
     vm = _value_model(cfg, policy, resume_from, dist.device)
-    train_model = parallel.wrap(policy, dist, find_unused=routing is not None)  # MoE: unused experts get no grad
+    mixed = DTYPES[cfg.dtype] if cfg.param_dtype != cfg.dtype else None  # FSDP gathers parameters in it
+    # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
+    train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=routing is not None, mixed=mixed)
     if vm is not None and not vm.shared:
-        vm.critic_train = parallel.wrap(vm.critic, dist)
+        vm.critic_train = parallel.wrap(vm.critic, dist, mixed=mixed)
     if reference is not None and dist.enabled and dist.parallel == "fsdp":
         parallel.shard(reference, dist)
+    if isinstance(sampler, PolicySampler) and sampler.model is policy:
+        sampler.root = train_model  # under FSDP, gathering the root gathers every parameter
     optimizer, scheduler = make_optimizers(cfg, policy, vm)
+    scaler = torch.amp.GradScaler(dist.device.type) if cfg.dtype == "float16" and mixed is not None else None
+    packed = cfg.packing and routing is None and supports_packing(policy)
     return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
-               reference, vm, routing, resume_from)
+               reference, vm, routing, resume_from, stop_ids, scaler, packed)
 
 
 def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:
@@ -137,7 +156,7 @@ def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:
 def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.device):
     """The policy to train and its tokenizer: the model, or the checkpoint's weights (a LoRA
     checkpoint: the base model plus the saved adapter, trainable)."""
-    dtype = DTYPES[cfg.dtype]
+    dtype = DTYPES[cfg.param_dtype]  # float32 master weights unless pure low precision is asked for
     if resume_from is not None and cfg.lora_r > 0:
         return load_policy(str(resume_from), dtype=dtype, device=device, base_model=cfg.model, trainable_adapter=True)
     if resume_from is not None:
@@ -150,10 +169,13 @@ def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.devic
 
 
 def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist) -> tuple[Sampler, Routing | None]:
-    """The sampler (the policy, or a copy in --rollout-dtype made before any hook is
-    installed) and, for MoE models, the routing hooks (drift is always measured)."""
+    """The sampler (the policy, or a copy in the sampling precision made before any hook is
+    installed: --rollout-dtype, else the compute --dtype) and, for MoE models, the routing
+    hooks (drift is always measured)."""
     rollout_dtype = DTYPES[cfg.dtype] if cfg.rollout_dtype == "same" else DTYPES[cfg.rollout_dtype]
-    model = policy if rollout_dtype == DTYPES[cfg.dtype] else copy.deepcopy(policy).to(rollout_dtype)
+    if cfg.rollout_engine == "vllm":
+        return _vllm_sampler(cfg, policy, dist, rollout_dtype), (Routing(policy, cfg.model) if is_moe(policy) else None)
+    model = policy if rollout_dtype == DTYPES[cfg.param_dtype] else low_precision_copy(policy, rollout_dtype)
     sampler = PolicySampler(model, dist=dist)
     if not is_moe(policy):
         if cfg.routing_replay or cfg.router_aux_loss_coef > 0:
@@ -167,14 +189,29 @@ def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist) -> tuple[Sampler,
     return sampler, routing
 
 
+def _vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
+    """A colocated vLLM engine over the model's directory (the base model for LoRA); the
+    policy's weights are loaded into it before every rollout."""
+    from gspo.models import resolve_model_path
+    from gspo.vllm_engine import VLLMSampler
+
+    max_len = cfg.vllm_max_model_len or int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    return VLLMSampler(str(resolve_model_path(cfg.model)), dtype=name, seed=cfg.seed, device=dist.device,
+                       max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                       kv_cache_gib=cfg.vllm_kv_cache_gib, sleep=cfg.vllm_sleep, dist=dist)
+
+
 def _value_model(cfg: TrainConfig, policy, resume_from: Path | None, device: torch.device) -> ValueModel | None:
     """PPO's critic, initialised from the policy's weights (or restored from the checkpoint)."""
     if cfg.algorithm != "ppo":
         return None
     if cfg.critic == "separate":
         src = resume_from / "critic" if resume_from is not None else cfg.model
-        return ValueModel(critic=Critic.from_pretrained(src, dtype=DTYPES[cfg.dtype], device=device,
-                                                        head_from=resume_from / "critic" if resume_from else None))
+        critic = Critic.from_pretrained(src, dtype=DTYPES[cfg.param_dtype], device=device,
+                                        head_from=resume_from / "critic" if resume_from else None)
+        disable_dropout(critic)
+        return ValueModel(critic=critic)
     head = ValueHead(unwrap(policy).config.hidden_size)
     if resume_from is not None:
         head.load(resume_from / "value_head")
@@ -197,7 +234,9 @@ def make_optimizers(cfg: TrainConfig, policy, vm: ValueModel | None):
 
 
 def lr_factor(cfg: TrainConfig):
-    """LR multiplier for training step k (1-based; LambdaLR's counter is k - 1)."""
+    """LR multiplier for training step k (1-based; LambdaLR's counter is k - 1). After warm-up
+    the decay starts at 1 on the first step and reaches 0 one step after the last, so the
+    last step still learns (progress (k - warmup - 1) / (steps - warmup))."""
 
     def f(counter: int) -> float:
         k = counter + 1
@@ -205,7 +244,7 @@ def lr_factor(cfg: TrainConfig):
             return k / cfg.warmup_steps
         if cfg.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (k - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+        progress = min(1.0, (k - cfg.warmup_steps - 1) / max(1, cfg.steps - cfg.warmup_steps))
         return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
 
     return f

@@ -1,34 +1,28 @@
 """The training loop: rollout → score → advantages → minibatch updates, one step at a time.
 
-    from gspo.config import TrainConfig
     from gspo.trainer import train
-    summary = train(TrainConfig(algorithm="gspo", steps=60))
-    summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
+    summary = train(TrainConfig(algorithm="gspo", steps=60))   # summary["eval_after"]["accuracy"]
 
-`train` reads top to bottom: build the run (gspo.run, every input checked before anything is
-written) → start it, or restore it from its checkpoint → for each step `train_step` →
-evaluate again → summary. `train_step(run, step)` is one step and can be called alone:
-sample a group per prompt (`rollout`), score it (`score`), get the old policy's log-probs and
-the advantages (`prepare`), then `update` the policy over `num_minibatches` minibatches for
-`epochs` passes; each update is a `minibatch_loss` and an `optimizer_step`. All but the
-first minibatch of the first epoch are off-policy: that is where the ratios move and
-clipping acts.
+`train` reads top to bottom: build the run (gspo.run: every input checked before anything is
+written) → start it, or restore it from its checkpoint → `train_step` for each step →
+evaluate again → summary. `train_step(run, step)` can be called alone: sample a group per
+prompt (`rollout`), score it (`score`), get the old policy's log-probs and the advantages
+(`prepare`), then `update` over `num_minibatches` minibatches for `epochs` passes. An update
+`accumulate`s a `minibatch_loss` per micro-batch (within --micro-batch-tokens) and takes one
+`optimizer_step`. All but the first minibatch of the first epoch are off-policy: that is
+where the ratios move and clipping acts.
 
-PPO (`--algorithm ppo`) differs in two places only: advantages come from GAE over a learned
-value model's estimates instead of group statistics (gspo.value.ppo_advantages), and each
-update also trains the value model. MoE models add drift metrics and Routing Replay
-(gspo.moe) to each update.
-
-Under torchrun every process runs this same loop on its share of each step's prompts; the
-global-batch bookkeeping (which rows are whose, loss scales, metric reduction) shows up here
-only as `dist` calls, the identity in one process (gspo.distributed, gspo.metrics).
-
-Left out: the setup (gspo.run), checkpoints (gspo.checkpoint), the losses (gspo.losses).
+PPO differs in two places only: GAE advantages over a learned value model
+(gspo.value.ppo_advantages), and each update also trains the value model. MoE models add
+drift metrics and Routing Replay (gspo.moe). Under torchrun every process runs this loop on
+its share of the prompts; the global-batch bookkeeping shows up only as `dist` calls, the
+identity in one process (gspo.distributed, gspo.parallel, gspo.metrics).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import time
@@ -42,14 +36,14 @@ from gspo.advantages import group_advantages
 from gspo.config import to_dict
 from gspo.evaluation import evaluate
 from gspo.losses import agg_count, policy_loss
-from gspo.metrics import Mean, mismatch, reduce_across, step_means
+from gspo.logprobs import micro_batches, token_logprobs, trim
+from gspo.metrics import Mean, combine, reduce_across, step_row
 from gspo.moe import moe_terms
 from gspo.reporting import Reporter, samples_rows
 from gspo.rewards import Reward, score_completions
-from gspo.rollout import (Rollout, completion_logprobs, decode_completions, encode_prompts, sampling_params,
-                          token_logprobs)
+from gspo.rollout import Rollout, decode_completions, encode_prompts, sampling_params
 from gspo.run import Progress, Run, build_run
-from gspo.value import explained_variance, ppo_advantages, value_loss
+from gspo.value import ppo_advantages, value_loss
 
 Tensor = torch.Tensor
 
@@ -70,6 +64,21 @@ class Batch:
     old_values: Tensor | None = None  # (B, T) PPO: V_old(s_t) before the updates
     returns: Tensor | None = None  # (B, T) PPO: GAE returns, the value targets
     routing: Tensor | None = None  # (B, P+T, L, k) MoE: experts used under the old policy
+
+    def rows(self, idx: Tensor, ps: slice, ts: slice) -> dict[str, Tensor | None]:
+        """The per-row tensors of rows `idx`, cut to prompt columns `ps` and completion columns
+        `ts` (a trimmed micro-batch's)."""
+        P = self.rollout.prompt_ids.shape[1]
+
+        def cut(x: Tensor | None) -> Tensor | None:  # (B, T, ...) or (B,) -> rows idx, columns ts
+            return None if x is None else (x[idx][:, ts] if x.dim() >= 2 else x[idx])
+
+        routing = None
+        if self.routing is not None:  # (B, P+T, L, k): prompt and completion columns cut alike
+            r = self.routing[idx]
+            routing = torch.cat([r[:, :P][:, ps], r[:, P:][:, ts]], 1)
+        return {"old_logp": cut(self.old_logp), "advantages": cut(self.advantages), "ref_logp": cut(self.ref_logp),
+                "old_values": cut(self.old_values), "returns": cut(self.returns), "routing": routing}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,8 +144,8 @@ def _train(run: Run, log) -> dict:
 def run_eval(run: Run) -> dict:
     """Held-out greedy accuracy of the current policy (sharded over processes)."""
     cfg = run.cfg
-    with parallel.gathered(run.policy, run.dist):
-        return evaluate(run.policy, run.tokenizer, run.task, run.rewards, n=cfg.eval_size,
+    with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
+        return evaluate(run.policy, run.tokenizer, run.task, run.rewards, n=cfg.eval_size, stop=run.stop_ids,
                         max_new_tokens=cfg.max_new_tokens, progress=cfg.progress and run.dist.is_main, dist=run.dist)
 
 
@@ -191,7 +200,7 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     t1 = time.perf_counter()
     history = update(run, batch, step_generator(cfg.seed, step, "minibatches"))
     t_update = time.perf_counter() - t1
-    metrics = step_metrics(run, step, batch, history)
+    metrics = step_row(run, step, batch, history)
     metrics.update({
         "time/rollout_seconds": t_rollout,
         "time/update_seconds": t_update,
@@ -212,8 +221,9 @@ def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], li
     policy's weights; returns the rollout, texts and token ids. Several processes: these are
     rows (offset, total) of the global batch (see gspo.rollout.generate)."""
     cfg, dist, G = run.cfg, run.dist, run.cfg.group_size
-    params = sampling_params(run.tokenizer, group_size=G, max_new_tokens=cfg.max_new_tokens,
-                             temperature=cfg.temperature, top_p=cfg.top_p, min_new_tokens=cfg.min_new_tokens)
+    params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.max_new_tokens,
+                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                             min_new_tokens=cfg.min_new_tokens)
     run.sampler.sync(run.policy)
     prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples])
     ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.seed, step, "sample"),
@@ -230,25 +240,29 @@ def score(rewards: list[Reward], examples, completions: list[str], completion_id
 
 def prepare(run: Run, ro: Rollout, *, rewards: Tensor, parts: dict, examples: list, completions: list[str]) -> Batch:
     """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
-    reference's, and the advantages: group-relative over the global batch, or GAE (PPO)."""
+    reference's, and the advantages: group-relative over the global batch, or GAE (PPO).
+    The no-grad passes run in micro-batches of the token budget, under mixed precision when
+    on, with FSDP's parameters gathered (each process runs its own number of passes)."""
     cfg, dist, vm = run.cfg, run.dist, run.value_model
     all_rewards = dist.gather(rewards)  # (B_all,)
-    mb_size = ro.prompt_ids.shape[0] // cfg.num_minibatches
+    passes = dict(temperature=cfg.temperature, budget=cfg.micro_batch_tokens, packed=run.packed,
+                  rows=max(1, ro.prompt_ids.shape[0] // cfg.num_minibatches))
     if cfg.old_logp == "sampling":
         old_logp, old_routing = ro.logp, ro.routing  # (B, T) recorded while sampling
     else:
-        old_logp, old_routing = token_logprobs(run.policy, ro, temperature=cfg.temperature, batch_size=mb_size,
-                                               routing=run.routing)  # (B, T)
+        with run.autocast(), parallel.gathered(run.train_model, dist):
+            old_logp, old_routing = token_logprobs(run.policy, ro, routing=run.routing, **passes)  # (B, T)
     ref_logp = None
     if cfg.beta > 0 or cfg.reward_kl_coef > 0:
         # a frozen copy, or (LoRA) the base model with the adapters switched off
-        model, ctx = (run.reference, contextlib.nullcontext()) if run.reference is not None \
+        model, ctx = (run.reference, parallel.gathered(run.reference, dist)) if run.reference is not None \
             else (run.policy, run.policy.disable_adapter())
-        with ctx:
-            ref_logp, _ = token_logprobs(model, ro, temperature=cfg.temperature, batch_size=mb_size)  # (B, T)
+        with run.autocast(), ctx:
+            ref_logp, _ = token_logprobs(model, ro, **passes)  # (B, T)
     old_values = returns = None
     if vm is not None:  # PPO: GAE over the critic's values
-        old_values = vm.values(run.policy, ro, cfg.temperature, mb_size)  # (B, T)
+        with run.autocast(), parallel.gathered(vm.critic_train or run.train_model, dist):
+            old_values = vm.values(run.policy, ro, **passes)  # (B, T)
         kl = old_logp - ref_logp if cfg.reward_kl_coef > 0 else None  # (B, T)
         advantages, returns = ppo_advantages(rewards, old_values, ro.completion_mask, gamma=cfg.gamma,
                                              lam=cfg.gae_lambda, kl=kl, kl_coef=cfg.reward_kl_coef,
@@ -271,9 +285,11 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
     (PPO: and value-loss updates of the critic on the same minibatches); returns each
     update's metrics, those of the global minibatch.
 
-    Several processes: the minibatches are those of the global batch (one permutation of all
-    processes' rows); each process takes its rows of each (possibly none) and scales its loss
-    so that the averaged gradient is that of the global minibatch's loss (`Dist.loss_scales`).
+    Each minibatch runs in micro-batches within the token budget, its loss scaled so that the
+    accumulated gradient is that of the whole minibatch's loss. Several processes: the
+    minibatches are those of the global batch (one permutation of all processes' rows); each
+    process takes its rows of each (possibly none) and scales its loss by the global counts,
+    so that the averaged gradient is that of the global minibatch's loss.
     """
     cfg, dist = run.cfg, run.dist
     mask = batch.rollout.completion_mask  # (B, T)
@@ -286,104 +302,100 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
         minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(B_all // cfg.num_minibatches)]
         counts = torch.tensor([[float(agg_count(mask[idx], cfg.loss_agg)), float(mask[idx].sum())]
                                for idx in minibatches], dtype=torch.float64)  # (M, 2) what the losses average over
-        scales = dist.loss_scales(counts).tolist()  # (M, 2): 1.0 on one process
-        for idx, (agg_scale, tok_scale) in zip(minibatches, scales):
-            loss, critic_loss, metrics = minibatch_loss(run, batch, idx, agg_scale, tok_scale)
-            metrics.update(optimizer_step(run, loss, critic_loss))
+        totals = dist.all_sum(counts).clamp(min=1).tolist()  # (M, 2) the global minibatches' counts
+        for idx, total in zip(minibatches, totals):
+            metrics = accumulate(run, batch, idx, total)
+            metrics.update(optimizer_step(run))
             history.append(metrics)
     return reduce_across(history, dist)
 
 
-def minibatch_loss(run: Run, batch: Batch, idx: Tensor, agg_scale: float, tok_scale: float
-                   ) -> tuple[Tensor, Tensor | None, dict]:
-    """The loss of rows `idx` of the batch, scaled to this process's part of the global
-    minibatch's loss: (policy loss, separate critic's loss or None, metrics).
+def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
+    """Forward and backward of rows `idx` (this process's part of a minibatch) in micro-batches;
+    gradients accumulate (and are reduced across processes once, with the last). Every
+    process runs as many passes (stand-ins of zero weight fill in): under FSDP each is collective."""
+    cfg, dist = run.cfg, run.dist
+    parts = micro_batches(batch.rollout, idx, cfg.micro_batch_tokens, run.packed) if len(idx) else [idx]
+    n = dist.max_int(len(parts))
+    parts += [idx[:0]] * (n - len(parts))  # empty: a zero-weight stand-in row
+    metrics = []
+    for j, part in enumerate(parts):
+        last = j == n - 1
+        critic = run.value_model.critic_train if run.value_model is not None and not run.value_model.shared else None
+        with parallel.no_sync(run.train_model, dist, not last), \
+                parallel.no_sync(critic, dist, not last and critic is not None):
+            loss, critic_loss, m = minibatch_loss(run, batch, part, total)
+            for term in (loss, critic_loss):
+                if term is not None:
+                    (run.scaler.scale(term) if run.scaler is not None else term).backward()
+        metrics.append(m)
+    return combine(metrics)
 
-    A process with no rows in a minibatch runs one row with zero weight (every process must
-    join every gradient reduction). MoE: the forward records the experts the current router
-    picks (`moe/drift`); with --routing-replay the old experts are forced for the ratio.
+
+def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> tuple[Tensor, Tensor | None, dict]:
+    """The loss of rows `idx` of the batch (one micro-batch), scaled to its part of the global
+    minibatch's loss (total: the global minibatch's (aggregation count, token count)):
+    (policy loss, separate critic's loss or None, metrics).
+
+    An empty `idx` runs one row with zero weight (every process must join every gradient
+    reduction). MoE: the forward records the experts the current router picks (`moe/drift`);
+    with --routing-replay the old experts are forced for the ratio.
     """
     cfg, routing, vm = run.cfg, run.routing, run.value_model
     live = 1.0 if len(idx) else 0.0
     idx = idx if len(idx) else torch.zeros(1, dtype=torch.long)  # a zero-weight stand-in row
-    mb = batch.rollout.select(idx)
+    mb, ps, ts = trim(batch.rollout.select(idx)) if cfg.micro_batch_tokens > 0 else \
+        (batch.rollout.select(idx), slice(None), slice(None))
+    rows = batch.rows(idx, ps, ts)  # old_logp, advantages, ... of these rows and columns
     mask = mb.completion_mask * live  # (b, T)
+    agg_scale = float(agg_count(mask, cfg.loss_agg)) * run.dist.world / total[0]  # its share of the global loss
+    tok_scale = float(mask.sum()) * run.dist.world / total[1]
     shared = vm is not None and vm.shared
-    forced = batch.routing[idx] if (routing is not None and cfg.routing_replay) else None
-    with routing.capture(forced, keep_logits=cfg.router_aux_loss_coef > 0) if routing is not None \
-            else contextlib.nullcontext() as cap:
-        out = completion_logprobs(run.train_model, mb.input_ids, mb.attention_mask, mask,
-                                  temperature=cfg.temperature, return_hidden=shared)
-    logp, hidden = out if shared else (out, None)  # (b, T), (b, T, H)
+    with routing.capture(rows["routing"] if cfg.routing_replay else None, keep_logits=cfg.router_aux_loss_coef > 0) \
+            if routing is not None else contextlib.nullcontext() as cap, run.autocast():
+        logp, hidden, entropy = run.train_model(dataclasses.replace(mb, completion_mask=mask),
+                                                temperature=cfg.temperature, packed=run.packed, hidden=shared,
+                                                entropy=True)  # (b, T), (b, T, H), (b, T)
+        values = vm.forward(mb, hidden, packed=run.packed) if vm is not None else None  # (b, T)
     loss, metrics = policy_loss(
-        cfg.algorithm, logp, batch.old_logp[idx], batch.advantages[idx], mask,
+        cfg.algorithm, logp, rows["old_logp"], rows["advantages"], mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
-        ref_logp=None if batch.ref_logp is None else batch.ref_logp[idx], beta=cfg.beta,
-        kl_estimator=cfg.kl_estimator,
+        ref_logp=rows["ref_logp"], beta=cfg.beta, kl_estimator=cfg.kl_estimator,
     )
+    metrics["policy/entropy"] = Mean(entropy.sum() / mask.sum().clamp(min=1), mask.sum())
     loss = loss * agg_scale
     if routing is not None:
-        aux, moe_metrics = moe_terms(cap, batch.routing[idx], mb.attention_mask * live, routing.top_k,
+        aux, moe_metrics = moe_terms(cap, rows["routing"], mb.attention_mask * live, routing.top_k,
                                      cfg.router_aux_loss_coef)
         loss = loss + aux * live
         metrics.update(moe_metrics)
     if vm is None:
         return loss, None, metrics
-    values = vm.forward(mb, hidden)  # (b, T)
-    vloss, vmetrics = value_loss(values, batch.old_values[idx], batch.returns[idx], mask, clip_range=cfg.value_clip)
+    vloss, vmetrics = value_loss(values, rows["old_values"], rows["returns"], mask, clip_range=cfg.value_clip)
     metrics.update(vmetrics)
     if shared:  # one backward through the shared trunk
         return loss + cfg.vf_coef * (vloss * tok_scale), None, metrics
     return loss, vloss * tok_scale, metrics
 
 
-def optimizer_step(run: Run, loss: Tensor, critic_loss: Tensor | None) -> dict:
-    """Backward, gradient clipping by global norm, AdamW step; the same for a separate critic."""
-    cfg, vm = run.cfg, run.value_model
+def optimizer_step(run: Run) -> dict:
+    """After a minibatch's backward passes: gradient clipping by global norm and the AdamW
+    step (float16: unscaled first, skipped on overflow), for the policy and a separate critic."""
+    cfg, vm, scaler = run.cfg, run.value_model, run.scaler
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    params = [p for group in run.optimizer.param_groups for p in group["params"]]
-    run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
     if vm is not None and vm.shared:
         run.dist.average_grads(vm.head.parameters())  # the replicated head no wrapper owns
-    metrics = {"grad_norm": Mean(parallel.clip_grad_norm(params, max_norm))}  # the same on every process
-    run.optimizer.step()
-    if critic_loss is not None:
-        vm.optimizer.zero_grad(set_to_none=True)
-        critic_loss.backward()
-        metrics["value/grad_norm"] = Mean(torch.nn.utils.clip_grad_norm_(vm.critic.parameters(), max_norm))
-        vm.optimizer.step()
-    return metrics
-
-
-# ----------------------------------------------------------------------------------------------
-# What a step logs
-# ----------------------------------------------------------------------------------------------
-
-
-def step_metrics(run: Run, step: int, batch: Batch, history: list[dict]) -> dict:
-    """The step's row of metrics.jsonl, over the global batch (per-row values gathered)."""
-    cfg, dist, ro = run.cfg, run.dist, batch.rollout
-    groups = batch.all_rewards.view(-1, cfg.group_size)  # (N_all, G)
-    lengths = dist.gather(ro.lengths.float())  # (B_all,)
-    all_parts = {name: dist.gather(torch.tensor(v, dtype=torch.float64)) for name, v in batch.reward_parts.items()}
-    metrics = {
-        "step": step,
-        "reward/mean": float(batch.all_rewards.mean()),
-        "reward/std": float(batch.all_rewards.std()) if batch.all_rewards.numel() > 1 else 0.0,
-        "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
-        **{f"reward/{name}/mean": float(v.mean()) for name, v in all_parts.items()},
-        **step_means(history),
-        "completion/mean_length": float(lengths.mean()),
-        "completion/max_length": float(lengths.max()),
-        "completion/truncated_frac": float(dist.gather(ro.truncated.float()).mean()),
-        **(mismatch(ro.logp, batch.old_logp, ro.completion_mask, dist.gather)
-           if cfg.old_logp == "recompute" else {}),
-        "lr": run.optimizer.param_groups[0]["lr"],
-    }
-    if run.value_model is not None:
-        on = ro.completion_mask > 0
-        v, r = dist.gather(batch.old_values[on]), dist.gather(batch.returns[on])  # completion tokens of all processes
-        metrics["value/mean"] = float(v.mean()) if v.numel() else 0.0
-        metrics["value/explained_variance"] = explained_variance(v, r, torch.ones_like(v))
+    steps = [(run.optimizer, "grad_norm")]
+    if vm is not None and not vm.shared:
+        steps.append((vm.optimizer, "value/grad_norm"))
+    metrics = {}
+    for optimizer, name in steps:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        metrics[name] = Mean(parallel.clip_grad_norm(params, max_norm))  # the same on every process
+        (scaler.step(optimizer) if scaler is not None else optimizer.step())
+        optimizer.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.update()
     return metrics

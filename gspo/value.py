@@ -1,7 +1,7 @@
 """The value model (critic) for PPO, and its clipped value loss.
 
     critic = Critic.from_pretrained("tiny")               # policy architecture + a scalar head
-    values = critic(input_ids, attention_mask, T)         # (B, T) V(s_t) for each completion token
+    values = critic(rollout)                              # (B, T) V(s_t) for each completion token
     loss, metrics = value_loss(values, old_values, returns, mask, clip_range=0.2)
 
 Two layouts (`--critic`):
@@ -30,14 +30,15 @@ from torch import nn
 
 from gspo.advantages import at_last_token, gae, masked_whiten
 from gspo.metrics import Mean
-from gspo.rollout import Rollout, completion_logprobs, position_ids_from_mask
+from gspo.logprobs import completion_hidden, forward_logprobs, micro_batches, trim
+from gspo.rollout import Rollout
 
 Tensor = torch.Tensor
 HEAD_FILE = "value_head.pt"
 
 
 class ValueHead(nn.Module):
-    """hidden (…, H) -> value (…,), in float32; starts at exactly 0 (zero-initialised)."""
+    """hidden (…, H) -> value (…,), in the head's dtype (float32); starts at exactly 0 (zero-initialised)."""
 
     def __init__(self, hidden_size: int):
         super().__init__()
@@ -46,7 +47,7 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.linear(hidden.float()).squeeze(-1)
+        return self.linear(hidden.to(self.linear.weight.dtype)).squeeze(-1)  # float32 (or the head's dtype)
 
     def save(self, directory: Path) -> None:
         torch.save(self.state_dict(), Path(directory) / HEAD_FILE)
@@ -80,13 +81,10 @@ class Critic(nn.Module):
             head.load(head_from)
         return cls(trunk, head).to(device)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, T: int) -> Tensor:
-        """V(s_t) for the last T columns (the completion): (B, T)."""
-        pos = position_ids_from_mask(attention_mask)  # (B, P+T)
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
-                            use_cache=False).last_hidden_state  # (B, P+T, H)
-        # (B, T) state before each completion token; a copy, not a view (FSDP hooks the output)
-        return self.head(hidden[:, -T - 1:-1]).clone()
+    def forward(self, mb: Rollout, packed: bool = False) -> Tensor:
+        """V(s_t) of each completion token of a (micro-)batch, read at the state before it: (b, T)."""
+        # a copy, not a view (FSDP hooks the output)
+        return self.head(completion_hidden(self.trunk, mb, packed)).clone()
 
     def save_pretrained(self, directory: Path, state_dict: dict | None = None) -> None:
         """The trunk in Hugging Face format and the head; state_dict: a full state dict of this
@@ -160,26 +158,31 @@ class ValueModel:
     def shared(self) -> bool:
         return self.head is not None
 
-    def forward(self, mb: Rollout, hidden: Tensor | None) -> Tensor:
-        """V(s_t) of a minibatch's completion tokens, with gradient: (b, T). hidden: the
+    def forward(self, mb: Rollout, hidden: Tensor | None, packed: bool = False) -> Tensor:
+        """V(s_t) of a micro-batch's completion tokens, with gradient: (b, T). hidden: the
         policy's final hidden states at those positions (shared head)."""
         if self.shared:
             return self.head(hidden)
-        return (self.critic_train or self.critic)(mb.input_ids, mb.attention_mask, mb.completion_mask.shape[1])
+        return (self.critic_train or self.critic)(mb, packed=packed)
 
     @torch.no_grad()
-    def values(self, policy, ro: Rollout, temperature: float, batch_size: int) -> Tensor:
-        """V(s_t) of every completion token, without gradient. (B, T)"""
-        out = []
-        for idx in torch.arange(ro.prompt_ids.shape[0]).split(batch_size):
-            sub = ro.select(idx)
+    def values(self, policy, ro: Rollout, *, temperature: float, budget: int = 0, rows: int = 0,
+               packed: bool = False) -> Tensor:
+        """V(s_t) of every completion token, without gradient, in micro-batches as
+        gspo.logprobs.token_logprobs runs them. (B, T)"""
+        B, T = ro.completion_mask.shape
+        out = None
+        groups = micro_batches(ro, torch.arange(B), budget, packed) if budget > 0 else torch.arange(B).split(rows or B)
+        for idx in groups:
+            mb, _, ts = trim(ro.select(idx)) if budget > 0 else (ro.select(idx), None, slice(0, T))
             if self.shared:
-                _, hidden = completion_logprobs(policy, sub.input_ids, sub.attention_mask, sub.completion_mask,
-                                                temperature=temperature, return_hidden=True)
-                out.append(self.head(hidden))
+                hidden = forward_logprobs(policy, mb, temperature=temperature, packed=packed, hidden=True).hidden
+                values = self.head(hidden)  # (b, t)
             else:
-                out.append(self.critic(sub.input_ids, sub.attention_mask, sub.completion_mask.shape[1]))
-        return torch.cat(out) * ro.completion_mask
+                values = self.critic(mb, packed=packed)  # (b, t)
+            out = values.new_zeros((B, T)) if out is None else out  # (B, T) in the head's dtype
+            out[idx, ts] = values
+        return out * ro.completion_mask
 
 
 def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, *, gamma: float, lam: float,

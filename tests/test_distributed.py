@@ -213,3 +213,72 @@ def test_reduce_metrics_and_loss_scales_by_hand(tmp_path):
                      "grad_norm": "Mean"}  # still declared, for the step's averaging
     # loss scale = world · local / global: responses 1 of 4 and 3 of 4, tokens 2 of 8 and 6 of 8
     assert r0["scales"] == pytest.approx([2 * 1 / 4, 2 * 2 / 8]) and r1["scales"] == pytest.approx([2 * 3 / 4, 2 * 6 / 8])
+
+
+@pytest.mark.parametrize("parallel,extra", [("ddp", ["--micro-batch-tokens", "60", "--packing"]),
+                                            ("fsdp", ["--micro-batch-tokens", "60"])])
+def test_micro_batches_across_processes_match_one_process(tmp_path, parallel, extra):
+    # micro-batches within a token budget: each process runs its own number of them (stand-ins
+    # keep FSDP's collectives in step), gradients reduced once per minibatch; the old-policy
+    # pass runs in micro-batches too. Equal to one process without micro-batches.
+    args = [*ARGS, "--steps", "2", "--old-logp", "recompute", "--save-every", "0"]
+    r1 = one_process(*args, "--output-dir", str(tmp_path / "one"))
+    assert r1.returncode == 0, r1.stderr
+    r2 = torchrun(*args, *extra, "--parallel", parallel, "--output-dir", str(tmp_path / "two"))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"))
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "two"))
+
+
+def test_four_processes_with_one_group_each(tmp_path):
+    # 4 processes x 1 prompt x G=2 and 4 minibatches: 2 rows per process, fewer than the
+    # minibatches; the old-policy pass used to split its 2 rows into chunks of 2 // 4 = 0 and crash
+    r = torchrun("--prompts-per-step", "4", "--group-size", "2", "--num-minibatches", "4", "--steps", "1",
+                 "--old-logp", "recompute", "--eval-size", "8", "--no-progress", "--output-dir", str(tmp_path / "r"),
+                 nproc=4)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(ckpt.read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1
+
+
+def _head_worker(rank: int, init_file: str, out_dir: str, parallel: str):
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import gspo.logprobs as lp
+    from gspo import parallel as par
+    from gspo.models import build_char_tokenizer
+    from gspo.rollout import generate, sampling_params
+    from tests.conftest import random_tiny_model
+
+    td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,)) if parallel == "fsdp" else None
+    d = Dist(rank=rank, world=2, parallel=parallel, mesh=mesh)
+    tok = build_char_tokenizer()
+    model = random_tiny_model(tok)
+    ro = generate(model, [tok("12+7=")["input_ids"]], sampling_params(tok, group_size=2, max_new_tokens=4),
+                  generator=torch.Generator().manual_seed(0))
+    seen = []  # (tokens, vocabulary) of every chunked head call, and of any full-logits forward
+    real = lp.chunked_logprobs
+
+    def counting(h, w, *a, **k):
+        seen.append(("chunked", tuple(h.shape), type(w).__name__))
+        return real(h, w, *a, **k)
+
+    lp.chunked_logprobs = counting
+    wrapped = par.wrap(lp.TokenLogprobs(model), d)
+    logp, _, _ = wrapped(ro, temperature=1.0)
+    logp.sum().backward()
+    torch.save({"seen": seen, "logp": logp.detach()}, f"{out_dir}/{rank}.pt")
+    td.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_chunked_lm_head_under_ddp_and_fsdp(tmp_path, parallel):
+    # the training forward under DDP and FSDP goes through the chunked LM head (no tokens x
+    # vocabulary logits), with the head's full weight (a plain tensor, not an FSDP shard)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_head_worker, args=(str(tmp_path / "init"), str(tmp_path), parallel), nprocs=2, join=True)
+    for r in (0, 1):
+        out = torch.load(tmp_path / f"{r}.pt")
+        assert out["seen"] in ([("chunked", (8, 64), "Tensor")], [("chunked", (8, 64), "Parameter")])  # 2 rows x 4 tokens

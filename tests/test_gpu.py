@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.rollout import completion_logprobs, generate, sampling_params
+from gspo.logprobs import completion_logprobs
+from gspo.rollout import generate, sampling_params
 from gspo.trainer import train
 
 
@@ -17,11 +18,23 @@ def test_train_on_cuda_bf16(tmp_path):
 
 
 @pytest.mark.gpu
+def test_pass_at_k_on_cuda(char_tokenizer):
+    from gspo.evaluation import evaluate
+    from gspo.models import load_policy
+    from gspo.rewards import load_rewards
+    from gspo.tasks import get_task
+
+    model, tok = load_policy("tiny", device="cuda")
+    out = evaluate(model, tok, get_task("arithmetic"), load_rewards(["exact_integer"], None), n=16, k=4)
+    assert 0.0 <= out["accuracy"] <= out["pass@4"] <= 1.0
+
+
+@pytest.mark.gpu
 def test_rollout_logprobs_match_on_cuda(char_tokenizer):
     from tests.conftest import random_tiny_model
 
     model = random_tiny_model(char_tokenizer).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator().manual_seed(0)  # the sampler draws its uniforms on the CPU, whatever the model's device
     ids = [char_tokenizer(p)["input_ids"] for p in ["12+7=", "999-123="]]
     ro = generate(model, ids, sampling_params(char_tokenizer, group_size=4, max_new_tokens=6), generator=g)
     with torch.no_grad():

@@ -420,3 +420,35 @@ def test_extreme_inputs_stay_finite(batch, name, mode, est):
     for k, v in m.items():
         if not k.startswith("ratio/") or mask.sum() > 0:  # ratio stats of no tokens are NaN by design
             assert math.isfinite(v), k
+
+
+def test_kl_estimators_gradients_in_expectation():
+    # A one-token policy π = softmax(θ) over 5 tokens and a fixed reference. Exact expectations
+    # over y ~ π (weights π(y), no gradient through them, as when y is sampled) of each per-sample
+    # estimator and of its gradient (the estimator used as a loss term):
+    #   k1 = log π - log ref:            E = KL(π‖ref), but E[∇k1] = E[∇log π] = Σ_y ∇π(y) = 0: no KL pressure
+    #   k2 = ½ (log π - log ref)²:       E[∇k2] = Σ_y π (log π - log ref) ∇log π = ∇KL(π‖ref)
+    #   k3 = ρ - 1 - log ρ, ρ = ref/π:   E = KL(π‖ref); E[∇k3] = Σ_y π (1 - ρ) ∇log π = -Σ_y ref ∇log π = ∇KL(ref‖π)
+    theta = torch.tensor([0.3, -1.2, 0.8, 0.0, -0.4], dtype=D, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.1, 0.5, -0.7, 1.1, 0.2], dtype=D), -1)
+
+    def expected(estimator):
+        logp = torch.log_softmax(theta, -1)
+        k = kl_penalty(logp[None], ref[None], estimator)[0]  # (5,) one value per token y
+        value = (logp.exp().detach() * k).sum()
+        return value, torch.autograd.grad(value, theta)[0]
+
+    logp = torch.log_softmax(theta, -1)
+    kl_fwd = (logp.exp() * (logp - ref)).sum()  # KL(π‖ref)
+    kl_rev = (ref.exp() * (ref - logp)).sum()  # KL(ref‖π)
+    g_fwd = torch.autograd.grad(kl_fwd, theta, retain_graph=True)[0]
+    g_rev = torch.autograd.grad(kl_rev, theta)[0]
+    v1, g1 = expected("k1")
+    v2, g2 = expected("k2")
+    v3, g3 = expected("k3")
+    torch.testing.assert_close(v1, kl_fwd.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(v3, kl_fwd.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g1, torch.zeros(5, dtype=D), rtol=0, atol=1e-12)
+    torch.testing.assert_close(g2, g_fwd, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g3, g_rev, rtol=1e-12, atol=1e-12)
+    assert (g_fwd - g_rev).abs().max() > 1e-2  # the two KL directions really differ here

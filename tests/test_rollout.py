@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from gspo.rollout import completion_logprobs, generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+from gspo.logprobs import completion_logprobs
+from gspo.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
 
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
 
@@ -191,3 +192,132 @@ def test_inverse_cdf_sampling_frequencies_and_logprobs():
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert freq[3] == 0 and (freq[:3] - probs[:3] / 0.6).abs().max() < 0.015
     torch.testing.assert_close(lp, torch.log(probs)[tokens], rtol=1e-6, atol=1e-6)  # unmasked log-probs
+
+
+def _qwen_like_chat_model(path):
+    """A chat model as Qwen2.5 ships: the tokenizer's EOS is <|endoftext|>, the chat template
+    closes turns with <|im_end|>, and generation_config.eos_token_id lists both."""
+    from tests.conftest import build_chat_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    build_chat_model(path)  # tokenizer: <pad>=0, <|im_end|>=1, <unk>=2, <|im_start|>=3, then printable chars
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"eos_token": "<|endoftext|>"})
+    tok.save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tok))
+    im_end, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id
+    model.generation_config = GenerationConfig(eos_token_id=[eot, im_end], pad_token_id=tok.pad_token_id)
+    with torch.no_grad():  # make <|im_end|> the likely next token everywhere
+        model.lm_head.weight[im_end] += 8.0 * model.model.norm.weight.sign() / model.lm_head.weight.shape[1] ** 0.5
+    model.save_pretrained(path)
+    return path, im_end, eot
+
+
+def test_stop_tokens_union_of_tokenizer_generation_config_and_user(tmp_path):
+    from gspo.models import load_policy
+    from gspo.rollout import stop_token_ids
+
+    path, im_end, eot = _qwen_like_chat_model(tmp_path / "m")
+    model, tok = load_policy(str(path))
+    assert tok.eos_token_id == eot != im_end
+    assert stop_token_ids(tok) == (eot,)  # what gspo stopped on before: completions ran past <|im_end|>
+    stops = stop_token_ids(tok, model)
+    assert set(stops) == {eot, im_end}
+    assert stop_token_ids(tok, model, ("x",)) == (*stops, tok.convert_tokens_to_ids("x"))
+    with pytest.raises(ValueError, match="stop_token: '<nope>' is not a token"):
+        stop_token_ids(tok, model, ("<nope>",))
+    from gspo.rollout import encode_prompts
+
+    prompts = encode_prompts(tok, [[{"role": "user", "content": "hi"}]])
+    g = torch.Generator().manual_seed(0)
+    ro = generate(model, prompts, sampling_params(tok, stop=stops, group_size=8, max_new_tokens=12), generator=g)
+    ended = ro.completion_ids[torch.arange(8), ro.lengths - 1]
+    assert (ended[~ro.truncated] == im_end).any()  # <|im_end|> ends completions ...
+    for row, n in zip(ro.completion_ids, ro.lengths):  # ... and nothing runs past a stop token
+        assert not any(t in stops for t in row[: int(n) - 1].tolist())
+    # min_new_tokens bans every stop token, not only the tokenizer's EOS
+    ro = generate(model, prompts, sampling_params(tok, stop=stops, group_size=8, max_new_tokens=4, min_new_tokens=4),
+                  generator=g)
+    assert (ro.lengths == 4).all() and not torch.isin(ro.completion_ids[:, :3], torch.tensor(stops)).any()
+
+
+def test_evaluation_stops_on_the_same_set(tmp_path):
+    from gspo.data import Example
+    from gspo.evaluation import evaluate
+    from gspo.models import load_policy
+    from gspo.rewards import Reward
+
+    path, im_end, eot = _qwen_like_chat_model(tmp_path / "m")
+    model, tok = load_policy(str(path))
+    seen = []
+
+    def record(completions, completion_ids, **kw):
+        seen.extend(completion_ids)
+        return [0.0] * len(completions)
+
+    class Task:
+        def test_set(self, n=None):
+            return [Example([{"role": "user", "content": "hi"}], "1", {}, "row 1")]
+
+    evaluate(model, tok, Task(), [Reward("r", record)], n=1, k=4, max_new_tokens=12)
+    assert any(ids and ids[-1] == im_end for ids in seen)  # greedy and sampled completions end at <|im_end|>
+    assert all(t not in (im_end, eot) for ids in seen for t in ids[:-1])
+
+
+def test_pass_at_k_draws_on_the_cpu_whatever_the_model_device(tiny_random, char_tokenizer, monkeypatch):
+    # the sampler draws its uniforms on the CPU; a generator made on the model's device (cuda)
+    # made pass@k raise on a GPU. Pretend the model lives on cuda and catch the generator made.
+    import gspo.evaluation as ev
+    from gspo.rewards import load_rewards
+    from gspo.tasks import get_task
+
+    made = []
+    real = torch.Generator
+
+    def spy(*a, **kw):
+        made.append(kw.get("device", a[0] if a else "cpu"))
+        return real(*a, **kw) if str(made[-1]) == "cpu" else real()
+
+    class OnCuda:
+        device = torch.device("cuda", 0)
+
+    monkeypatch.setattr(ev.torch, "Generator", spy)
+    monkeypatch.setattr(ev, "next", lambda it, *d: OnCuda(), raising=False)  # what evaluation sees of the model
+    ev.evaluate(tiny_random, char_tokenizer, get_task("arithmetic"), load_rewards(["exact_integer"], None), n=4, k=2)
+    assert made and all(str(d) == "cpu" for d in made)
+
+
+def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
+    # a model that ends every completion at once, asked for up to 1000 new tokens: the fast
+    # decoder's cache holds the prompt + one block of columns, not prompt + 1000 for every row
+    import gspo.fastdecode as fd
+    import gspo.rollout as rollout_module
+    from tests.conftest import random_tiny_model
+
+    tok = char_tokenizer
+    model = random_tiny_model(tok)
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] += 50.0 * model.model.norm.weight.sign()
+    made = []
+
+    def spy(m, max_len):
+        made.append(fd.decoder(m, max_len))
+        return made[-1]
+
+    monkeypatch.setattr(rollout_module, "decoder", spy)
+    ro = generate(model, encode(tok, PROMPTS), sampling_params(tok, group_size=4, max_new_tokens=1000, min_new_tokens=3),
+                  generator=torch.Generator().manual_seed(0))
+    assert isinstance(made[0], fd.FastDecoder) and not made[0].fallback
+    P = ro.prompt_ids.shape[1]
+    assert int(ro.lengths.max()) < 20  # 3 banned steps, then EOS soon
+    assert made[0].k.shape[3] == P + fd.BLOCK < P + 1000
+    # and it doubles when a rollout does run long (the recorded log-probs stay exact)
+    long = generate(model, encode(tok, PROMPTS[:1]), sampling_params(tok, group_size=1, max_new_tokens=150,
+                                                                      min_new_tokens=150))
+    assert made[-1].k.shape[3] >= long.prompt_ids.shape[1] + 150 > P + fd.BLOCK
+    from gspo.logprobs import completion_logprobs
+
+    with torch.no_grad():
+        lp = completion_logprobs(model, long.input_ids, long.attention_mask, long.completion_mask)
+    torch.testing.assert_close(lp, long.logp, rtol=1e-4, atol=1e-4)

@@ -119,10 +119,13 @@ def test_lr_schedule_by_hand():
     f = lr_factor(cfg)
     # LambdaLR counter c during step k = c + 1
     assert [f(c) for c in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert f(4) == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi / 8)).item()))  # k=5: progress 1/8
-    assert f(11) == pytest.approx(0.0, abs=1e-12)  # k=12: progress 1
+    assert f(4) == 1.0  # k=5: progress (5 - 4 - 1)/8 = 0, the decay starts at the full rate
+    assert f(5) == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(torch.pi / 8)).item()))  # k=6: progress 1/8
+    # k=12, the last step: progress 7/8, so it still learns (0.5 (1 + cos 7π/8) = 0.0381); 0 would come at k=13
+    assert f(11) == pytest.approx(0.5 * (1 + torch.cos(torch.tensor(7 * torch.pi / 8)).item())) and f(11) > 0.03
     cfg = TrainConfig(steps=10, warmup_steps=0, lr_schedule="linear")
-    assert lr_factor(cfg)(4) == pytest.approx(0.5)  # k=5: 1 - 5/10
+    assert lr_factor(cfg)(4) == pytest.approx(0.6)  # k=5: 1 - 4/10
+    assert lr_factor(cfg)(9) == pytest.approx(0.1)  # k=10, the last step: 1 - 9/10, not 0
     assert lr_factor(TrainConfig(warmup_steps=0))(7) == 1.0
 
 

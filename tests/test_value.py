@@ -76,16 +76,20 @@ def test_critic_starts_from_the_policy_and_round_trips(tmp_path):
     # the trunk is the policy's (no LM head), the head starts at exactly 0
     for name, p in critic.trunk.state_dict().items():
         torch.testing.assert_close(p, policy.model.state_dict()[name], rtol=0, atol=0)
+    from gspo.rollout import Rollout
+
     ids = torch.tensor([tok("12+34=56")["input_ids"]])
-    mask = torch.ones_like(ids)
-    assert (critic(ids, mask, 3) == 0).all()
+    ro = Rollout(ids[:, :-3], torch.ones_like(ids[:, :-3]), ids[:, -3:], torch.ones(1, 3), torch.zeros(1, 3),
+                 torch.tensor([3]), torch.tensor([False]), 1)  # prompt "12+34", completion "=56"
+    assert (critic(ro) == 0).all()
     with torch.no_grad():
         critic.head.linear.weight.normal_()
         critic.head.linear.bias.fill_(0.3)
-    v = critic(ids, mask, 3)  # (1, 3)
+    v = critic(ro)  # (1, 3)
+    torch.testing.assert_close(critic(ro, packed=True), v, rtol=1e-5, atol=1e-5)  # one sequence: the same
     critic.save_pretrained(tmp_path / "critic")
     again = Critic.from_pretrained(tmp_path / "critic", head_from=tmp_path / "critic")
-    torch.testing.assert_close(again(ids, mask, 3), v, rtol=0, atol=0)
+    torch.testing.assert_close(again(ro), v, rtol=0, atol=0)
     # the value of token t is read at the position before it: same as the policy's logits
     hidden = critic.trunk(input_ids=ids).last_hidden_state
     torch.testing.assert_close(v, critic.head(hidden[:, -4:-1]))
@@ -113,6 +117,6 @@ def test_ppo_run_and_checkpoint(tmp_path, critic):
         assert "value/grad_norm" in rows[0]
     else:
         assert (last / "value_head" / "value_head.pt").exists()
-    state = torch.load(last / "trainer_state.pt", weights_only=False)
-    assert ("critic_optimizer" in state) == (critic == "separate")
+    optimizers = torch.load(last / "optimizer.pt", weights_only=False)
+    assert ("critic_optimizer" in optimizers) == (critic == "separate") and "optimizer" in optimizers
     assert summary["algorithm"] == "ppo"
