@@ -37,6 +37,7 @@ import yaml
 from gspo import parallel
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+LOCK = ".lock"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -128,11 +129,30 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, 
     state_dicts: "" (the model) or an extra model's name -> the full state dict to write in
     place of the module's own (FSDP: the gathered one; None: use the module's).
     """
-    state_dicts = state_dicts or {}
     root = run_dir / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
+    previous = latest_checkpoint(run_dir)
+    try:
+        _write_checkpoint(tmp, model, tokenizer, state=state, config_yaml=config_yaml, extra_models=extra_models,
+                          state_dicts=state_dicts or {}, optimizers=optimizers)
+        if final.exists():  # same step written again (e.g. re-run of the final save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint stays whole
+        raise WriteError(f"{final}: cannot write the checkpoint ({e.strerror or e}); the previous one, "
+                         f"{previous.name if previous else 'none'}, is intact") from None
+    for _, old in checkpoint_dirs(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_checkpoint(tmp: Path, model, tokenizer, *, state: dict, config_yaml: str, extra_models: dict | None,
+                      state_dicts: dict, optimizers: dict | None) -> None:
+    """Everything of a checkpoint into `tmp`, flushed to disk."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -154,13 +174,29 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, 
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    if final.exists():  # same step written again (e.g. re-run of the final save)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    for _, old in checkpoint_dirs(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    pause = os.environ.get("GSPO_TEST_PAUSE_IN_CHECKPOINT")  # tests: kill a run in the middle of a write
+    if pause:
+        (tmp / "WRITING").touch()
+        time.sleep(float(pause))
+        (tmp / "WRITING").unlink()
+
+
+class WriteError(ValueError):
+    """A checkpoint or log could not be written (disk full, no permission); one line."""
+
+
+def is_empty_run_dir(run_dir: Path) -> bool:
+    """Nothing in it but (maybe) a lock file."""
+    return not run_dir.exists() or all(p.name == LOCK for p in run_dir.iterdir())
+
+
+def is_complete(run_dir: Path, steps: int) -> dict | None:
+    """The summary of a run that has done `steps` steps, or None."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("steps", -1) >= steps else None
 
 
 def clean_partial(run_dir: Path) -> None:
@@ -230,6 +266,16 @@ def save_run(run, step: int) -> None:
                         keep=run.cfg.keep_checkpoints, extra_models=extra, state_dicts=state_dicts,
                         optimizers=optimizers)
     dist.barrier()
+
+
+def start_run(run) -> None:
+    """A run's first write: its configuration. A restart (resumed, but killed before its first
+    checkpoint) drops what it had logged, so the run appends what an uninterrupted one would."""
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    clean_partial(run.run_dir)
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        trim_jsonl(run.run_dir / log, 0)
+    atomic_write_text(run.run_dir / "config.yaml", config_yaml(run.cfg))
 
 
 def restore_run(run) -> None:

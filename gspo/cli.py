@@ -140,10 +140,13 @@ def cmd_train(args: list[str]) -> int:
 
     config_file, args = _take(args, "--config")
     resume, args = _take(args, "--resume")
-    if resume is not None:
-        if config_file is not None or args:
-            raise UsageError("--resume continues a run with its saved config.yaml; give no other options with it")
-        summary = train(TrainConfig(), resume=resume)
+    if resume is not None:  # its saved config.yaml; options given change it where that is safe
+        if config_file is not None:
+            raise UsageError("--resume continues a run with its saved config.yaml; --config cannot replace it")
+        saved = _saved_config(resume)
+        changed = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=saved) \
+            if args else None
+        summary = train(changed, resume=resume)
     else:
         base = load_yaml(config_file) if config_file else TrainConfig()
         if any(a in ("-h", "--help") for a in args):
@@ -153,6 +156,15 @@ def cmd_train(args: list[str]) -> int:
         summary = train(cfg)
     _print_summary(summary)
     return 0
+
+
+def _saved_config(run_dir: str) -> TrainConfig:
+    from pathlib import Path
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise UsageError(f"{Path(run_dir).absolute()}: not a gspo run directory (no config.yaml) to resume")
+    return load_yaml(path)
 
 
 def _print_summary(summary: dict) -> None:
@@ -291,16 +303,26 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[name](rest)
-    except (UsageError, ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+    except (UsageError, ConfigError, OSError, ValueError) as e:
         if os.environ.get("GSPO_DEBUG"):
             raise
         msg = " ".join(str(e).split())  # one line, whatever the exception held
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{e.filename}: {msg}"
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process fails alike; say it once
             print(f"gspo {name}: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"gspo {name}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from gspo.lifecycle import Interrupted
+
+        if not isinstance(e, Interrupted):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"gspo {name}: {e}", file=sys.stderr)
+        return 128 + e.signum
 
 
 if __name__ == "__main__":

@@ -310,6 +310,45 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     need(cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
 
 
+# what --resume may change: none of it alters the steps already taken, so the resumed run stays
+# the run it was (a longer --steps with a decaying LR schedule stretches the schedule, though)
+SAFE_ON_RESUME = ("steps", "device", "threads", "progress", "report_to", "wandb_project", "save_every",
+                  "keep_checkpoints", "eval_every", "samples_per_step", "vllm_gpu_memory_utilization",
+                  "vllm_kv_cache_gib", "vllm_sleep")
+
+
+def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfig:
+    """The configuration a resumed run continues with: `saved` (its config.yaml), with the
+    options of `changed` that differ from it, when they are safe to change (SAFE_ON_RESUME)."""
+    if changed is None:
+        return saved
+    new, old = absolute_paths(resolve(dataclasses.replace(changed, output_dir=saved.output_dir))), resolve(saved)
+    diff = [f.name for f in dataclasses.fields(TrainConfig) if getattr(new, f.name) != getattr(old, f.name)]
+    unsafe = [name for name in diff if name not in SAFE_ON_RESUME]
+    if unsafe:
+        flags = ", ".join("--" + n.replace("_", "-") for n in unsafe)
+        raise ConfigError(f"--resume: {flags} cannot change in a resumed run (the steps already taken used the saved "
+                          f"value); options that can: {', '.join('--' + n.replace('_', '-') for n in SAFE_ON_RESUME)}")
+    return dataclasses.replace(saved, **{name: getattr(new, name) for name in diff})
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """Paths made absolute (model and data directories, reward files, the run directory), so a
+    run directory and its checkpoints work from any working directory."""
+
+    def absolute(p):
+        return str(Path(p).expanduser().resolve()) if p is not None and Path(p).expanduser().exists() else p
+
+    rewards = tuple(f"{absolute(r.rpartition(':')[0])}:{r.rpartition(':')[2]}" if ":" in r and
+                    Path(r.rpartition(":")[0]).exists() else r for r in cfg.reward)
+    out = str(Path(cfg.output_dir).expanduser().absolute()) if cfg.output_dir not in (None, "-") else cfg.output_dir
+    from gspo.models import BUILTIN_MODELS
+
+    model = cfg.model if cfg.model in BUILTIN_MODELS else absolute(cfg.model)
+    return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.dataset),
+                               eval_dataset=absolute(cfg.eval_dataset), reward=rewards, output_dir=out)
+
+
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Validate, then fill the derived fields: the clip range from the preset, the run directory."""
     cfg = dataclasses.replace(cfg, **{f.name: check_value(f.name, getattr(cfg, f.name), f.name)

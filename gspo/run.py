@@ -31,9 +31,10 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
-from gspo.config import ConfigError, TrainConfig, load_yaml, resolve
+from gspo.config import ConfigError, TrainConfig, absolute_paths, load_yaml, resolve, resume_config
 from gspo.data import DataError
 from gspo.distributed import Dist
+from gspo.lifecycle import check_no_writer
 from gspo.logprobs import TokenLogprobs, supports_packing
 from gspo.models import DTYPES, add_lora, disable_dropout, load_policy, low_precision_copy, unwrap
 from gspo.moe import MoEError, Routing, is_moe
@@ -65,6 +66,7 @@ class Run:
     stop_ids: tuple[int, ...] = ()  # tokens that end a completion (gspo.rollout.stop_token_ids)
     scaler: torch.amp.GradScaler | None = None  # float16 mixed precision: loss scaling
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
+    restart: bool = False  # resumed, but killed before its first checkpoint: start over from step 0
     # where the run stands; saved in every checkpoint
     start_step: int = 0
     eval_before: dict | None = None
@@ -87,17 +89,37 @@ class Run:
         return self.policy
 
 
-def build_run(cfg: TrainConfig, resume: str | Path | None = None) -> Run:
-    """Check everything and build the run; nothing is written. resume: a run directory whose
-    newest checkpoint and saved configuration continue the run (`cfg` is then ignored)."""
-    resume_from = None
+class AlreadyComplete(Exception):
+    """`--resume` of a run that has done all its steps: nothing to do."""
+
+    def __init__(self, summary: dict):
+        self.summary = summary
+        super().__init__(f"the run is complete ({summary.get('steps')} steps)")
+
+
+def build_run(cfg: TrainConfig | None, resume: str | Path | None = None) -> Run:
+    """Check everything and build the run; nothing is written.
+
+    resume: a run directory to continue with its saved configuration, from its newest
+    checkpoint, or from step 0 when it has none (killed before its first checkpoint); `cfg`
+    (optional) then carries options to change, only those safe to change
+    (gspo.config.SAFE_ON_RESUME). Raises AlreadyComplete when the run has done its steps.
+    """
+    resume_from, restart = None, False
     if resume is not None:
-        run_dir = Path(resume)
+        run_dir = Path(resume).absolute()
+        if not (run_dir / "config.yaml").exists():
+            raise FileNotFoundError(f"{run_dir}: not a gspo run directory (no config.yaml) to resume")
+        saved = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
+        cfg = resume_config(saved, cfg)
+        done = ckpt.is_complete(run_dir, cfg.steps)
+        if done is not None and (ckpt.latest_checkpoint(run_dir) or Path()).name == f"step-{cfg.steps:06d}":
+            raise AlreadyComplete(done)
         resume_from = ckpt.latest_checkpoint(run_dir)
-        if resume_from is None:
-            raise FileNotFoundError(f"{run_dir}: no checkpoint to resume from")
-        cfg = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
+        restart = resume_from is None
     cfg = resolve(cfg)
+    if resume is None:
+        cfg = absolute_paths(cfg)  # the run directory works from any working directory
     world = distributed.world_size_from_env()
     if cfg.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: must be divisible by the number of processes, {world}, so that "
@@ -105,7 +127,9 @@ def build_run(cfg: TrainConfig, resume: str | Path | None = None) -> Run:
     dist = distributed.init(cfg.parallel, cfg.device)  # a single process without torchrun
     cfg = dataclasses.replace(cfg, output_dir=dist.broadcast_object(cfg.output_dir))  # rank 0's timestamp
     run_dir = Path(cfg.output_dir)
-    if resume is None and run_dir.exists() and any(run_dir.iterdir()):
+    if dist.is_main:
+        check_no_writer(run_dir)  # a live run holds it: refused in one line
+    if resume is None and not ckpt.is_empty_run_dir(run_dir):
         raise FileExistsError(f"{run_dir}: output directory exists and is not empty (use --resume {run_dir} to continue it)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -140,7 +164,7 @@ def build_run(cfg: TrainConfig, resume: str | Path | None = None) -> Run:
     scaler = torch.amp.GradScaler(dist.device.type) if cfg.dtype == "float16" and mixed is not None else None
     packed = cfg.packing and routing is None and supports_packing(policy)
     return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
-               reference, vm, routing, resume_from, stop_ids, scaler, packed)
+               reference, vm, routing, resume_from, stop_ids, scaler, packed, restart)
 
 
 def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:

@@ -27,6 +27,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -42,7 +43,8 @@ from gspo.moe import moe_terms
 from gspo.reporting import Reporter, samples_rows
 from gspo.rewards import Reward, score_completions
 from gspo.rollout import Rollout, decode_completions, encode_prompts, sampling_params
-from gspo.run import Progress, Run, build_run
+from gspo.lifecycle import Guard, Interrupted
+from gspo.run import AlreadyComplete, Progress, Run, build_run
 from gspo.value import ppo_advantages, value_loss
 
 Tensor = torch.Tensor
@@ -86,26 +88,39 @@ class Batch:
 # ----------------------------------------------------------------------------------------------
 
 
-def train(cfg, *, resume=None, log=print) -> dict:
+def train(cfg=None, *, resume=None, log=print) -> dict:
     """Train a policy; returns the summary (also written to summary.json in the run directory).
 
-    resume: a run directory; training continues from its newest checkpoint with its saved
-    configuration (`cfg` is then ignored). Under torchrun every process calls this; rank 0
-    alone writes the run directory and logs.
+    resume: a run directory to continue from its newest checkpoint (or from step 0, if it was
+    killed before its first) with its saved configuration; `cfg` may then change the options
+    that are safe to change (--steps, --device, logging, ...). A complete run is left as it is
+    and its summary returned. Under torchrun every process calls this; rank 0 alone writes the
+    run directory and logs. SIGINT/SIGTERM stop the run after the step under way with a
+    checkpoint (gspo.lifecycle.Interrupted).
     """
     t_start = time.time()
-    run = build_run(cfg, resume)  # raises on any bad input; nothing written yet
-    run.t_start = t_start
     try:
-        summary = _train(run, log if run.dist.is_main else (lambda *a, **k: None))
-    except BaseException:
+        run = build_run(cfg, resume)  # raises on any bad input; nothing written yet
+    except AlreadyComplete as done:
+        log(f"{Path(resume).absolute()}: the run is complete ({done.summary['steps']} steps); nothing to do "
+            f"(for more steps: gspo train --resume {resume} --steps N)")
+        return done.summary
+    run.t_start = t_start
+    guard = Guard(run)  # one writer per run directory; signals stop at the next step's end
+    try:
+        summary = _train(run, guard, log if run.dist.is_main else (lambda *a, **k: None))
+    except BaseException as e:
+        if not isinstance(e, Interrupted):
+            guard.failed()
         run.dist.close(clean=False)
         raise
+    finally:
+        guard.release()
     run.dist.close()
     return summary
 
 
-def _train(run: Run, log) -> dict:
+def _train(run: Run, guard: Guard, log) -> dict:
     cfg, dist, main = run.cfg, run.dist, run.dist.is_main
     dist.barrier()  # every process has checked the run directory before rank 0 writes to it
     if run.resume_from is not None:
@@ -113,31 +128,38 @@ def _train(run: Run, log) -> dict:
         log(f"resuming {run.run_dir} from step {run.start_step}")
     else:
         if main:
-            run.run_dir.mkdir(parents=True, exist_ok=True)
-            ckpt.atomic_write_text(run.run_dir / "config.yaml", ckpt.config_yaml(cfg))
+            ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
         run.eval_before = run_eval(run)
         run.evals = [{"step": 0, **run.eval_before}]
     reporter = Reporter(run.run_dir, cfg.report_to, config=to_dict(cfg), start_step=run.start_step,
                         wandb_project=cfg.wandb_project) if main else None
     bar = Progress(cfg, run.start_step, log) if main else None
-    for step in range(run.start_step + 1, cfg.steps + 1):
-        metrics, batch = train_step(run, step)
-        run.scheduler.step()
-        if run.value_model is not None and run.value_model.scheduler is not None:
-            run.value_model.scheduler.step()
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
-            ev = run_eval(run)
-            metrics["eval/accuracy"] = ev["accuracy"]
-            run.evals.append({"step": step, **ev})
+    try:
+        for step in range(run.start_step + 1, cfg.steps + 1):
+            metrics, batch = train_step(run, step)
+            run.scheduler.step()
+            if run.value_model is not None and run.value_model.scheduler is not None:
+                run.value_model.scheduler.step()
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+                ev = run_eval(run)
+                metrics["eval/accuracy"] = ev["accuracy"]
+                run.evals.append({"step": step, **ev})
+            if main:
+                reporter.log(metrics)
+                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.samples_per_step))
+            saved = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
+            if saved:
+                ckpt.save_run(run, step)
+            if main:
+                bar.update(metrics)
+            guard.check(step, saved)
+    except BaseException:
         if main:
-            reporter.log(metrics)
-            ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.samples_per_step))
-        if (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps:
-            ckpt.save_run(run, step)
+            reporter.close()  # TensorBoard flushed, W&B finished: the curves so far are kept
+        raise
+    finally:
         if main:
-            bar.update(metrics)
-    if main:
-        bar.close()
+            bar.close()
     return finish(run, reporter)
 
 

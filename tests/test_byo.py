@@ -172,14 +172,15 @@ def test_bad_model_and_reward_inputs(byo, tmp_path, capsys, setup, expected):
 
 
 def test_bad_input_never_touches_an_existing_run(byo, tmp_path, capsys):
-    # a finished run; resuming it after its dataset went bad must not change a byte of it
+    # a finished run; resuming it for more steps after its dataset went bad must not change a byte of it
     run = tmp_path / "run"
     data = tmp_path / "d.jsonl"
     data.write_text((byo / "train.jsonl").read_text())
     assert main(["train", *common(byo, run)[:-2], "--dataset", str(data), "--steps", "1", "--output-dir", str(run)]) == 0
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     data.write_text('{"messages": 3, "solution": "1"}\n')
-    assert main(["train", "--resume", str(run)]) == 2
+    assert main(["train", "--resume", str(run)]) == 0  # complete: nothing to do, the data is not even read
+    assert main(["train", "--resume", str(run), "--steps", "2"]) == 2
     assert "field 'messages' must be" in capsys.readouterr().err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 

@@ -54,7 +54,7 @@ def test_config_file_and_flags(tmp_path):
     (["train", "--config", "/nonexistent/run.yaml"], "no such config file"),
     (["train", "--model", "/nonexistent/model"], "no such directory"),
     (["train", "--bogus-flag", "1"], "--bogus-flag"),
-    (["train", "--resume", "/nonexistent/run"], "no checkpoint"),
+    (["train", "--resume", "/nonexistent/run"], "/nonexistent/run: not a gspo run directory (no config.yaml)"),
     (["eval", "--k", "many"], "--k: expected an integer"),
     (["eval", "--model", "/nonexistent"], "no such directory"),
     (["frobnicate"], "unknown command"),

@@ -282,3 +282,32 @@ def test_chunked_lm_head_under_ddp_and_fsdp(tmp_path, parallel):
     for r in (0, 1):
         out = torch.load(tmp_path / f"{r}.pt")
         assert out["seen"] in ([("chunked", (8, 64), "Tensor")], [("chunked", (8, 64), "Parameter")])  # 2 rows x 4 tokens
+
+
+def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, single):
+    # a preemption notice that reaches one worker only: the flag is all-reduced after each step,
+    # so both processes finish the same step, checkpoint it and exit; the run then resumes
+    run = tmp_path / "run"
+    p = torchrun(*ARGS, "--steps", "3", "--save-every", "0", "--output-dir", str(run), popen=True)
+    deadline = time.time() + 240
+    rank1 = None
+    while time.time() < deadline and p.poll() is None and rank1 is None:
+        for proc in Path("/proc").iterdir():
+            try:
+                cmd, env = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+            except OSError:
+                continue
+            if str(run).encode() in cmd and b"\0RANK=1\0" in b"\0" + env and b"torch.distributed.run" not in cmd:
+                rank1 = int(proc.name)
+        time.sleep(0.05)
+    while time.time() < deadline and not ckpt.read_jsonl(run / "metrics.jsonl"):
+        time.sleep(0.02)
+    os.kill(rank1, signal.SIGTERM)
+    p.wait(timeout=300)
+    assert p.returncode != 0
+    done = len(ckpt.read_jsonl(run / "metrics.jsonl"))
+    assert 1 <= done <= 3 and ckpt.latest_checkpoint(run).name == f"step-{done:06d}"
+    r = torchrun("--resume", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_metrics(metrics(single), metrics(run))
+    assert_same_weights(weights(single), weights(run))

@@ -71,7 +71,7 @@ def test_float16_trains_with_loss_scaling(tmp_path):
     run.run_dir.mkdir()
     (run.run_dir / "config.yaml").write_text(ckpt.config_yaml(run.cfg))
     ckpt.save_run(run, 3)
-    again = build_run(TrainConfig(), resume=tmp_path / "r")
+    again = build_run(None, resume=tmp_path / "r")
     ckpt.restore_run(again)
     assert again.scaler.get_scale() == 1234.0 and again.start_step == 3
 
