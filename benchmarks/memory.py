@@ -154,7 +154,7 @@ def main() -> None:
     sides = [("this checkout (bf16 compute, fp32 master, budget %d)" % args.budget, None)]
     if args.before:
         sides.insert(0, ("before (fp32, whole minibatch)", args.before))
-    print(f"| side | completion tokens | minibatch tokens | peak growth | peak RSS | update time |")
+    print("| side | completion tokens | minibatch tokens | peak growth | peak RSS | update time |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, src in sides:
         for length in map(int, args.lengths.split(",")):

@@ -299,6 +299,7 @@ def restore_run(run) -> None:
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
     run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
+    run.steps_done = run.start_step
     run.t_start -= state["wall_seconds"]
     if dist.is_main:
         trim_jsonl(run.run_dir / "metrics.jsonl", run.start_step)

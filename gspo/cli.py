@@ -1,7 +1,7 @@
 """`gspo` command line: a thin layer that parses flags into a config and calls the library.
 
     gspo train [--config run.yaml] [--resume RUN_DIR] [--algorithm grpo --steps 100 ...]
-    gspo eval --model DIR [--k 8] [any data/reward option of gspo train]
+    gspo eval --model DIR|CHECKPOINT|RUN_DIR [--k 8] [--dataset ... --reward ...]
     gspo plot RUN_DIR [RUN_DIR ...] --metrics reward/mean,clip/frac --output plot.png
     gspo compare [--configs gspo grpo grpo-rr] [--seeds 0 1] [--steps 60 ...]
 
@@ -19,15 +19,17 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 import tyro
 
-from gspo.config import ConfigError, TrainConfig, load_yaml
+from gspo.config import ConfigError, TrainConfig
+from gspo.configfile import load_yaml
 
-USAGE = """usage: gspo <command> [options]
+USAGE = """usage: gspo <command> [options]    (gspo --version)
 
 commands:
-  train   train a policy with GSPO, GRPO or GSPO-token (gspo train --help)
+  train   train a policy with GSPO, GSPO-token, GRPO or PPO (gspo train --help)
   eval    greedy accuracy and pass@k of a model on a task's evaluation rows (gspo eval --help)
   plot    plot metrics of one or more runs against the step (gspo plot --help)
   compare the paper's comparisons at small scale: several configurations, one report (gspo compare --help)
@@ -136,8 +138,13 @@ def _merge_repeated(args: list[str], list_flags: set[str]) -> list[str]:
 
 
 def cmd_train(args: list[str]) -> int:
-    from gspo.trainer import train
+    from gspo.api import Trainer
 
+    if any(a in ("-h", "--help") for a in args):
+        from gspo.help import train_help
+
+        print(train_help())
+        return 0
     config_file, args = _take(args, "--config")
     resume, args = _take(args, "--resume")
     if resume is not None:  # its saved config.yaml; options given change it where that is safe
@@ -146,14 +153,11 @@ def cmd_train(args: list[str]) -> int:
         saved = _saved_config(resume)
         changed = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=saved) \
             if args else None
-        summary = train(changed, resume=resume)
+        summary = Trainer(changed).train(resume=resume)
     else:
         base = load_yaml(config_file) if config_file else TrainConfig()
-        if any(a in ("-h", "--help") for a in args):
-            print("Options may also come from a YAML file: --config FILE (keys are option names with underscores).\n"
-                  "Continue a run: gspo train --resume RUN_DIR\n")
         cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=base)
-        summary = train(cfg)
+        summary = Trainer(cfg).train()
     _print_summary(summary)
     return 0
 
@@ -170,43 +174,103 @@ def _saved_config(run_dir: str) -> TrainConfig:
 def _print_summary(summary: dict) -> None:
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 speaks for the run
         return
-    before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]
-    print(f"{summary['algorithm']} on {summary['task']}: held-out greedy accuracy "
-          f"{100 * before:.1f}% -> {100 * after:.1f}% ({100 * (after - before):+.1f} points) "
-          f"in {summary['wall_seconds']:.0f}s")
+    before, after = summary["eval_before"], summary["eval_after"]
+    head = f"{summary['algorithm']} on {summary['task']}"
+    if not after.get("n"):
+        print(f"{head}: {summary['steps']} steps in {summary['wall_seconds']:.0f}s (no evaluation: --eval-size 0)")
+    elif after.get("binary", True):  # a 0/1 verifier: a share of problems solved
+        b, a = before["accuracy"], after["accuracy"]
+        print(f"{head}: held-out greedy accuracy {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f} points) "
+              f"in {summary['wall_seconds']:.0f}s")
+    else:  # a graded reward: its mean, named
+        b, a = before["accuracy"], after["accuracy"]
+        print(f"{head}: held-out greedy mean {after.get('metric', 'reward')} {b:.4g} -> {a:.4g} ({a - b:+.4g}) "
+              f"in {summary['wall_seconds']:.0f}s")
     if summary.get("final_checkpoint"):
         print(f"final checkpoint: {summary['final_checkpoint']}")
 
 
-def cmd_eval(args: list[str]) -> int:
-    """Evaluate --model on the task's (or dataset's) evaluation rows with the run's rewards."""
-    import dataclasses
+@dataclass
+class EvalArgs:
+    """gspo eval: greedy accuracy (and pass@k) of a model on a task's evaluation rows."""
 
+    model: str
+    """A model directory, a built-in name (tiny, tiny-moe), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    k: int = 8
+    """Samples per problem for pass@k at --temperature (0 = greedy accuracy only)."""
+    eval_size: int | None = None
+    """Evaluation rows (default: the run's, else 500)."""
+    task: str | None = None
+    """Built-in task (default: the run's, else arithmetic)."""
+    dataset: str | None = None
+    """Dataset whose held-out slice is evaluated (default: the run's)."""
+    eval_dataset: str | None = None
+    """Evaluation data file or directory."""
+    eval_split: str | None = None
+    """Split of a dataset directory to evaluate."""
+    prompt_column: str | None = None
+    """Prompt column of the data."""
+    answer_column: str | None = None
+    """Answer column of the data."""
+    reward: tuple[str, ...] | None = None
+    """Rewards; the first is the one reported as `accuracy` (default: the run's)."""
+    max_new_tokens: int | None = None
+    """Longest completion (default: the run's, else the task's)."""
+    temperature: float | None = None
+    """Sampling temperature of the pass@k samples (default: the run's, else 1.0)."""
+    stop_token: tuple[str, ...] | None = None
+    """More tokens that end a completion."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Dtype to load the model in (default: float32)."""
+    device: str | None = None
+    """cpu, cuda, cuda:N or auto (default: cpu)."""
+    seed: int = 0
+    """Seed of the pass@k samples."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
+    """The configuration to evaluate with: a run's (from a run directory or checkpoint) or the
+    defaults, with the options given; and the model to load."""
+    import dataclasses
+    from pathlib import Path
+
+    from gspo import checkpoint as ckpt
+
+    path, model = Path(a.model), a.model
+    if (path / "config.yaml").exists() and ckpt.latest_checkpoint(path) is not None:  # a run directory
+        model = str(ckpt.latest_checkpoint(path))
+        path = Path(model)
+    base = load_yaml(path / "config.yaml") if (path / "config.yaml").exists() else TrainConfig()
+    keep = {"dtype": "float32", "param_dtype": "float32"} if base.dtype != "float32" else {}
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(a)
+             if f.name not in ("model", "k") and getattr(a, f.name) is not None}
+    if "dtype" in given:
+        keep["param_dtype"] = given["dtype"]
+    return dataclasses.replace(base, **keep, **given, output_dir="-"), model
+
+
+def cmd_eval(args: list[str]) -> int:
+    """Evaluate a model, checkpoint or run on its task's evaluation rows with its rewards."""
     from gspo.config import resolve
     from gspo.evaluation import evaluate
     from gspo.models import DTYPES, load_policy, resolve_device
+    from gspo.rollout import stop_token_ids
     from gspo.run import task_and_rewards
 
-    config_file, args = _take(args, "--config")
-    k_arg, args = _take(args, "--k")
-    try:
-        k = int(k_arg) if k_arg is not None else 8
-    except ValueError:
-        raise UsageError(f"--k: expected an integer, got {k_arg!r}") from None
-    if k < 0:
-        raise UsageError(f"--k: must be >= 0, got {k}")
-    if any(a in ("-h", "--help") for a in args):
-        print("gspo eval: greedy accuracy and pass@k of --model on the evaluation rows of --task or --dataset.\n"
-              "Takes the data, reward, model and sampling options of gspo train, plus --k K (samples per\n"
-              "problem for pass@k, default 8; 0 = greedy only). A LoRA adapter directory loads onto its base.\n")
-    base = load_yaml(config_file) if config_file else TrainConfig()
-    parsed = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo eval", default=base)
-    cfg = resolve(dataclasses.replace(parsed, output_dir="-"))
+    a = _parse(EvalArgs, _merge_repeated(args, _list_flags(EvalArgs)), "gspo eval")
+    if a.k < 0:
+        raise UsageError(f"--k: must be >= 0, got {a.k}")
+    cfg, model_path = eval_config(a)
+    cfg = resolve(cfg)
     task, rewards = task_and_rewards(cfg)
-    model, tok = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
-    res = evaluate(model, tok, task, rewards, n=cfg.eval_size, k=k, temperature=cfg.temperature,
-                   max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, progress=cfg.progress)
-    print(json.dumps({"model": cfg.model, "task": cfg.dataset or cfg.task, **res}))
+    model, tok = load_policy(model_path, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
+    res = evaluate(model, tok, task, rewards, n=cfg.eval_size, k=a.k, temperature=cfg.temperature,
+                   max_new_tokens=cfg.max_new_tokens, seed=a.seed, progress=cfg.progress,
+                   stop=stop_token_ids(tok, model, cfg.stop_token), max_prompt_length=cfg.max_prompt_length,
+                   stop_strings=cfg.stop_string)
+    print(json.dumps({"model": model_path, "task": cfg.dataset or cfg.task, "max_new_tokens": cfg.max_new_tokens, **res}))
     return 0
 
 
@@ -297,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from gspo import __version__
+
+        print(f"gspo {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"gspo: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)

@@ -13,7 +13,8 @@ same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). T
   over seeds; drift values are null for dense models.
 - `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, and the plots.
 - `reward_accuracy.png` (Fig. 1 in miniature), `clip_fraction.png` (Fig. 2, log scale),
-  `drift.png` (expert drift per update; Fig. 3's subject).
+  `drift.png` (expert drift per update; Fig. 3's subject), `mismatch.png` (the sampler/trainer
+  log-prob gap, when a configuration recomputes the old log-probs).
 
 "Diverged": a non-finite loss, or a final held-out accuracy more than 10 points below the
 best held-out accuracy the run reached (an irreversible collapse).
@@ -32,7 +33,8 @@ import time
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
-from gspo.config import ConfigError, TrainConfig, check_value, resolve, yaml_value
+from gspo.config import ConfigError, TrainConfig, resolve
+from gspo.configfile import check_value, yaml_value
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -43,6 +45,15 @@ PRESETS: dict[str, dict] = {
     "ppo": {"algorithm": "ppo"},
     "gspo-bf16-sampling": {"algorithm": "gspo", "old_logp": "sampling", "rollout_dtype": "bfloat16"},
     "grpo-bf16-sampling": {"algorithm": "grpo", "old_logp": "sampling", "rollout_dtype": "bfloat16"},
+    "cispo": {"algorithm": "cispo"},
+    "sapo": {"algorithm": "sapo"},
+    "gmpo": {"algorithm": "gmpo"},
+    # sampler/trainer mismatch corrections, for a base with --rollout-dtype bfloat16 or --rollout-engine vllm
+    "gspo-tis": {"algorithm": "gspo", "rollout_is": "token"},
+    "gspo-icepop": {"algorithm": "gspo", "rollout_is": "token", "rollout_is_mode": "mask"},
+    "gspo-seq-mask": {"algorithm": "gspo", "rollout_is": "geometric", "rollout_is_mode": "mask",
+                      "rollout_is_low": 0.999, "rollout_is_high": 1.001},  # the per-token geometric gap within ±0.1%
+    "gspo-opsm": {"algorithm": "gspo", "opsm_delta": 1e-3},
 }
 DEFAULT_CONFIGS = ("gspo", "grpo", "grpo-rr")
 COLLAPSE_POINTS = 0.10
@@ -102,6 +113,7 @@ def summarise(run_dir: Path) -> dict:
         "clip_frac_mean": _mean([r.get("clip/frac") for r in rows]),
         "drift_mean": _mean([r.get("moe/drift") for r in rows]),
         "drift_in_ratio_mean": _mean([r.get("moe/drift_in_ratio") for r in rows]),
+        "mismatch_mean": _mean([r.get("mismatch/token_abs") for r in rows]),
         "reward_last10_mean": _mean([r.get("reward/mean") for r in rows[-10:]]),
         "diverged": bool(nonfinite or (evals and final < max(evals) - COLLAPSE_POINTS)),
         "wall_seconds": summary["wall_seconds"],
@@ -169,6 +181,12 @@ def _plots(out: Path, names: list[str], seeds: list[int]) -> None:
     # a moving average: single steps of GRPO often clip nothing, and a log axis cannot show 0
     plot_panels({"clip/frac": mean_of("clip/frac")}, out / "clip_fraction.png", log_y=["clip/frac"],
                 smooth_n=max(5, smooth), title=f"fraction of clipped tokens (log scale, {max(5, smooth)}-step average)")
+    gap = {n: v for n, v in mean_of("mismatch/token_abs").items() if v[0]}
+    if gap:  # a sampler in another precision or engine: how far its log-probs are from the trainer's
+        plot_panels({"mismatch/token_abs": gap}, out / "mismatch.png", smooth_n=smooth,
+                    title="sampler/trainer mismatch: mean |log π_rollout - log π_old| per token")
+    else:
+        (out / "mismatch.png").unlink(missing_ok=True)
     drift = {n: v for n, v in mean_of("moe/drift").items() if v[0]}
     if not drift:  # a dense model: no routers, no drift (report.md says so)
         (out / "drift.png").unlink(missing_ok=True)
@@ -194,12 +212,13 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
         f"{', '.join(map(str, seeds))}; {seconds / 60:.1f} minutes in all.",
         "",
         "| configuration | held-out accuracy (before -> after) | mean clip/frac | mean moe/drift | "
-        "mean moe/drift_in_ratio | diverged | wall time |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "mean moe/drift_in_ratio | mean mismatch/token_abs | diverged | wall time |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in report.items():
         lines.append(f"| {name} | {_fmt(r['accuracy_before'], True)} -> {_fmt(r['accuracy'], True)} | "
                      f"{_fmt(r['clip_frac_mean'])} | {_fmt(r['drift_mean'])} | {_fmt(r['drift_in_ratio_mean'])} | "
+                     f"{_fmt(r.get('mismatch_mean'))} | "
                      f"{'yes' if r['diverged'] else 'no'} | {r['wall_seconds']:.0f} s |")
     if "gspo" in report and "grpo" in report and report["grpo"]["clip_frac_mean"]:
         ratio = report["gspo"]["clip_frac_mean"] / report["grpo"]["clip_frac_mean"]
@@ -216,6 +235,10 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
         "![clip fraction](clip_fraction.png)",
         "",
         "![drift](drift.png)" if (out / "drift.png").exists() else "No drift plot: the model is dense (no routers).",
+        "",
+        "![mismatch](mismatch.png)" if (out / "mismatch.png").exists() else
+        "No mismatch plot: every configuration samples with the policy itself (mismatch/token_abs is logged "
+        "only with --old-logp recompute).",
         "",
     ]
     ckpt.atomic_write_text(out / "report.md", "\n".join(lines))

@@ -7,7 +7,7 @@ parsing (`resolve`): the clip range comes from the algorithm's preset. The resol
 saved as `config.yaml` in the run directory and in every checkpoint.
 
 Checking: every value is checked against its field's type annotation by pydantic (strict:
-`steps="2"` is an error, not 2; lists become tuples) wherever it comes from (YAML, the Python
+`steps="2"` is an error, not 2; lists become tuples; gspo.configfile) wherever it comes from (YAML, the Python
 API; the CLI is tyro's), then `validate` checks ranges and combinations. Either way a bad
 value is a `ConfigError` with a one-line message naming the field, before any work starts.
 
@@ -18,28 +18,32 @@ value is a `ConfigError` with a one-line message naming the field, before any wo
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 import time
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-import yaml
 
 from gspo.losses import AGG_MODES
 
-Algorithm = Literal["gspo", "grpo", "gspo_token", "ppo"]
+Algorithm = Literal["gspo", "grpo", "gspo_token", "ppo", "cispo", "sapo", "gmpo"]
 
 # Clip ranges (clip_low, clip_high): the paper's §5.1 for gspo and grpo; gspo_token shares
 # GSPO's ranges because its ratio has the same value s_i; ppo uses the classic symmetric 0.2.
+# The successors follow their papers: CISPO (MiniMax-M1) sets no lower bound on the IS weight
+# (clip_low 1.0 -> 0) and tunes the upper, 0.28 as verl/Trinity's defaults; GMPO clips log-ratios
+# to [-0.4, 0.4] (its paper's (e^-0.4, e^0.4)); SAPO clips nothing (its gate temperatures are
+# --sapo-tau-pos/--sapo-tau-neg, 1.0 and 1.05 as in its paper).
 PRESETS: dict[str, dict] = {
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
     "grpo": {"clip_low": 0.2, "clip_high": 0.27},
     "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4},
     "ppo": {"clip_low": 0.2, "clip_high": 0.2},
+    "cispo": {"clip_low": 1.0, "clip_high": 0.28},
+    "sapo": {"clip_low": 0.0, "clip_high": 0.0},
+    "gmpo": {"clip_low": 0.4, "clip_high": 0.4},
 }
+LOG_SPACE_CLIP = ("gmpo",)  # clip ranges of log-ratios, not of ratios
 
 
 class ConfigError(ValueError):
@@ -50,9 +54,9 @@ class ConfigError(ValueError):
 class TrainConfig:
     # --- what to train -------------------------------------------------------------------
     algorithm: Algorithm = "gspo"
-    """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), or ppo (token ratios with GAE advantages from a learned value model, Eq. 1). Sets the preset clip range."""
+    """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), ppo (token ratios with GAE advantages from a learned value model, Eq. 1), or the successors cispo (clipped IS weights, MiniMax-M1), sapo (soft gate, Qwen) and gmpo (geometric mean, log-space clip). Sets the preset clip range."""
     model: str = "tiny"
-    """Built-in model name (tiny) or the path of a local Hugging Face causal LM directory."""
+    """Built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE) or the path of a local Hugging Face causal LM directory."""
     task: str = "arithmetic"
     """Built-in task: arithmetic (sums and differences of 3-digit numbers) or addition. Ignored with --dataset."""
 
@@ -67,6 +71,8 @@ class TrainConfig:
     """Split to evaluate on, for a dataset directory with several splits (e.g. test)."""
     prompt_column: str = "prompt"
     """Dataset column holding the prompt: a string, or a list of chat messages (gets the chat template)."""
+    max_prompt_length: int = 0
+    """Longest prompt, in tokens (after the chat template): longer prompts keep their last max_prompt_length tokens (as TRL truncates), and a warning counts them; 0 = no limit."""
     answer_column: str = "answer"
     """Dataset column holding the reference answer (string or number) that rewards compare to; passed to rewards as `answer`."""
     reward: tuple[str, ...] = ()
@@ -93,6 +99,8 @@ class TrainConfig:
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = 0
     """Sample only among the k most likely tokens (0 = off). Like top-p it limits what can be drawn; log-probs stay those of the full distribution."""
+    stop_string: tuple[str, ...] = ()
+    """Strings that end a completion (e.g. "</answer>"): it is cut after the token that completes the first one (the sampler may run past it; those tokens are dropped)."""
     stop_token: tuple[str, ...] = ()
     """More tokens that end a completion (e.g. <|im_end|>); the tokenizer's EOS and the model's generation_config.eos_token_id always do."""
 
@@ -113,8 +121,27 @@ class TrainConfig:
     """KL penalty coefficient against the initial policy (the paper uses 0)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the --beta penalty, per sampled token with ρ = π_ref/π: k1 = -log ρ (its expected gradient is 0: no KL pressure at all), k2 = ½ (log ρ)² (gradient of KL(π‖π_ref)), k3 = ρ - 1 - log ρ (unbiased value ≥ 0; gradient of the reverse KL(π_ref‖π), as in GRPO)."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut by --max-new-tokens out of the loss (they still count for the group's advantages), as TRL's mask_truncated_completions."""
     old_logp: Literal["auto", "recompute", "sampling"] = "auto"
     """Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the sampling pass's (paper §5.4). auto: sampling when the policy itself samples in float32 (the two agree to 1e-5), else recompute."""
+
+    sapo_tau_pos: float = 1.0
+    """SAPO: gate temperature where the advantage is > 0 (its paper's 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: gate temperature where the advantage is < 0 (its paper's 1.05; >= --sapo-tau-pos damps negative updates faster)."""
+
+    # --- sampler/trainer mismatch corrections (need --old-logp recompute) ------------------
+    rollout_is: Literal["off", "token", "sequence", "geometric"] = "off"
+    """Weight each token's loss by π_old/π_rollout (the trainer's recomputed over the sampler's log-probs): per token, per response (product), or per response with the geometric mean (length-normalised, GSPO's)."""
+    rollout_is_mode: Literal["truncate", "mask"] = "truncate"
+    """truncate: weights capped at --rollout-is-high (TIS); mask: weights outside [--rollout-is-low, --rollout-is-high] drop the token or response, the others weigh 1 (IcePop, MIS)."""
+    rollout_is_low: float = 0.5
+    """Lower bound of the --rollout-is mask."""
+    rollout_is_high: float = 2.0
+    """Upper bound of the --rollout-is weights (truncation cap, or the mask's upper bound)."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking (DeepSeek-V3.2): drop responses with a negative advantage whose mean per-token log π_rollout/π_θ exceeds this (None: off)."""
 
     # --- Mixture-of-Experts and inference log-probs ---------------------------------------
     routing_replay: bool = False
@@ -184,13 +211,13 @@ class TrainConfig:
     lora_alpha: float = 16.0
     """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA input."""
+    """Dropout on the LoRA input, written to the adapter's config; gspo runs every policy pass with dropout off (so on-policy ratios are exactly 1)."""
     lora_target_modules: tuple[str, ...] = ("all-linear",)
     """Modules that get adapters: all-linear, or names such as q_proj v_proj."""
 
     # --- evaluation ----------------------------------------------------------------------
     eval_size: int = 500
-    """Held-out problems for greedy accuracy, before and after training."""
+    """Held-out problems for greedy accuracy, before and after training (0 = no evaluation)."""
     eval_every: int = 0
     """Also evaluate every N steps (0 = only before and after)."""
 
@@ -222,15 +249,18 @@ class TrainConfig:
 AT_LEAST = {  # simple lower bounds: field -> smallest valid value
     "lora_r": 0, "steps": 0, "prompts_per_step": 1, "min_new_tokens": 0, "num_minibatches": 1, "epochs": 1,
     "beta": 0, "value_clip": 0, "vf_coef": 0, "reward_kl_coef": 0, "router_aux_loss_coef": 0,
-    "weight_decay": 0, "max_grad_norm": 0, "warmup_steps": 0, "eval_size": 1, "eval_every": 0, "save_every": 0,
+    "weight_decay": 0, "max_grad_norm": 0, "warmup_steps": 0, "eval_every": 0, "save_every": 0,
     "keep_checkpoints": 1, "samples_per_step": 0, "threads": 0, "micro_batch_tokens": 0, "top_k": 0,
     "vllm_max_model_len": 0,
+    "max_prompt_length": 0, "eval_size": 0,
 }
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError with a one-line message for the first bad value (its type, then its range)."""
     from gspo.tasks import TASKS
+
+    from gspo.configfile import check_value
 
     for f in dataclasses.fields(TrainConfig):
         check_value(f.name, getattr(cfg, f.name), f.name)
@@ -264,7 +294,8 @@ def validate(cfg: TrainConfig) -> None:
     for name in ("clip_low", "clip_high"):
         v = getattr(cfg, name)
         need(v is None or v >= 0, name, "must be >= 0")
-    need(cfg.clip_low is None or cfg.clip_low < 1, "clip_low", "must be < 1 (the ratio is clipped at 1 - clip_low > 0)")
+    need(cfg.clip_low is None or cfg.clip_low <= 1 or cfg.algorithm in LOG_SPACE_CLIP, "clip_low",
+         "must be <= 1 (the ratio is clipped at 1 - clip_low >= 0)")
     need(cfg.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}")
     _validate_combinations(cfg)
 
@@ -306,51 +337,23 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     need(not (vllm and cfg.old_logp == "sampling" and (cfg.top_p < 1 or cfg.top_k > 0)), "old_logp",
          "sampling with --rollout-engine vllm needs --top-p 1 and --top-k 0: vLLM renormalises its log-probs over "
          "the tokens top-p/top-k keep, which are then not the policy's (use --old-logp recompute or auto)")
+    need(cfg.sapo_tau_pos > 0 and cfg.sapo_tau_neg > 0, "sapo_tau_pos" if cfg.sapo_tau_pos <= 0 else "sapo_tau_neg",
+         "must be > 0")
+    need(0 <= cfg.rollout_is_low <= 1, "rollout_is_low", "must be in [0, 1]")
+    need(cfg.rollout_is_high >= 1, "rollout_is_high", "must be >= 1")
+    need(cfg.opsm_delta is None or cfg.opsm_delta >= 0, "opsm_delta", "must be >= 0")
+    corrected = cfg.rollout_is != "off" or cfg.opsm_delta is not None
+    need(not (corrected and cfg.old_logp == "sampling"), "old_logp",
+         "sampling cannot be combined with --rollout-is or --opsm-delta: the corrections compare the sampler's "
+         "log-probs with the trainer's recomputed ones (use --old-logp recompute or auto)")
     need(0 < cfg.vllm_gpu_memory_utilization < 1, "vllm_gpu_memory_utilization", "must be in (0, 1)")
     need(cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
 
 
-# what --resume may change: none of it alters the steps already taken, so the resumed run stays
-# the run it was (a longer --steps with a decaying LR schedule stretches the schedule, though)
-SAFE_ON_RESUME = ("steps", "device", "threads", "progress", "report_to", "wandb_project", "save_every",
-                  "keep_checkpoints", "eval_every", "samples_per_step", "vllm_gpu_memory_utilization",
-                  "vllm_kv_cache_gib", "vllm_sleep")
-
-
-def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfig:
-    """The configuration a resumed run continues with: `saved` (its config.yaml), with the
-    options of `changed` that differ from it, when they are safe to change (SAFE_ON_RESUME)."""
-    if changed is None:
-        return saved
-    new, old = absolute_paths(resolve(dataclasses.replace(changed, output_dir=saved.output_dir))), resolve(saved)
-    diff = [f.name for f in dataclasses.fields(TrainConfig) if getattr(new, f.name) != getattr(old, f.name)]
-    unsafe = [name for name in diff if name not in SAFE_ON_RESUME]
-    if unsafe:
-        flags = ", ".join("--" + n.replace("_", "-") for n in unsafe)
-        raise ConfigError(f"--resume: {flags} cannot change in a resumed run (the steps already taken used the saved "
-                          f"value); options that can: {', '.join('--' + n.replace('_', '-') for n in SAFE_ON_RESUME)}")
-    return dataclasses.replace(saved, **{name: getattr(new, name) for name in diff})
-
-
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Paths made absolute (model and data directories, reward files, the run directory), so a
-    run directory and its checkpoints work from any working directory."""
-
-    def absolute(p):
-        return str(Path(p).expanduser().resolve()) if p is not None and Path(p).expanduser().exists() else p
-
-    rewards = tuple(f"{absolute(r.rpartition(':')[0])}:{r.rpartition(':')[2]}" if ":" in r and
-                    Path(r.rpartition(":")[0]).exists() else r for r in cfg.reward)
-    out = str(Path(cfg.output_dir).expanduser().absolute()) if cfg.output_dir not in (None, "-") else cfg.output_dir
-    from gspo.models import BUILTIN_MODELS
-
-    model = cfg.model if cfg.model in BUILTIN_MODELS else absolute(cfg.model)
-    return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.dataset),
-                               eval_dataset=absolute(cfg.eval_dataset), reward=rewards, output_dir=out)
-
-
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Validate, then fill the derived fields: the clip range from the preset, the run directory."""
+    from gspo.configfile import check_value
+
     cfg = dataclasses.replace(cfg, **{f.name: check_value(f.name, getattr(cfg, f.name), f.name)
                                       for f in dataclasses.fields(TrainConfig)})  # lists -> tuples, ints -> floats
     validate(cfg)
@@ -361,7 +364,8 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if out.old_logp == "auto":  # in fp32 the sampling pass's log-probs are the recomputation's, to 1e-5
         same_precision = out.dtype == "float32" and out.rollout_dtype in ("same", "float32")
         full_distribution = out.rollout_engine == "hf" or (out.top_p == 1.0 and out.top_k == 0)
-        out.old_logp = "sampling" if same_precision and full_distribution else "recompute"
+        corrected = out.rollout_is != "off" or out.opsm_delta is not None  # they need both log-probs
+        out.old_logp = "sampling" if same_precision and full_distribution and not corrected else "recompute"
     if out.critic_lr is None:
         out.critic_lr = 10 * out.lr
     if out.max_new_tokens is None:
@@ -369,14 +373,12 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         from gspo.tasks import get_task
 
         out.max_new_tokens = DatasetTask.default_max_new_tokens if out.dataset else get_task(out.task).default_max_new_tokens
+    if out.min_new_tokens > out.max_new_tokens:  # the task's default max_new_tokens is known only now
+        raise ConfigError(f"min_new_tokens: must be <= max_new_tokens, {out.max_new_tokens} (the "
+                          f"{'task' if cfg.max_new_tokens is None else 'given'} value) (got {out.min_new_tokens})")
     if out.output_dir is None:
         out.output_dir = str(Path("runs") / f"{out.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}")
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# YAML
-# ----------------------------------------------------------------------------------------------
 
 
 def to_dict(cfg: TrainConfig) -> dict:
@@ -384,84 +386,3 @@ def to_dict(cfg: TrainConfig) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()}
 
 
-@functools.cache
-def _hint(name: str):
-    return typing.get_type_hints(TrainConfig)[name]
-
-
-@functools.cache
-def _adapter(name: str):
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(_hint(name))
-
-
-_PHRASES = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true or false",
-            "string_type": "expected a string", "tuple_type": "expected a list"}
-
-
-def check_value(name: str, value, where: str):
-    """`value` checked against field `name`'s type (pydantic, strict) and returned converted:
-    a list for a tuple field becomes a tuple (a single value, a 1-tuple), an int for a float
-    field a float. Raises ConfigError naming `where`."""
-    from pydantic import ValidationError
-
-    hint = _hint(name)
-    if "tuple" in str(hint):
-        if isinstance(value, list):
-            value = tuple(value)
-        elif "..." in str(hint) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = (value,)  # one value for a list option
-    try:
-        return _adapter(name).validate_python(value, strict=True)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "literal_error":
-            choices = re.findall(r"'([^']*)'", err["ctx"]["expected"])  # "'gspo', 'grpo' or 'ppo'"
-            msg = f"expected one of {', '.join(choices)}"
-        elif typing.get_origin(hint) is tuple and Ellipsis not in typing.get_args(hint) and \
-                len(value if isinstance(value, tuple) else ()) != len(typing.get_args(hint)):
-            msg = f"expected a list of {len(typing.get_args(hint))} values"
-        else:
-            msg = _PHRASES.get(err["type"], err["msg"])
-        raise ConfigError(f"{where}: {msg}, got {value!r}") from None
-
-
-def yaml_value(text: str):
-    """A value written in YAML (`3e-4`, `true`, `[a, b]`), as a config file would give it."""
-    return yaml.load(text, Loader=_Loader)
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML with 1.2's numbers: `1e-5` is a float (YAML 1.1 reads it as a string)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
-
-
-def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
-    """A TrainConfig from a YAML mapping of field names to values, over `base` (or the defaults)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
-    try:
-        data = yaml_value(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{line} not valid YAML ({getattr(e, 'problem', None) or e})") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(data).__name__}")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {}
-    for key, value in data.items():
-        name = str(key).replace("-", "_")
-        if name not in fields:
-            raise ConfigError(f"{path}: unknown option {key!r}")
-        values[name] = check_value(name, value, f"{path}: {key}")
-    return dataclasses.replace(base or TrainConfig(), **values)

@@ -223,6 +223,7 @@ class DatasetTask:
     name: str = "dataset"
     default_rewards: tuple[str, ...] = ("exact_match",)
     default_max_new_tokens: int = 256
+    notes: list[str] = field(default_factory=list)  # warnings for the user (e.g. a tiny evaluation split)
 
     @functools.lru_cache(maxsize=4)
     def _order(self, seed: int, epoch: int) -> tuple[int, ...]:
@@ -246,14 +247,36 @@ class DatasetTask:
     __hash__ = object.__hash__
 
 
+def rows_of(data, name: str) -> list[tuple[str, dict]]:
+    """(source, row) pairs of in-memory data: a list of dicts or a `datasets.Dataset`."""
+    if hasattr(data, "column_names") and hasattr(data, "__iter__"):  # datasets.Dataset
+        rows = [dict(r) for r in data]
+    elif isinstance(data, (list, tuple)):
+        rows = list(data)
+    else:
+        raise DataError(f"{name}: expected a list of dicts or a datasets.Dataset, got {type(data).__name__}")
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{name} row {n}: expected a dict, got {type(row).__name__}")
+    if not rows:
+        raise DataError(f"{name}: no rows")
+    return [(f"{name} row {n}", row) for n, row in enumerate(rows, 1)]
+
+
 def load_dataset_task(path: str, *, prompt_column: str = "prompt", answer_column: str = "answer",
                       split: str = "train", eval_path: str | None = None, eval_split: str | None = None,
                       eval_size: int = 500, require_answer: bool = True) -> DatasetTask:
     """Read, validate and split a dataset; raises DataError on the first bad row."""
     kw = dict(prompt_column=prompt_column, answer_column=answer_column, require_answer=require_answer)
-    is_dir = Path(path).expanduser().is_dir()
-    train = to_examples(read_records(path, split if is_dir else None), path, **kw)
-    if eval_path is not None:
+    notes: list[str] = []  # warnings, said once the run starts (not before an error)
+    in_memory = not isinstance(path, (str, Path))  # the Python API's train_dataset= / eval_dataset=
+    is_dir = not in_memory and Path(path).expanduser().is_dir()
+    name = "train_dataset" if in_memory else path
+    records = rows_of(path, name) if in_memory else read_records(path, split if is_dir else None)
+    train = to_examples(records, name, **kw)
+    if eval_path is not None and not isinstance(eval_path, (str, Path)):
+        evals = to_examples(rows_of(eval_path, "eval_dataset"), "eval_dataset", **kw)
+    elif eval_path is not None:
         eval_dir = Path(eval_path).expanduser().is_dir()
         evals = to_examples(read_records(eval_path, (eval_split or split) if eval_dir else None), eval_path, **kw)
     elif eval_split is not None:
@@ -262,11 +285,14 @@ def load_dataset_task(path: str, *, prompt_column: str = "prompt", answer_column
         evals = to_examples(read_records(path, eval_split), path, **kw)
     else:
         if len(train) < 2:
-            raise DataError(f"{path}: only {len(train)} row; need at least 2 to hold one out for evaluation, or give --eval-dataset")
+            raise DataError(f"{name}: only {len(train)} row; need at least 2 to hold one out for evaluation, or give --eval-dataset")
         held = min(eval_size, max(1, len(train) // 10))
+        if held < 10:
+            notes.append(f"{name}: evaluating on {held} held-out row(s) of {len(train)} (a tenth of the data): the "
+                         f"accuracy moves in steps of {100 / held:.0f} points; give --eval-dataset for a real evaluation")
         order = list(range(len(train)))
         random.Random("gspo-holdout").shuffle(order)
         evals = [train[i] for i in sorted(order[:held])]
         keep = set(order[held:])
         train = [ex for i, ex in enumerate(train) if i in keep]
-    return DatasetTask(train, evals, name=Path(path).name)
+    return DatasetTask(train, evals, name=name if in_memory else Path(path).name, notes=notes)

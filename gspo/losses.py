@@ -1,4 +1,5 @@
-"""Policy losses by name: PPO, GRPO, GSPO and GSPO-token, their aggregation, and KL estimators.
+"""Policy losses by name: PPO, GRPO, GSPO, GSPO-token and the successors CISPO, SAPO and GMPO,
+their aggregation, KL estimators, and the sampler/trainer mismatch weights (gspo.corrections).
 
 Every loss is a pure function of `(B, T)` tensors plus explicit scalars. Nothing here reads a
 config object. The formulas follow the GSPO paper (Qwen team, arXiv 2507.18071); the equation
@@ -27,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from gspo.corrections import apply_opsm, opsm_keep, rollout_is_weights
 from gspo.metrics import Max, Mean, Min
 
 Tensor = torch.Tensor
@@ -75,7 +77,7 @@ def _token_advantages(advantages: Tensor, mask: Tensor, name: str) -> Tensor:
 
 
 def token_level_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
 ) -> TokenLoss:
     """PPO (Eq. 1) and GRPO (Eq. 2): token ratios w_{i,t}, each token clipped on its own.
 
@@ -94,7 +96,7 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 def gspo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
 ) -> TokenLoss:
     """GSPO (Eq. 5): one clipped term per response, with the length-normalised sequence ratio.
 
@@ -119,7 +121,7 @@ def gspo_loss(
 
 
 def gspo_token_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
 ) -> TokenLoss:
     """GSPO-token (Eq. 13-14): GRPO's form with s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})].
 
@@ -134,11 +136,74 @@ def gspo_token_loss(
     return _clipped_surrogate(ratio, adv, clip_low, clip_high)
 
 
+def cispo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
+) -> TokenLoss:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, never the gradient.
+
+    per-token loss: -sg(clip(r_t, 1-ε_low, 1+ε_high)) · Â · log π_θ(y_t)
+    Every token keeps a gradient, sg(ŵ_t)·Â; the clip fractions count the tokens whose weight
+    was truncated (whatever the advantage's sign), as no gradient is ever cut.
+    """
+    adv = _token_advantages(advantages, mask, "cispo")  # (B, T)
+    ratio = _safe_exp(logp - old_logp)  # (B, T)  r_t
+    weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)  sg(clip(r_t))
+    with torch.no_grad():
+        clipped_low, clipped_high = ratio < 1.0 - clip_low, ratio > 1.0 + clip_high
+    return TokenLoss(-weight * adv * logp, ratio, clipped_low, clipped_high)
+
+
+def sapo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, tau_pos: float = 1.0,
+    tau_neg: float = 1.05, **_
+) -> TokenLoss:
+    """SAPO (Qwen, soft adaptive policy optimisation, arXiv 2511.20347): a smooth gate instead of a clip.
+
+    per-token loss: -σ(τ (r_t - 1)) · (4/τ) · Â, τ = τ_pos where Â > 0, τ_neg where Â < 0
+    Its gradient w.r.t. log π_θ(y_t) is -Â · 4σ(1-σ) · r_t: exactly GRPO's -Â·r_t at r_t = 1, fading
+    smoothly as r_t moves away. Nothing is clipped (the clip fractions are 0).
+    """
+    adv = _token_advantages(advantages, mask, "sapo")  # (B, T)
+    ratio = _safe_exp(logp - old_logp)  # (B, T)  r_t
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # (B, T)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # (B, T)
+    none = torch.zeros_like(mask, dtype=torch.bool)
+    return TokenLoss(-gate * adv, ratio, none, none)
+
+
+def gmpo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
+) -> TokenLoss:
+    """GMPO (geometric-mean policy optimisation, arXiv 2507.20673): the geometric mean of token
+    ratios, each clipped in log space on the side the advantage's sign makes it matter.
+
+    l_t = log π_θ(y_t) - log π_θold(y_t);  m_t = sign(Â) · min(sign(Â) l_t, sign(Â) clip(l_t, -ε_low, ε_high))
+    ratio_i = exp(Σ_t m_t / |y_i|);  per-response loss: -Â_i · ratio_i  (broadcast over its tokens)
+    The reported ratio is the unclipped geometric mean, GSPO's s_i.
+    """
+    if advantages.dim() != 1:
+        raise ValueError(f"gmpo: advantages must be one per sequence, shape (B,), got {tuple(advantages.shape)}")
+    sign = torch.sign(advantages).unsqueeze(-1)  # (B, 1)
+    log_w = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)  l_t
+    m = sign * torch.minimum(sign * log_w, sign * log_w.clamp(-clip_low, clip_high))  # (B, T)
+    length = mask.sum(-1).clamp(min=1.0)  # (B,)
+    ratio = torch.exp((m * mask).sum(-1) / length)  # (B,)
+    seq_ratio = torch.exp(sequence_log_ratio(logp, old_logp, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    with torch.no_grad():
+        clipped_low = (log_w < -clip_low) & (sign < 0)  # (B, T)
+        clipped_high = (log_w > clip_high) & (sign > 0)
+    loss = (-advantages * ratio).unsqueeze(-1).expand_as(mask)  # (B, T)
+    return TokenLoss(loss, seq_ratio.unsqueeze(-1).expand_as(mask), clipped_low, clipped_high)
+
+
 TOKEN_LOSSES: dict[str, Callable[..., TokenLoss]] = {
     "ppo": token_level_loss,
     "grpo": token_level_loss,
     "gspo": gspo_loss,
     "gspo_token": gspo_token_loss,
+    "cispo": cispo_loss,
+    "sapo": sapo_loss,
+    "gmpo": gmpo_loss,
 }
 
 
@@ -219,21 +284,29 @@ def policy_loss(
     ref_logp: Tensor | None = None,
     beta: float = 0.0,
     kl_estimator: str = "k3",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    is_weights: Tensor | None = None,
+    rollout_logp: Tensor | None = None,
+    opsm_delta: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The clipped policy loss `name`, aggregated with `agg`, plus metrics.
 
     Args:
-        name: "ppo", "grpo", "gspo" or "gspo_token".
-        logp: (B, T) log π_θ of the sampled tokens (with gradient).
-        old_logp: (B, T) log π_θold of the same tokens (the sampling policy; no gradient needed).
-        advantages: (B,) per response, or (B, T) per token (ppo, grpo, gspo_token).
+        name: "ppo", "grpo", "gspo", "gspo_token", "cispo", "sapo" or "gmpo".
+        logp, old_logp: (B, T) log π_θ (with gradient) and log π_θold of the sampled tokens.
+        advantages: (B,) per response, or (B, T) per token (all but gspo and gmpo).
         mask: (B, T) 1.0 on completion tokens, 0.0 on padding.
-        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (gmpo: the log-ratio to [-low, high]).
         agg: aggregation mode (see `aggregate`); None means "seq-mean-token-mean".
         max_len: the fixed length for "seq-mean-token-sum-norm".
         ref_logp: (B, T) log π_ref for the KL penalty; required when beta > 0.
         beta: KL coefficient; the penalty β·KL is added per token before aggregation.
         kl_estimator: "k1", "k2" or "k3".
+        tau_pos, tau_neg: SAPO's gate temperatures where the advantage is > 0 and < 0.
+        is_weights: (B, T) weights of the per-token policy loss (`rollout_is_weights`; not of the KL).
+        rollout_logp, opsm_delta: the sampler's log-probs and off-policy sequence masking's δ
+            (`gspo.corrections.apply_opsm`; None: off).
 
     Returns:
         loss: scalar to minimise (the negative of the objective, plus β·KL).
@@ -243,11 +316,18 @@ def policy_loss(
     agg = agg or "seq-mean-token-mean"
     mask = mask.to(logp.dtype)
     old_logp = old_logp.detach()
-    out = TOKEN_LOSSES[name](logp, old_logp, advantages.detach(), mask, clip_low=clip_low, clip_high=clip_high)
-    pg_loss = aggregate(out.loss, mask, agg, max_len=max_len)
-    loss = pg_loss
-
+    advantages = advantages.detach()
+    out = TOKEN_LOSSES[name](logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
+                             tau_pos=tau_pos, tau_neg=tau_neg)
+    per_token = out.loss if is_weights is None else out.loss * is_weights.detach()  # (B, T)
     metrics: dict[str, float] = {}
+    if opsm_delta is not None:
+        if rollout_logp is None:
+            raise ValueError("opsm_delta needs rollout_logp, the sampler's log-probs")
+        per_token, metrics = apply_opsm(per_token, logp=logp.detach(), rollout_logp=rollout_logp,
+                                        advantages=advantages, mask=mask, delta=opsm_delta)
+    pg_loss = aggregate(per_token, mask, agg, max_len=max_len)
+    loss = pg_loss
     n_agg = float(agg_count(mask, agg))  # what the aggregated metrics average over
     if beta != 0.0 or ref_logp is not None:
         if ref_logp is None:
@@ -296,3 +376,7 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
         "ratio/max": Max("nan" if empty else ratio.max()),
         "kl/old_new": Mean(kl_old_new, tokens),
     }
+
+
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "TOKEN_LOSSES", "TokenLoss", "aggregate", "agg_count", "kl_penalty",
+           "apply_opsm", "opsm_keep", "policy_loss", "rollout_is_weights", "sequence_log_ratio"]

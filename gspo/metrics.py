@@ -169,13 +169,14 @@ def step_row(run, step: int, batch, history: list[dict]) -> dict:
         "reward/mean": float(batch.all_rewards.mean()),
         "reward/std": float(batch.all_rewards.std()) if batch.all_rewards.numel() > 1 else 0.0,
         "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
-        **{f"reward/{name}/mean": float(v.mean()) for name, v in all_parts.items()},
+        **{f"reward/{name}/mean": float(v.nanmean()) for name, v in all_parts.items()},  # None rewards left out
         **step_means(history),
         "completion/mean_length": float(lengths.mean()),
         "completion/max_length": float(lengths.max()),
         "completion/truncated_frac": float(dist.gather(ro.truncated.float()).mean()),
         **(mismatch(ro.logp, batch.old_logp, ro.completion_mask, dist.gather)
            if cfg.old_logp == "recompute" else {}),
+        **{k: float(v) for k, v in (batch.is_metrics or {}).items()},
         "lr": run.optimizer.param_groups[0]["lr"],
     }
     if run.value_model is not None:

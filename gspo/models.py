@@ -92,6 +92,8 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelError(f"device {device!r}: CUDA is not available on this machine (use --device cpu or auto)")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ModelError(f"device {device!r}: Apple's MPS is not available on this machine (use --device cpu or auto)")
     return dev
 
 
@@ -138,8 +140,15 @@ def load_tokenizer(path: Path):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ModelError(f"model {path}: cannot load its tokenizer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    if tokenizer.eos_token_id is None:
-        raise ModelError(f"model {path}: the tokenizer has no EOS token; completions could never end")
+    return prepare_tokenizer(tokenizer, f"model {path}")
+
+
+def prepare_tokenizer(tokenizer, where: str):
+    """A tokenizer gspo can sample with: it must have an EOS token; padding defaults to it."""
+    if tokenizer is None:
+        raise ModelError(f"{where}: required with a model object (pass tokenizer=)")
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        raise ModelError(f"{where}: the tokenizer has no EOS token; completions could never end")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -158,7 +167,7 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device
     transformers.utils.logging.disable_progress_bar()
     path = resolve_model_path(name_or_path)
     if (path / "adapter_config.json").exists():
-        from peft import PeftModel
+        PeftModel = _peft(f"model {path} (a LoRA adapter)").PeftModel
 
         base_name = base_model or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if not base_name:
@@ -173,9 +182,19 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device
     return model, tokenizer
 
 
+def _peft(what: str):
+    """The peft module, or a one-line error naming the install command."""
+    try:
+        import peft
+    except ImportError:
+        raise ModelError(f"{what} needs the peft package: pip install 'gspo[lora]'") from None
+    return peft
+
+
 def add_lora(model, *, r: int, alpha: float, dropout: float, target_modules: list[str]):
     """Wrap `model` with trainable LoRA adapters (PEFT); the base weights are frozen."""
-    from peft import LoraConfig, get_peft_model
+    peft = _peft("--lora-r")
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     targets = target_modules[0] if list(target_modules) == ["all-linear"] else list(target_modules)
     try:

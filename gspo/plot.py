@@ -5,7 +5,8 @@
 
 One panel per metric, one line per run (labelled by its directory name). Metrics whose name
 starts with `clip/` or `kl/` get a log y-axis by default, as in the paper's Figure 2;
-`--smooth N` draws a trailing moving average over N steps. Held-out evaluations from
+`--smooth N` draws a trailing moving average over N steps (of training metrics: held-out
+evaluations, a few points each, are drawn as they are). Held-out evaluations from
 `summary.json` are drawn as `eval/accuracy` when that metric is asked for.
 """
 
@@ -56,23 +57,36 @@ def smooth(ys: list[float], n: int) -> list[float]:
     return out
 
 
+# held-out evaluations are a handful of points, not a noisy per-step series: never smoothed
+NOT_SMOOTHED = ("eval/accuracy", "held-out accuracy")
+
+
 def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | Path, *, smooth_n: int = 1,
                 log_y: list[str] | None = None, title: str | None = None) -> Path:
     """One panel per metric: {metric: {label: (steps, values)}}; written atomically as PNG."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("plotting needs matplotlib: pip install 'gspo[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     log_y = [m for m in panels if m.startswith(("clip/", "kl/"))] if log_y is None else log_y
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), squeeze=False, sharex=True)
     for ax, (metric, lines) in zip(axes[:, 0], panels.items()):
+        n = 1 if metric in NOT_SMOOTHED else smooth_n
         for label, (xs, ys) in lines.items():
             if xs:
-                ax.plot(xs, smooth(ys, smooth_n), label=label, marker="o" if len(xs) < 12 else None, ms=3)
+                ax.plot(xs, smooth(ys, n), label=label, marker="o" if len(xs) < 12 or n == 1 and
+                        metric in NOT_SMOOTHED else None, ms=3)
         ax.set_ylabel(metric)
         if metric in log_y and any(y > 0 for _, ys in lines.values() for y in ys):
             ax.set_yscale("log")
+        elif metric in log_y:
+            ax.text(0.5, 0.5, "all values are 0: nothing to draw on a log scale", transform=ax.transAxes,
+                    ha="center", va="center", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     axes[0, 0].legend(fontsize=8)
@@ -96,6 +110,11 @@ def plot_runs(run_dirs: list[str | Path], metrics: list[str], output: str | Path
             raise PlotError(f"{d}: no metrics.jsonl; not a gspo run directory")
     if not metrics:
         raise PlotError("no metrics to plot; pass --metrics reward/mean,clip/frac")
+    available = {"eval/accuracy"} | {k for d in runs for row in read_jsonl(d / "metrics.jsonl") for k in row} - {"step"}
+    unknown = [m for m in metrics if m not in available]
+    if unknown:
+        raise PlotError(f"--metrics: {', '.join(unknown)} not logged by these runs; available: "
+                        f"{', '.join(sorted(available))}")
     panels = {m: {d.name: load_series(d, m) for d in runs} for m in metrics}
     if not any(xs for lines in panels.values() for xs, _ in lines.values()):
         raise PlotError(f"none of the runs logged {', '.join(metrics)}")

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import uuid
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
 
 REPORTERS = ("tensorboard", "wandb")
+
+
+def warn(message: str) -> None:
+    """One line on stderr, `gspo: warning: ...` (rank 0 only under torchrun)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"gspo: warning: {' '.join(message.split())}", file=sys.stderr)
 
 
 class Reporter:
@@ -43,8 +50,13 @@ class Reporter:
             id_file = self.run_dir / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             ckpt.atomic_write_text(id_file, run_id)
-            self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=run_id, resume="allow",
-                                    dir=str(self.run_dir), config=config, mode=os.environ.get("WANDB_MODE"))
+            try:
+                self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=run_id, resume="allow",
+                                        dir=str(self.run_dir), config=config, mode=os.environ.get("WANDB_MODE"))
+            except Exception as e:  # no key, no network, a bad project...
+                raise ValueError(f"--report-to wandb: W&B did not start ({type(e).__name__}: "
+                                 f"{' '.join(str(e).split())[:200]}); run `wandb login`, set WANDB_API_KEY, "
+                                 "or log offline with WANDB_MODE=offline") from None
 
     def log(self, metrics: dict) -> None:
         ckpt.append_jsonl(self.run_dir / "metrics.jsonl", [metrics])
@@ -70,12 +82,15 @@ class Reporter:
             self.wandb.finish()
 
 
-def samples_rows(step: int, batch, n: int) -> list[dict]:
+def samples_rows(step: int, batch, n: int, tokenizer=None) -> list[dict]:
     """The first `n` completions of a step's gspo.trainer.Batch, for samples.jsonl."""
-    G = batch.rollout.group_size
+    G, ro = batch.rollout.group_size, batch.rollout
     rows = []
     for i in range(min(n, len(batch.completions))):
         ex = batch.examples[i // G]
-        rows.append({"step": step, "prompt": ex.prompt, "completion": batch.completions[i], "answer": ex.answer,
-                     "reward": float(batch.rewards[i]), "advantage": float(batch.advantages[i].flatten()[0])})
+        seen = tokenizer.decode(ro.prompt_ids[i][ro.prompt_mask[i] > 0]) if tokenizer is not None else ex.prompt
+        rows.append({"step": step, "prompt": seen,  # what the model saw: after the chat template, truncation
+                     **({"messages": ex.prompt} if ex.is_chat else {}), "completion": batch.completions[i],
+                     "answer": ex.answer, "reward": float(batch.rewards[i]),
+                     "advantage": float(batch.advantages[i].flatten()[0])})
     return rows

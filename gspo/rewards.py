@@ -197,8 +197,13 @@ class Reward:
     weight: float = 1.0
 
 
-def load_reward(spec: str, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_tokens: int = 256) -> Reward:
-    """A reward by built-in name, `package.module:function`, or `path/to/file.py:function`."""
+def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_tokens: int = 256) -> Reward:
+    """A reward by built-in name, `package.module:function`, `path/to/file.py:function`, or a
+    callable itself (the Python API's reward_funcs)."""
+    if callable(spec):
+        return Reward(getattr(spec, "__name__", type(spec).__name__), spec)
+    if not isinstance(spec, str):
+        raise RewardError(f"reward {spec!r}: expected a callable or a name, got {type(spec).__name__}")
     if spec in BUILTIN_REWARDS:
         fn = {
             "exact_match": exact_match,
@@ -267,8 +272,10 @@ def _failing_row(r: Reward, completions: list, kwargs: dict[str, list], sources:
 def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, list], sources: list[str]) -> tuple[list[float], dict[str, list[float]]]:
     """Run every reward over the batch; returns (weighted total per completion, per-reward values).
 
-    Raises RewardError naming the reward and the dataset row when a reward raises, returns
-    the wrong number of values, or returns something that is not a finite number.
+    A value of None means the reward does not apply to that completion (TRL's convention): it
+    is left out of the weighted sum and recorded as NaN. Raises RewardError naming the reward
+    and the dataset row when a reward raises, returns the wrong number of values, or returns
+    something that is not a finite number or None (a bool or a string is refused too).
     """
     n = len(completions)
     per: dict[str, list[float]] = {}
@@ -280,18 +287,23 @@ def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, li
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             raise RewardError(f"reward {r.name!r} returned {got} for {n} completions; expected a list of {n} floats")
-        out = []
-        for i, v in enumerate(values):
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                raise RewardError(f"reward {r.name!r} returned {v!r} for {sources[i]}; expected a number") from None
-            if not math.isfinite(f):
-                raise RewardError(f"reward {r.name!r} returned {f} for {sources[i]}; expected a finite number")
-            out.append(f)
-        per[r.name] = out
-    total = [sum(r.weight * per[r.name][i] for r in rewards) for i in range(n)]
+        per[r.name] = [_value(v, r.name, sources[i]) for i, v in enumerate(values)]
+    # None (NaN here): the reward does not apply to this completion; it adds nothing to the sum
+    total = [sum(r.weight * per[r.name][i] for r in rewards if per[r.name][i] == per[r.name][i]) for i in range(n)]
     return total, per
+
+
+def _value(v, name: str, source: str) -> float:
+    """A reward's value as a float; None (TRL's "does not apply") becomes NaN."""
+    if v is None:
+        return float("nan")
+    if isinstance(v, (bool, str, bytes)) or not isinstance(v, (int, float)) and not hasattr(v, "__float__"):
+        raise RewardError(f"reward {name!r} returned {v!r} ({type(v).__name__}) for {source}; expected a number "
+                          "(or None where the reward does not apply)")
+    f = float(v)
+    if not math.isfinite(f):
+        raise RewardError(f"reward {name!r} returned {f} for {source}; expected a finite number (or None)")
+    return f
 
 
 def score_completions(rewards: list[Reward], examples: list, completions: list[str], completion_ids: list[list[int]],

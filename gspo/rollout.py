@@ -145,8 +145,9 @@ class PolicySampler:
             return generate(self.model, prompts, params, generator=generator, routing=self.routing, rows=rows)
 
 
-def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
-    """Token ids of prompts: plain text as is, chat messages through the chat template."""
+def encode_prompts(tokenizer, prompts: list, max_length: int = 0) -> list[list[int]]:
+    """Token ids of prompts: plain text as is, chat messages through the chat template; with
+    `max_length`, a longer prompt keeps its last max_length tokens (TRL truncates so too)."""
     out = []
     for prompt in prompts:
         if isinstance(prompt, list):
@@ -154,7 +155,31 @@ def encode_prompts(tokenizer, prompts: list) -> list[list[int]]:
             out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
             out.append(tokenizer(prompt)["input_ids"])
-    return out
+    return [ids[-max_length:] for ids in out] if max_length > 0 else out
+
+
+def cut_at_stop_strings(ro: "Rollout", tokenizer, strings: tuple[str, ...]) -> "Rollout":
+    """End each completion at the token that completes the first occurrence of any of
+    `strings` in its text: the tokens after it are dropped (padding, mask 0, log-prob 0) and
+    the row counts as ended, not truncated. The sampler may have run past the string."""
+    if not strings:
+        return ro
+    for b in range(ro.completion_ids.shape[0]):
+        n = int(ro.lengths[b])
+        pieces = tokenizer.batch_decode([[t] for t in ro.completion_ids[b, :n].tolist()])  # one text per token
+        ends, text = [], ""
+        for piece in pieces:
+            text += piece
+            ends.append(len(text))  # characters up to and including token j
+        hits = [text.find(s) + len(s) for s in strings if s in text]
+        if hits:
+            ro.lengths[b] = next(j for j, e in enumerate(ends) if e >= min(hits)) + 1
+            ro.truncated[b] = False
+    keep = torch.arange(ro.completion_ids.shape[1], device=ro.lengths.device)[None] < ro.lengths[:, None]  # (B, T)
+    ro.completion_ids = ro.completion_ids.masked_fill(~keep, tokenizer.pad_token_id)
+    ro.completion_mask = ro.completion_mask * keep
+    ro.logp = ro.logp * keep
+    return ro
 
 
 def decode_completions(tokenizer, ro: "Rollout") -> tuple[list[str], list[list[int]]]:

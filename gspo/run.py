@@ -18,6 +18,7 @@ Also here: the learning-rate schedule (`lr_factor`) and the progress display.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import random
@@ -31,15 +32,17 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
-from gspo.config import ConfigError, TrainConfig, absolute_paths, load_yaml, resolve, resume_config
+from gspo.config import ConfigError, TrainConfig, resolve
+from gspo.configfile import load_yaml
 from gspo.data import DataError
 from gspo.distributed import Dist
-from gspo.lifecycle import check_no_writer
+from gspo.lifecycle import absolute_paths, check_no_writer, resume_config
 from gspo.logprobs import TokenLogprobs, supports_packing
-from gspo.models import DTYPES, add_lora, disable_dropout, load_policy, low_precision_copy, unwrap
+from gspo.models import (DTYPES, add_lora, disable_dropout, load_policy, load_tokenizer, low_precision_copy,
+                         prepare_tokenizer, unwrap)
 from gspo.moe import MoEError, Routing, is_moe
 from gspo.rewards import Reward, load_rewards
-from gspo.rollout import PolicySampler, Sampler, stop_token_ids
+from gspo.rollout import PolicySampler, Sampler, encode_prompts, stop_token_ids
 from gspo.tasks import build_task
 from gspo.value import Critic, ValueHead, ValueModel
 
@@ -67,8 +70,10 @@ class Run:
     scaler: torch.amp.GradScaler | None = None  # float16 mixed precision: loss scaling
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
     restart: bool = False  # resumed, but killed before its first checkpoint: start over from step 0
+    notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
     # where the run stands; saved in every checkpoint
     start_step: int = 0
+    steps_done: int = 0
     eval_before: dict | None = None
     evals: list[dict] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
@@ -97,7 +102,22 @@ class AlreadyComplete(Exception):
         super().__init__(f"the run is complete ({summary.get('steps')} steps)")
 
 
-def build_run(cfg: TrainConfig | None, resume: str | Path | None = None) -> Run:
+@dataclass
+class Inputs:
+    """What the Python API (gspo.Trainer) passes as objects instead of names and paths."""
+
+    model: object = None  # a transformers PreTrainedModel (its directory, a str, goes into the config)
+    tokenizer: object = None
+    train_dataset: object = None  # a list of dicts or a datasets.Dataset
+    eval_dataset: object = None
+    reward_funcs: list | None = None  # callables (completions, **columns) -> list[float], and/or reward names
+
+    @property
+    def model_object(self):
+        return self.model if isinstance(self.model, torch.nn.Module) else None
+
+
+def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs: Inputs | None = None) -> Run:
     """Check everything and build the run; nothing is written.
 
     resume: a run directory to continue with its saved configuration, from its newest
@@ -107,16 +127,9 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None) -> Run:
     """
     resume_from, restart = None, False
     if resume is not None:
-        run_dir = Path(resume).absolute()
-        if not (run_dir / "config.yaml").exists():
-            raise FileNotFoundError(f"{run_dir}: not a gspo run directory (no config.yaml) to resume")
-        saved = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
-        cfg = resume_config(saved, cfg)
-        done = ckpt.is_complete(run_dir, cfg.steps)
-        if done is not None and (ckpt.latest_checkpoint(run_dir) or Path()).name == f"step-{cfg.steps:06d}":
-            raise AlreadyComplete(done)
-        resume_from = ckpt.latest_checkpoint(run_dir)
+        cfg, resume_from = _resume_target(Path(resume).absolute(), cfg)
         restart = resume_from is None
+    default_length = resume is None and cfg.max_new_tokens is None  # the task's default: may be capped to the model
     cfg = resolve(cfg)
     if resume is None:
         cfg = absolute_paths(cfg)  # the run directory works from any working directory
@@ -137,20 +150,21 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None) -> Run:
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
 
-    task, rewards = task_and_rewards(cfg)
-    policy, tokenizer = _load_policy(cfg, resume_from, dist.device)
+    inputs = inputs or Inputs()
+    task = _task(cfg, inputs)
+    reference = _reference(cfg, inputs, dist.device)  # the initial policy, before any weight is loaded or trained
+    policy, tokenizer = _load_policy(cfg, resume_from, dist.device, inputs)
     if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
         raise DataError(f"{cfg.dataset}: prompts are chat messages but the tokenizer of {cfg.model} has no chat template")
+    cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length)
+    rewards = _rewards(cfg, task, inputs)
+    notes = list(getattr(task, "notes", [])) + notes
     disable_dropout(policy)  # training forwards compute the log-probs the no-grad passes do
     if cfg.gradient_checkpointing:
         unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     stop_ids = stop_token_ids(tokenizer, policy, cfg.stop_token)
-    sampler, routing = _sampler_and_routing(cfg, policy, dist)
-    reference = None
-    if (cfg.beta > 0 or cfg.reward_kl_coef > 0) and cfg.lora_r == 0:
-        reference, _ = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=dist.device)  # the initial policy
-        reference.eval().requires_grad_(False)
-    vm = _value_model(cfg, policy, resume_from, dist.device)
+    sampler, routing = _sampler_and_routing(cfg, policy, dist, inputs)
+    vm = _value_model(cfg, policy, resume_from, dist.device, from_object=inputs.model_object is not None)
     mixed = DTYPES[cfg.dtype] if cfg.param_dtype != cfg.dtype else None  # FSDP gathers parameters in it
     # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
     train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=routing is not None, mixed=mixed)
@@ -164,40 +178,118 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None) -> Run:
     scaler = torch.amp.GradScaler(dist.device.type) if cfg.dtype == "float16" and mixed is not None else None
     packed = cfg.packing and routing is None and supports_packing(policy)
     return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
-               reference, vm, routing, resume_from, stop_ids, scaler, packed, restart)
+               reference, vm, routing, resume_from, stop_ids, scaler, packed, restart, notes)
 
 
-def task_and_rewards(cfg: TrainConfig) -> tuple[object, list[Reward]]:
-    """The task (built-in or the user's dataset, validated) and its reward functions."""
-    task = build_task(task=cfg.task, dataset=cfg.dataset, dataset_split=cfg.dataset_split,
-                      eval_dataset=cfg.eval_dataset, eval_split=cfg.eval_split, prompt_column=cfg.prompt_column,
-                      answer_column=cfg.answer_column, eval_size=cfg.eval_size, rewards=cfg.reward)
-    rewards = load_rewards(list(cfg.reward or task.default_rewards), list(cfg.reward_weights) or None,
-                           format_pattern=cfg.format_pattern, max_new_tokens=cfg.max_new_tokens)
-    return task, rewards
+def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainConfig, Path | None]:
+    """The configuration a resumed run continues with, and its newest checkpoint (None: start
+    over from step 0). Raises AlreadyComplete when the run has done its steps."""
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir}: not a gspo run directory (no config.yaml) to resume")
+    saved = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
+    cfg = resume_config(saved, changed)
+    last = ckpt.latest_checkpoint(run_dir)
+    done = ckpt.is_complete(run_dir, cfg.steps)
+    if done is not None and last is not None and last.name == f"step-{cfg.steps:06d}":
+        raise AlreadyComplete(done)
+    return cfg, last
 
 
-def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.device):
-    """The policy to train and its tokenizer: the model, or the checkpoint's weights (a LoRA
-    checkpoint: the base model plus the saved adapter, trainable)."""
+def task_and_rewards(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[object, list[Reward]]:
+    """The task (built-in, the user's dataset file, or in-memory rows; validated) and its rewards."""
+    task = _task(cfg, inputs or Inputs())
+    return task, _rewards(cfg, task, inputs or Inputs())
+
+
+def _task(cfg: TrainConfig, inputs: Inputs):
+    specs = tuple(inputs.reward_funcs or cfg.reward)
+    return build_task(task=cfg.task, dataset=inputs.train_dataset if inputs.train_dataset is not None else cfg.dataset,
+                      dataset_split=cfg.dataset_split, eval_split=cfg.eval_split, prompt_column=cfg.prompt_column,
+                      eval_dataset=inputs.eval_dataset if inputs.eval_dataset is not None else cfg.eval_dataset,
+                      answer_column=cfg.answer_column, eval_size=cfg.eval_size, rewards=specs)
+
+
+def _rewards(cfg: TrainConfig, task, inputs: Inputs) -> list[Reward]:
+    return load_rewards(list(inputs.reward_funcs or cfg.reward) or list(task.default_rewards),
+                        list(cfg.reward_weights) or None, format_pattern=cfg.format_pattern,
+                        max_new_tokens=cfg.max_new_tokens)
+
+
+def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool,
+                 sample: int = 256) -> tuple[TrainConfig, list[str]]:
+    """Prompt + completion must fit the model's positions: a given --max-new-tokens that does
+    not is a one-line error, the task's default is capped to fit (said in a warning); prompts
+    longer than --max-prompt-length are cut (a warning says how many). Checked on the first
+    `sample` training and evaluation prompts. Returns the config and the warnings."""
+    notes = []
+    examples = task.train_batch(1, min(sample, cfg.prompts_per_step * 8), cfg.seed) + task.test_set()[:sample]
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [ex.prompt for ex in examples])]
+    longest = max(lengths)
+    if cfg.max_prompt_length and longest > cfg.max_prompt_length:
+        cut = sum(n > cfg.max_prompt_length for n in lengths)
+        notes.append(f"max_prompt_length: {cut} of the {len(lengths)} prompts checked are longer than "
+                     f"{cfg.max_prompt_length} tokens (up to {longest}); they keep their last {cfg.max_prompt_length}")
+        longest = cfg.max_prompt_length
+    limit = getattr(unwrap(policy).config, "max_position_embeddings", None)
+    if limit and longest + cfg.max_new_tokens > limit:
+        if not default_length or longest >= limit:
+            raise ConfigError(f"max_new_tokens: prompts of up to {longest} tokens + {cfg.max_new_tokens} new tokens "
+                              f"exceed the model's max_position_embeddings ({limit}); lower --max-new-tokens or set "
+                              "--max-prompt-length")
+        notes.append(f"max_new_tokens: the task's default {cfg.max_new_tokens} capped to {limit - longest}, so that "
+                     f"prompts of up to {longest} tokens fit the model's {limit} positions")
+        cfg = dataclasses.replace(cfg, max_new_tokens=limit - longest)
+    return cfg, notes
+
+
+def _reference(cfg: TrainConfig, inputs: Inputs, device: torch.device):
+    """The frozen initial policy for the KL terms (beta > 0 or reward_kl_coef > 0), in the
+    compute dtype; None with LoRA (the base model with the adapters off serves)."""
+    if not (cfg.beta > 0 or cfg.reward_kl_coef > 0) or cfg.lora_r > 0:
+        return None
+    if inputs.model_object is not None:
+        reference = copy.deepcopy(inputs.model_object).to(device=device, dtype=DTYPES[cfg.dtype])
+    else:
+        reference, _ = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
+    return reference.eval().requires_grad_(False)
+
+
+def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.device, inputs: Inputs):
+    """The policy to train and its tokenizer: the model (a directory, or the API's model
+    object), or the checkpoint's weights (a LoRA checkpoint: its base plus the saved adapter)."""
     dtype = DTYPES[cfg.param_dtype]  # float32 master weights unless pure low precision is asked for
+    obj = inputs.model_object
     if resume_from is not None and cfg.lora_r > 0:
-        return load_policy(str(resume_from), dtype=dtype, device=device, base_model=cfg.model, trainable_adapter=True)
+        if obj is None:
+            return load_policy(str(resume_from), dtype=dtype, device=device, base_model=cfg.model,
+                               trainable_adapter=True)
+        from peft import PeftModel
+
+        policy = PeftModel.from_pretrained(obj.to(device=device, dtype=dtype), resume_from, is_trainable=True)
+        return policy, inputs.tokenizer or load_tokenizer(resume_from)
     if resume_from is not None:
         return load_policy(str(resume_from), dtype=dtype, device=device)
-    policy, tokenizer = load_policy(cfg.model, dtype=dtype, device=device)
+    if obj is not None:
+        policy, tokenizer = obj.to(device=device, dtype=dtype), prepare_tokenizer(inputs.tokenizer, "tokenizer")
+    else:
+        policy, tokenizer = load_policy(cfg.model, dtype=dtype, device=device)
+        if inputs.tokenizer is not None:
+            tokenizer = prepare_tokenizer(inputs.tokenizer, "tokenizer")
     if cfg.lora_r > 0:
         policy = add_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                           target_modules=list(cfg.lora_target_modules))
     return policy, tokenizer
 
 
-def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist) -> tuple[Sampler, Routing | None]:
+def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) -> tuple[Sampler, Routing | None]:
     """The sampler (the policy, or a copy in the sampling precision made before any hook is
     installed: --rollout-dtype, else the compute --dtype) and, for MoE models, the routing
     hooks (drift is always measured)."""
     rollout_dtype = DTYPES[cfg.dtype] if cfg.rollout_dtype == "same" else DTYPES[cfg.rollout_dtype]
     if cfg.rollout_engine == "vllm":
+        if inputs.model_object is not None:
+            raise ConfigError("rollout_engine: vllm loads the model from its directory; pass model= as a path "
+                              "(or save_pretrained it first)")
         return _vllm_sampler(cfg, policy, dist, rollout_dtype), (Routing(policy, cfg.model) if is_moe(policy) else None)
     model = policy if rollout_dtype == DTYPES[cfg.param_dtype] else low_precision_copy(policy, rollout_dtype)
     sampler = PolicySampler(model, dist=dist)
@@ -226,10 +318,15 @@ def _vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
                        kv_cache_gib=cfg.vllm_kv_cache_gib, sleep=cfg.vllm_sleep, dist=dist)
 
 
-def _value_model(cfg: TrainConfig, policy, resume_from: Path | None, device: torch.device) -> ValueModel | None:
+def _value_model(cfg: TrainConfig, policy, resume_from: Path | None, device: torch.device,
+                 from_object: bool = False) -> ValueModel | None:
     """PPO's critic, initialised from the policy's weights (or restored from the checkpoint)."""
     if cfg.algorithm != "ppo":
         return None
+    if cfg.critic == "separate" and resume_from is None and from_object:  # the critic copies the object's trunk
+        critic = Critic.from_model(unwrap(policy)).to(device)
+        disable_dropout(critic)
+        return ValueModel(critic=critic)
     if cfg.critic == "separate":
         src = resume_from / "critic" if resume_from is not None else cfg.model
         critic = Critic.from_pretrained(src, dtype=DTYPES[cfg.param_dtype], device=device,

@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,15 +33,16 @@ import torch
 from gspo import checkpoint as ckpt
 from gspo import parallel
 from gspo.advantages import group_advantages
+from gspo.batch import Batch
 from gspo.config import to_dict
 from gspo.evaluation import evaluate
-from gspo.losses import agg_count, policy_loss
+from gspo.losses import agg_count, policy_loss, rollout_is_weights
 from gspo.logprobs import micro_batches, token_logprobs, trim
 from gspo.metrics import Mean, combine, reduce_across, step_row
 from gspo.moe import moe_terms
-from gspo.reporting import Reporter, samples_rows
+from gspo.reporting import Reporter, samples_rows, warn
 from gspo.rewards import Reward, score_completions
-from gspo.rollout import Rollout, decode_completions, encode_prompts, sampling_params
+from gspo.rollout import Rollout, cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.lifecycle import Guard, Interrupted
 from gspo.run import AlreadyComplete, Progress, Run, build_run
 from gspo.value import ppo_advantages, value_loss
@@ -50,45 +50,12 @@ from gspo.value import ppo_advantages, value_loss
 Tensor = torch.Tensor
 
 
-@dataclass
-class Batch:
-    """A scored rollout batch, ready for updates: this process's rows (B of B_all)."""
-
-    rollout: Rollout
-    rewards: Tensor  # (B,) weighted sum of all rewards
-    all_rewards: Tensor  # (B_all,) every process's rewards, in rank order
-    reward_parts: dict[str, list[float]]  # name -> (B,) each reward's values
-    advantages: Tensor  # (B,) group-relative, or (B, T) from GAE (PPO)
-    old_logp: Tensor  # (B, T) log π_θold of the sampled tokens
-    ref_logp: Tensor | None  # (B, T) log π_ref, when beta > 0 or reward_kl_coef > 0
-    examples: list  # (B / G,) the prompts' Examples
-    completions: list[str]  # (B,) decoded completions
-    old_values: Tensor | None = None  # (B, T) PPO: V_old(s_t) before the updates
-    returns: Tensor | None = None  # (B, T) PPO: GAE returns, the value targets
-    routing: Tensor | None = None  # (B, P+T, L, k) MoE: experts used under the old policy
-
-    def rows(self, idx: Tensor, ps: slice, ts: slice) -> dict[str, Tensor | None]:
-        """The per-row tensors of rows `idx`, cut to prompt columns `ps` and completion columns
-        `ts` (a trimmed micro-batch's)."""
-        P = self.rollout.prompt_ids.shape[1]
-
-        def cut(x: Tensor | None) -> Tensor | None:  # (B, T, ...) or (B,) -> rows idx, columns ts
-            return None if x is None else (x[idx][:, ts] if x.dim() >= 2 else x[idx])
-
-        routing = None
-        if self.routing is not None:  # (B, P+T, L, k): prompt and completion columns cut alike
-            r = self.routing[idx]
-            routing = torch.cat([r[:, :P][:, ps], r[:, P:][:, ts]], 1)
-        return {"old_logp": cut(self.old_logp), "advantages": cut(self.advantages), "ref_logp": cut(self.ref_logp),
-                "old_values": cut(self.old_values), "returns": cut(self.returns), "routing": routing}
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
 
 
-def train(cfg=None, *, resume=None, log=print) -> dict:
+def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=()) -> dict:
     """Train a policy; returns the summary (also written to summary.json in the run directory).
 
     resume: a run directory to continue from its newest checkpoint (or from step 0, if it was
@@ -96,11 +63,12 @@ def train(cfg=None, *, resume=None, log=print) -> dict:
     that are safe to change (--steps, --device, logging, ...). A complete run is left as it is
     and its summary returned. Under torchrun every process calls this; rank 0 alone writes the
     run directory and logs. SIGINT/SIGTERM stop the run after the step under way with a
-    checkpoint (gspo.lifecycle.Interrupted).
+    checkpoint (gspo.lifecycle.Interrupted). inputs: objects in place of names (gspo.run.Inputs);
+    callbacks: `(step, metrics) -> bool`, True stops the run after that step (gspo.api.Trainer).
     """
     t_start = time.time()
     try:
-        run = build_run(cfg, resume)  # raises on any bad input; nothing written yet
+        run = build_run(cfg, resume, inputs)  # raises on any bad input; nothing written yet
     except AlreadyComplete as done:
         log(f"{Path(resume).absolute()}: the run is complete ({done.summary['steps']} steps); nothing to do "
             f"(for more steps: gspo train --resume {resume} --steps N)")
@@ -108,7 +76,7 @@ def train(cfg=None, *, resume=None, log=print) -> dict:
     run.t_start = t_start
     guard = Guard(run)  # one writer per run directory; signals stop at the next step's end
     try:
-        summary = _train(run, guard, log if run.dist.is_main else (lambda *a, **k: None))
+        summary = _train(run, guard, log if run.dist.is_main else (lambda *a, **k: None), callbacks)
     except BaseException as e:
         if not isinstance(e, Interrupted):
             guard.failed()
@@ -120,8 +88,10 @@ def train(cfg=None, *, resume=None, log=print) -> dict:
     return summary
 
 
-def _train(run: Run, guard: Guard, log) -> dict:
+def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     cfg, dist, main = run.cfg, run.dist, run.dist.is_main
+    for note in run.notes:
+        warn(note)
     dist.barrier()  # every process has checked the run directory before rank 0 writes to it
     if run.resume_from is not None:
         ckpt.restore_run(run)
@@ -137,22 +107,26 @@ def _train(run: Run, guard: Guard, log) -> dict:
     try:
         for step in range(run.start_step + 1, cfg.steps + 1):
             metrics, batch = train_step(run, step)
+            run.steps_done = step
             run.scheduler.step()
             if run.value_model is not None and run.value_model.scheduler is not None:
                 run.value_model.scheduler.step()
-            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            if cfg.eval_every and cfg.eval_size and step % cfg.eval_every == 0 and step < cfg.steps:
                 ev = run_eval(run)
                 metrics["eval/accuracy"] = ev["accuracy"]
                 run.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)
-                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.samples_per_step))
+                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.samples_per_step, run.tokenizer))
             saved = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
             if saved:
                 ckpt.save_run(run, step)
             if main:
                 bar.update(metrics)
-            guard.check(step, saved)
+            stop = any([bool(on_step_end(step, metrics)) for on_step_end in callbacks])
+            if guard.check(step, saved, stop):  # a signal raises Interrupted; a callback's stop ends the loop
+                log(f"stopped by a callback after step {step}")
+                break
     except BaseException:
         if main:
             reporter.close()  # TensorBoard flushed, W&B finished: the curves so far are kept
@@ -164,10 +138,13 @@ def _train(run: Run, guard: Guard, log) -> dict:
 
 
 def run_eval(run: Run) -> dict:
-    """Held-out greedy accuracy of the current policy (sharded over processes)."""
+    """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none."""
     cfg = run.cfg
+    if cfg.eval_size == 0:
+        return {"accuracy": None, "reward": None, "n": 0}
     with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
         return evaluate(run.policy, run.tokenizer, run.task, run.rewards, n=cfg.eval_size, stop=run.stop_ids,
+                        max_prompt_length=cfg.max_prompt_length, stop_strings=cfg.stop_string,
                         max_new_tokens=cfg.max_new_tokens, progress=cfg.progress and run.dist.is_main, dist=run.dist)
 
 
@@ -175,14 +152,16 @@ def finish(run: Run, reporter: Reporter | None) -> dict:
     """The final evaluation and the run's summary (summary.json)."""
     cfg, dist = run.cfg, run.dist
     eval_after = run_eval(run)
-    if not run.evals or run.evals[-1]["step"] != cfg.steps:
-        run.evals.append({"step": cfg.steps, **eval_after})
+    done = run.steps_done
+    if not run.evals or run.evals[-1]["step"] != done:
+        run.evals.append({"step": done, **eval_after})
     last = ckpt.latest_checkpoint(run.run_dir)
     summary = {
         "algorithm": cfg.algorithm,
         "model": cfg.model,
         "task": cfg.dataset or cfg.task,
-        "steps": cfg.steps,
+        "steps": done,
+        **({"stopped_early": True} if done < cfg.steps else {}),
         "eval_before": run.eval_before,
         "eval_after": eval_after,
         "evals": run.evals,
@@ -192,8 +171,9 @@ def finish(run: Run, reporter: Reporter | None) -> dict:
     }
     if dist.is_main:
         ckpt.atomic_write_text(run.run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")
-        reporter.summary({"eval_before/accuracy": run.eval_before["accuracy"],
-                          "eval_after/accuracy": eval_after["accuracy"]})
+        if eval_after["n"]:
+            reporter.summary({"eval_before/accuracy": run.eval_before["accuracy"],
+                              "eval_after/accuracy": eval_after["accuracy"]})
         reporter.close()
     return summary
 
@@ -247,9 +227,10 @@ def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], li
                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                              min_new_tokens=cfg.min_new_tokens)
     run.sampler.sync(run.policy)
-    prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples])
+    prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.max_prompt_length)
     ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.seed, step, "sample"),
                             rows=(dist.rank * len(examples) * G, cfg.prompts_per_step * G))
+    ro = cut_at_stop_strings(ro, run.tokenizer, cfg.stop_string)
     texts, ids = decode_completions(run.tokenizer, ro)
     return ro, texts, ids
 
@@ -267,6 +248,8 @@ def prepare(run: Run, ro: Rollout, *, rewards: Tensor, parts: dict, examples: li
     on, with FSDP's parameters gathered (each process runs its own number of passes)."""
     cfg, dist, vm = run.cfg, run.dist, run.value_model
     all_rewards = dist.gather(rewards)  # (B_all,)
+    if cfg.mask_truncated_completions:  # cut by max_new_tokens: out of the loss, still in the group's statistics
+        ro.completion_mask = ro.completion_mask * (~ro.truncated)[:, None]
     passes = dict(temperature=cfg.temperature, budget=cfg.micro_batch_tokens, packed=run.packed,
                   rows=max(1, ro.prompt_ids.shape[0] // cfg.num_minibatches))
     if cfg.old_logp == "sampling":
@@ -293,8 +276,14 @@ def prepare(run: Run, ro: Rollout, *, rewards: Tensor, parts: dict, examples: li
         B = rewards.shape[0]
         advantages = group_advantages(all_rewards, cfg.group_size, scale=cfg.adv_scale)  # (B_all,)
         advantages = advantages[dist.rank * B:(dist.rank + 1) * B].to(ro.logp.device)  # (B,) this process's rows
-    return Batch(ro, rewards, all_rewards, parts, advantages, old_logp, ref_logp, examples, completions,
-                 old_values, returns, old_routing)
+    batch = Batch(ro, rewards, all_rewards, parts, advantages, old_logp, ref_logp, examples, completions,
+                  old_values, returns, old_routing)
+    if cfg.rollout_is != "off":  # π_old/π_rollout per token or response: fixed for the step's updates
+        batch.is_weights, metrics = rollout_is_weights(old_logp, ro.logp, ro.completion_mask, level=cfg.rollout_is,
+                                                       mode=cfg.rollout_is_mode, low=cfg.rollout_is_low,
+                                                       high=cfg.rollout_is_high)
+        batch.is_metrics = reduce_across([metrics], dist)[0]  # over the global batch
+    return batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,7 +371,9 @@ def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> t
     loss, metrics = policy_loss(
         cfg.algorithm, logp, rows["old_logp"], rows["advantages"], mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
-        ref_logp=rows["ref_logp"], beta=cfg.beta, kl_estimator=cfg.kl_estimator,
+        ref_logp=rows["ref_logp"], beta=cfg.beta, kl_estimator=cfg.kl_estimator, tau_pos=cfg.sapo_tau_pos,
+        tau_neg=cfg.sapo_tau_neg, is_weights=rows["is_weights"], rollout_logp=rows["rollout_logp"],
+        opsm_delta=cfg.opsm_delta,
     )
     metrics["policy/entropy"] = Mean(entropy.sum() / mask.sum().clamp(min=1), mask.sum())
     loss = loss * agg_scale

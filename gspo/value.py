@@ -81,6 +81,15 @@ class Critic(nn.Module):
             head.load(head_from)
         return cls(trunk, head).to(device)
 
+    @classmethod
+    def from_model(cls, model):
+        """A copy of a causal LM's trunk (its backbone, without the LM head) and a fresh head."""
+        import copy
+
+        trunk = copy.deepcopy(getattr(model, model.base_model_prefix))
+        head = ValueHead(trunk.config.hidden_size)
+        return cls(trunk, head.to(next(trunk.parameters()).device))
+
     def forward(self, mb: Rollout, packed: bool = False) -> Tensor:
         """V(s_t) of each completion token of a (micro-)batch, read at the state before it: (b, T)."""
         # a copy, not a view (FSDP hooks the output)

@@ -1,32 +1,20 @@
-"""The Markdown table of `gspo train` options, from TrainConfig's field docstrings.
+"""The Markdown tables of `gspo train` options, from TrainConfig's field docstrings, by section.
 
-    python scripts/options_table.py            # print it
-    python scripts/options_table.py --write    # replace the table in docs/options.md
+    python scripts/options_table.py            # print them
+    python scripts/options_table.py --write    # replace them in docs/options.md
 
-tests/test_docs.py fails when docs/options.md's table differs from this output.
+The sections are those of `gspo train --help` (gspo.config.HELP_GROUPS); tests/test_docs.py
+fails when docs/options.md differs from this output.
 """
 
-import ast
 import dataclasses
-import inspect
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gspo.config import TrainConfig  # noqa: E402
-
-
-def field_docs(cls) -> dict[str, str]:
-    """Docstrings written under dataclass fields (what tyro shows as --help)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
+from gspo.help import HELP_GROUPS, field_docs  # noqa: E402
 
 OPTIONS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 START, END = "<!-- options:start -->", "<!-- options:end -->"
@@ -34,12 +22,15 @@ START, END = "<!-- options:start -->", "<!-- options:end -->"
 
 def table() -> str:
     docs = field_docs(TrainConfig)
-    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag = "--" + f.name.replace("_", "-")
-        rows.append(f"| `{flag}` | `{default}` | {docs.get(f.name, '').replace('|', '/')} |")
-    return "\n".join(rows)
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    out = []
+    for group, names in HELP_GROUPS.items():
+        out += [f"### {group[0].upper()}{group[1:]}", "", "| option | default | meaning |", "| --- | --- | --- |"]
+        for name in names:
+            flag = "--" + name.replace("_", "-")
+            out.append(f"| `{flag}` | `{defaults[name]}` | {docs.get(name, '').replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out).rstrip()
 
 
 def main():

@@ -66,7 +66,8 @@ def test_train_with_own_model_dataset_and_reward(byo, tmp_path):
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
     sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
-    assert sample["prompt"][0]["role"] == "user"
+    assert sample["messages"][0]["role"] == "user"  # the row's messages, and the prompt as the model saw it:
+    assert sample["prompt"].startswith("<|im_start|>user\nWhat is ") and sample["prompt"].endswith("<|im_start|>assistant\n")
 
     # gspo plot over this run
     png = tmp_path / "plot.png"

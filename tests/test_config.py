@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from gspo.checkpoint import config_yaml
-from gspo.config import ConfigError, TrainConfig, load_yaml, resolve
+from gspo.config import ConfigError, TrainConfig, resolve
+from gspo.configfile import load_yaml
 
 
 def test_presets_fill_clip_ranges():
@@ -28,7 +29,12 @@ def test_paper_defaults():
     ({"group_size": 1}, "group_size"),
     ({"clip_low": -0.1}, "clip_low"),
     ({"clip_high": -1e-4}, "clip_high"),
-    ({"clip_low": 1.0}, "clip_low"),
+    ({"clip_low": 1.5}, "clip_low"),
+    ({"rollout_is_high": 0.9}, "rollout_is_high"),
+    ({"rollout_is_low": 1.5}, "rollout_is_low"),
+    ({"opsm_delta": -0.1}, "opsm_delta"),
+    ({"sapo_tau_neg": 0.0}, "sapo_tau_neg"),
+    ({"rollout_is": "token", "old_logp": "sampling"}, "old_logp"),
     ({"algorithm": "dpo"}, "algorithm"),
     ({"task": "chess"}, "task"),
     ({"prompts_per_step": 3, "group_size": 5, "num_minibatches": 4}, "num_minibatches"),
@@ -81,3 +87,16 @@ def test_yaml_values_and_errors(tmp_path):
         assert msg in str(e.value) and str(p) in str(e.value), (text, str(e.value))
     with pytest.raises(ConfigError, match="no such config file"):
         load_yaml(tmp_path / "missing.yaml")
+
+
+def test_successor_presets_and_corrections_resolve():
+    # presets from the papers: CISPO no lower bound (1 - 1.0 = 0) and 1 + 0.28; GMPO ±0.4 in log space
+    assert (resolve(TrainConfig(algorithm="cispo")).clip_low, resolve(TrainConfig(algorithm="cispo")).clip_high) == (1.0, 0.28)
+    assert (resolve(TrainConfig(algorithm="gmpo")).clip_low, resolve(TrainConfig(algorithm="gmpo")).clip_high) == (0.4, 0.4)
+    sapo = resolve(TrainConfig(algorithm="sapo"))
+    assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
+    assert resolve(TrainConfig(algorithm="gmpo", clip_low=2.0)).clip_low == 2.0  # log space: any range >= 0
+    # the corrections need both log-probs: auto recomputes even where it would reuse the sampler's
+    assert resolve(TrainConfig()).old_logp == "sampling"
+    assert resolve(TrainConfig(rollout_is="token")).old_logp == "recompute"
+    assert resolve(TrainConfig(opsm_delta=0.01)).old_logp == "recompute"

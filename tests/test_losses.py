@@ -141,7 +141,7 @@ def test_gspo_rejects_per_token_advantages():
 def test_unknown_loss_lists_valid_names():
     with pytest.raises(ValueError) as e:
         policy_loss("dpo", t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), clip_low=0.2, clip_high=0.2)
-    for name in ("ppo", "grpo", "gspo", "gspo_token"):
+    for name in ("ppo", "grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo"):
         assert name in str(e.value)
 
 
@@ -195,10 +195,22 @@ def test_every_loss_uses_the_requested_mode(name, mode):
     #   token-mean              = -(2·1 + 3·3) / 4           = -2.75
     #   seq-mean-token-sum      = -(2·1 + 3·3) / 2           = -5.5
     #   seq-mean-token-sum-norm = -((2·1)/4 + (3·3)/4) / 2   = -1.375
+    # CISPO's and SAPO's values are not -Â (they are -Â·log π and -2Â/τ): for them the
+    # gradient is checked instead, which on-policy is GRPO's in every mode.
     expected = {"seq-mean-token-mean": -2.5, "token-mean": -2.75, "seq-mean-token-sum": -5.5, "seq-mean-token-sum-norm": -1.375}
-    logp = t([[-0.3, -9.0, -9.0], [-1.0, -2.0, -0.5]])
-    loss, _ = policy_loss(name, logp, logp.clone(), t([2.0, 3.0]), t(AGG_MASK), clip_low=0.2, clip_high=0.2, agg=mode, max_len=4)
-    close(loss, expected[mode])
+    logp = t([[-0.3, -9.0, -9.0], [-1.0, -2.0, -0.5]]).requires_grad_()
+    loss, _ = policy_loss(name, logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK), clip_low=0.2, clip_high=0.2,
+                          agg=mode, max_len=4)
+    if name not in ("cispo", "sapo"):
+        close(loss, expected[mode])
+        return
+    loss.backward()
+    grpo_logp = logp.detach().clone().requires_grad_()
+    grpo, _ = policy_loss("grpo", grpo_logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK), clip_low=0.2,
+                          clip_high=0.2, agg=mode, max_len=4)
+    grpo.backward()
+    close(logp.grad, grpo_logp.grad)
+    assert logp.grad.abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,3 +464,139 @@ def test_kl_estimators_gradients_in_expectation():
     torch.testing.assert_close(g2, g_fwd, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(g3, g_rev, rtol=1e-12, atol=1e-12)
     assert (g_fwd - g_rev).abs().max() > 1e-2  # the two KL directions really differ here
+
+
+# ----------------------------------------------------------------------------------------------
+# The successors: CISPO, SAPO, GMPO (hand cases, on-policy identities) and LUSPO as an aggregation
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cispo_hand_case():
+    # One response, two tokens: logp = [-1, -2], r = [1.5, 0.7], clip [1 - 0.2, 1 + 0.05] = [0.8, 1.05]
+    #   sg(clip(r)) = [1.05, 0.8] (token 1 cut at the top, token 2 lifted at the bottom)
+    #   Â = +1: per-token loss -ŵ·Â·logp = [1.05, 1.6]; seq-mean-token-sum: 2.65
+    #           gradient -ŵ·Â = [-1.05, -0.8]: no token loses its gradient (PPO would cut both)
+    #   Â = -1: loss -2.65, gradient [1.05, 0.8]
+    for adv, sign in ((1.0, 1.0), (-1.0, -1.0)):
+        logp = t([[-1.0, -2.0]]).requires_grad_()
+        old = t([[-1.0 - LN(1.5), -2.0 - LN(0.7)]])
+        loss, m = policy_loss("cispo", logp, old, t([adv]), t([[1.0, 1.0]]), clip_low=0.2, clip_high=0.05,
+                              agg="seq-mean-token-sum")
+        close(loss, sign * 2.65)
+        loss.backward()
+        close(logp.grad, t([[-1.05, -0.8]]) * sign)
+        # both weights were clipped, one at each end, whatever Â's sign
+        assert (m["clip/frac"], m["clip/low_frac"], m["clip/high_frac"]) == (1.0, 0.5, 0.5)
+        close(m["ratio/max"], 1.5)
+
+
+@pytest.mark.parametrize("adv,tau,loss_value,grad", [
+    # r = e^0.2 = 1.221403, r - 1 = 0.221403
+    # Â = +1, τ = τ_pos = 1:    σ(0.221403) = 0.555126;  loss = -0.555126 · 4/1 · 1 = -2.220503
+    #                          grad = -Â · 4σ(1-σ) · r = -4 · 0.555126 · 0.444874 · 1.221403 = -1.206556
+    (1.0, 1.0, -2.220502754484925, -1.2065561603767567),
+    # Â = -1, τ = τ_neg = 1.05: σ(0.232473) = 0.557858;  loss = 0.557858 · 4/1.05 = 2.125173
+    #                          grad = 4 · 0.557858 · 0.442142 · 1.221403 = 1.205048
+    (-1.0, 1.05, 2.1251729046842947, 1.2050480035304199),
+])
+def test_sapo_hand_case(adv, tau, loss_value, grad):
+    logp = t([[-1.0 + 0.2]]).requires_grad_()
+    loss, m = policy_loss("sapo", logp, t([[-1.0]]), t([adv]), t([[1.0]]), clip_low=0.0, clip_high=0.0)
+    close(loss, loss_value)
+    loss.backward()
+    close(logp.grad, [[grad]])
+    assert m["clip/frac"] == 0.0  # a gate, not a clip
+    # the formula, from its parts: -σ(τ(r - 1)) · 4/τ · Â
+    s = 1 / (1 + math.exp(-tau * (math.exp(0.2) - 1)))
+    close(loss_value, -s * 4 / tau * adv)
+
+
+def test_sapo_uses_each_temperature_for_its_sign():
+    # τ_pos only touches Â > 0 tokens, τ_neg only Â < 0 ones
+    logp, old = t([[-0.8], [-0.8]]), t([[-1.0], [-1.0]])
+    adv = t([1.0, -1.0])
+    base, _ = policy_loss("sapo", logp, old, adv, t([[1.0], [1.0]]), clip_low=0, clip_high=0, agg="seq-mean-token-sum")
+    pos, _ = policy_loss("sapo", logp[:1], old[:1], adv[:1], t([[1.0]]), clip_low=0, clip_high=0, tau_neg=9.0)
+    neg, _ = policy_loss("sapo", logp[1:], old[1:], adv[1:], t([[1.0]]), clip_low=0, clip_high=0, tau_pos=9.0)
+    close(base, (pos + neg) / 2)
+    changed, _ = policy_loss("sapo", logp[:1], old[:1], adv[:1], t([[1.0]]), clip_low=0, clip_high=0, tau_pos=2.0)
+    assert abs(float(changed) - float(pos)) > 1e-3
+
+
+@pytest.mark.parametrize("adv,loss_value,grad", [
+    # l = logp - old = [0.5, -0.1], log-space clip [-0.4, 0.4]
+    # Â = +1: m = min(l, clip(l)) = [0.4, -0.1] (token 1 clipped above); ratio = e^(0.3/2) = 1.161834
+    #         loss = -Â·ratio = -1.161834; grad = -Â·ratio/|y| on unclipped tokens = [0, -0.580917]
+    (1.0, -1.161834242728283, [0.0, -0.5809171213641415]),
+    # Â = -1: m = max(l, clip(l)) = [0.5, -0.1] (nothing clipped: 0.5 is above, on the harmless side)
+    #         ratio = e^(0.4/2) = 1.221403; loss = 1.221403; grad = 1.221403/2 = 0.610701 on both
+    (-1.0, 1.2214027581601699, [0.6107013790800849, 0.6107013790800849]),
+])
+def test_gmpo_hand_case(adv, loss_value, grad):
+    logp = t([[-1.0, -2.0]]).requires_grad_()
+    old = t([[-1.5, -1.9]])
+    loss, m = policy_loss("gmpo", logp, old, t([adv]), t([[1.0, 1.0]]), clip_low=0.4, clip_high=0.4)
+    close(loss, loss_value)
+    loss.backward()
+    close(logp.grad, [grad])
+    assert m["clip/high_frac"] == (0.5 if adv > 0 else 0.0) and m["clip/low_frac"] == 0.0
+    close(m["ratio/mean"], math.exp(0.2))  # the unclipped geometric mean, GSPO's s_i
+
+
+def test_gmpo_clips_low_for_negative_advantages():
+    # l = [-0.6, 0.0], Â = -1: m = max(l, clip(l)) = [-0.4, 0.0]; ratio e^(-0.2); token 1's gradient cut
+    logp = t([[-1.6, -1.0]]).requires_grad_()
+    loss, m = policy_loss("gmpo", logp, t([[-1.0, -1.0]]), t([-1.0]), t([[1.0, 1.0]]), clip_low=0.4, clip_high=0.4)
+    close(loss, math.exp(-0.2))
+    loss.backward()
+    close(logp.grad, [[0.0, math.exp(-0.2) / 2]])
+    assert (m["clip/low_frac"], m["clip/high_frac"]) == (0.5, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gmpo_without_clipping_is_gspo(seed):
+    # exp(mean_t l_t) is GSPO's s_i: with clip ranges no ratio reaches, the two are one objective
+    logp, old, adv, mask = _random_batch(seed, spread=0.3)
+    a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    la, _ = policy_loss("gmpo", a, old, adv, mask, clip_low=50.0, clip_high=50.0)
+    lb, _ = policy_loss("gspo", b, old, adv, mask, clip_low=0.99, clip_high=1e6)
+    close(la, lb)
+    la.backward()
+    lb.backward()
+    close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("name", ["cispo", "sapo"])
+@pytest.mark.parametrize("seed", range(3))
+def test_on_policy_gradient_is_grpos_unclipped(name, seed):
+    # r = 1: CISPO's gradient is sg(1)·(-Â) and SAPO's is -Â·4σ(0)(1-σ(0))·1 = -Â: GRPO's
+    logp, _, adv, mask = _random_batch(seed)
+    a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
+    la, _ = policy_loss(name, a, logp, adv, mask, clip_low=0.2, clip_high=0.28)
+    lb, _ = policy_loss("grpo", b, logp, adv, mask, clip_low=0.2, clip_high=0.28)
+    la.backward()
+    lb.backward()
+    close(a.grad, b.grad)
+
+
+def test_gmpo_on_policy_ratio_is_one():
+    logp, _, adv, mask = _random_batch(4)
+    loss, m = policy_loss("gmpo", logp, logp.clone(), adv, mask, clip_low=0.4, clip_high=0.4)
+    assert m["ratio/min"] == 1.0 and m["ratio/max"] == 1.0
+    close(loss, -adv.mean())  # each response's -Â_i · 1, averaged
+
+
+def test_luspo_is_gspo_with_token_sum_aggregation():
+    # LUSPO weighs each response's GSPO term by its length: (1/G) Σ_i |y_i| · ℓ_i, which is
+    # GSPO's broadcast term under "seq-mean-token-sum". By hand (ε = 0.2):
+    #   response 1: 1 token, log w = ln 1.1 -> s = 1.1, Â = +1: ℓ = -min(1.1, 1.1) = -1.1
+    #   response 2: 3 tokens, log w = [ln 2, 0, 0] -> s = 2^(1/3) = 1.259921, Â = -1:
+    #               ℓ = -min(-1.259921, -1.2) = 1.259921
+    #   LUSPO = (1 · -1.1 + 3 · 1.259921) / 2 = 1.339882;  GSPO (each response once) = 0.079961
+    logp = t([[LN(1.1), 0.0, 0.0], [LN(2.0), 0.0, 0.0]])
+    mask = t([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    kw = dict(clip_low=0.2, clip_high=0.2)
+    luspo, _ = policy_loss("gspo", logp, torch.zeros_like(logp), t([1.0, -1.0]), mask, agg="seq-mean-token-sum", **kw)
+    close(luspo, (-1.1 + 3 * 2 ** (1 / 3)) / 2)
+    gspo, _ = policy_loss("gspo", logp, torch.zeros_like(logp), t([1.0, -1.0]), mask, **kw)
+    close(gspo, (-1.1 + 2 ** (1 / 3)) / 2)

@@ -1,9 +1,11 @@
 """Rewards: built-ins by table, math-verify cases, user rewards, weights, and misbehaving rewards."""
 
+import math
+
 import pytest
 
 from gspo.data import Example
-from gspo.rewards import (RewardError, apply_rewards, exact_match, format_reward, length_penalty, load_reward,
+from gspo.rewards import (Reward, RewardError, apply_rewards, exact_match, format_reward, length_penalty, load_reward,
                           load_rewards, math_verify, numeric_match, score_completions)
 
 
@@ -119,7 +121,7 @@ def _bad(kind):
     ("short", "reward 'bad_short' returned 2 values for 3 completions"),
     ("nan", "reward 'bad_nan' returned nan for data.jsonl line 2; expected a finite number"),
     ("none", "reward 'bad_none' returned NoneType for 3 completions"),
-    ("str", "reward 'bad_str' returned 'high' for data.jsonl line 2; expected a number"),
+    ("str", "reward 'bad_str' returned 'high' (str) for data.jsonl line 2; expected a number"),
 ])
 def test_misbehaving_rewards_name_reward_and_row(kind, msg):
     from gspo.rewards import Reward
@@ -130,3 +132,23 @@ def test_misbehaving_rewards_name_reward_and_row(kind, msg):
                       ["data.jsonl line 1", "data.jsonl line 2", "data.jsonl line 3"])
     assert msg in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_none_rewards_are_left_out_of_the_weighted_sum():
+    # TRL's convention: a reward returns None where it does not apply. Row 1: 1.0·1.0 + 0.5·0.4 = 1.2;
+    # row 2: the second reward does not apply -> 1.0·0.0 only = 0.0; row 3: neither applies -> 0.0
+    rewards = [Reward("a", lambda completions, **kw: [1.0, 0.0, None]),
+               Reward("b", lambda completions, **kw: [0.4, None, None], weight=0.5)]
+    total, per = apply_rewards(rewards, ["x", "y", "z"], {}, ["r1", "r2", "r3"])
+    assert total == pytest.approx([1.2, 0.0, 0.0])
+    assert per["a"][:2] == [1.0, 0.0] and math.isnan(per["a"][2]) and math.isnan(per["b"][1])
+
+
+@pytest.mark.parametrize("value,kind", [(True, "bool"), ("1.0", "str"), (float("nan"), None)])
+def test_rewards_returning_bools_strings_or_nan_are_refused(value, kind):
+    r = Reward("flaky", lambda completions, **kw: [value])
+    with pytest.raises(RewardError) as e:
+        apply_rewards([r], ["x"], {}, ["data.jsonl line 3"])
+    msg = str(e.value)
+    assert msg.startswith("reward 'flaky' returned") and "data.jsonl line 3" in msg
+    assert (f"({kind})" in msg) if kind else "expected a finite number" in msg

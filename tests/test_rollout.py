@@ -321,3 +321,40 @@ def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
     with torch.no_grad():
         lp = completion_logprobs(model, long.input_ids, long.attention_mask, long.completion_mask)
     torch.testing.assert_close(lp, long.logp, rtol=1e-4, atol=1e-4)
+
+
+def test_top_k_draws_only_the_k_most_likely_and_records_the_full_logprob():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
+    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(0), top_k=2)
+    assert set(tokens.tolist()) == {0, 1}  # only the two most likely
+    full = torch.log_softmax(logits[0], -1)
+    torch.testing.assert_close(lp, full[tokens])  # the log-prob of the whole distribution, as top-p does
+    # within the top 2, the frequencies keep their ratio e^3 : e^2 -> 0.731 of draws are token 0
+    assert abs(float((tokens == 0).float().mean()) - 0.7311) < 0.03
+
+
+def test_stop_strings_cut_the_completion_after_the_token_that_completes_them(char_tokenizer):
+    from gspo.rollout import Rollout, cut_at_stop_strings
+
+    tok = char_tokenizer
+    texts = ["12+34=56", "7=8", "999"]
+    ids = [tok(t)["input_ids"] for t in texts]
+    T = max(map(len, ids))
+    comp = torch.tensor([i + [tok.pad_token_id] * (T - len(i)) for i in ids])
+    lengths = torch.tensor([len(i) for i in ids])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    ro = Rollout(torch.ones(3, 1, dtype=torch.long), torch.ones(3, 1, dtype=torch.long), comp, mask, -mask, lengths,
+                 torch.tensor([True, True, True]), 1)
+    ro = cut_at_stop_strings(ro, tok, ("4=", "=8"))
+    # "12+34=56": "4=" completes at the 6th token -> 6 tokens kept; "7=8": "=8" at the 3rd -> 3; "999": none
+    assert ro.lengths.tolist() == [6, 3, 3] and ro.truncated.tolist() == [False, False, True]
+    assert tok.decode(ro.completion_ids[0][:6]) == "12+34=" and (ro.completion_ids[0, 6:] == tok.pad_token_id).all()
+    assert ro.completion_mask.sum(1).tolist() == [6, 3, 3] and (ro.logp[0, 6:] == 0).all()
+
+
+def test_prompts_keep_their_last_max_length_tokens(char_tokenizer):
+    from gspo.rollout import encode_prompts
+
+    # "12345+6=" keeps its last 4 tokens "5+6="; "1+2=" is 4 tokens long already
+    assert encode_prompts(char_tokenizer, ["12345+6=", "1+2="], max_length=4) == \
+        [char_tokenizer("5+6=")["input_ids"], char_tokenizer("1+2=")["input_ids"]]

@@ -159,3 +159,47 @@ def test_jsonl_cut_short_by_a_kill_is_trimmed(tmp_path):
     assert p.read_text() == '{"step": 1, "a": 1}\n'
     ckpt.append_jsonl(p, [{"step": 2, "x": float("nan")}])
     assert ckpt.read_jsonl(p)[-1] == {"step": 2, "x": None}
+
+
+def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
+    # max_new_tokens 2: most completions are cut (truncated); with the flag their tokens leave
+    # the loss (mask 0) while their rewards still shape the group's advantages
+    from gspo.run import build_run
+    from gspo.trainer import prepare, rollout, score
+
+    cfg = TrainConfig(prompts_per_step=4, group_size=4, max_new_tokens=2, mask_truncated_completions=True,
+                      output_dir=str(tmp_path / "r"), progress=False, old_logp="recompute")
+    run = build_run(cfg)
+    ex = run.task.train_batch(1, 4, 0)
+    ro, texts, ids = rollout(run, ex, 1)
+    assert ro.truncated.any()
+    rewards, parts = score(run.rewards, ex, texts, ids, 4)
+    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=ex, completions=texts)
+    m = batch.rollout.completion_mask
+    assert (m[ro.truncated] == 0).all() and (m[~ro.truncated].sum(1) == ro.lengths[~ro.truncated]).all()
+    assert (batch.old_logp[ro.truncated] == 0).all()
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (["--algorithm", "cispo"], ()),
+    (["--algorithm", "sapo"], ()),
+    (["--algorithm", "gmpo"], ()),
+    (["--rollout-dtype", "bfloat16", "--rollout-is", "token"], ("is/truncated_frac", "is/weight_mean", "is/weight_max")),
+    (["--rollout-dtype", "bfloat16", "--algorithm", "grpo", "--rollout-is", "geometric", "--rollout-is-mode", "mask",
+      "--rollout-is-low", "0.999", "--rollout-is-high", "1.001", "--opsm-delta", "0.001"],
+     ("is/masked_frac", "opsm/masked_frac", "mismatch/token_abs")),
+])
+def test_successor_losses_and_corrections_train_end_to_end(tmp_path, extra, expect):
+    from gspo.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train", *FAST, "--steps", "2", "--max-new-tokens", "8", "--output-dir", str(out), *extra])
+    assert code == 0
+    rows = ckpt.read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert all(k in r for k in expect), set(expect) - r.keys()
+        assert abs(r["loss/policy"]) < 1e3
+    assert any(r["grad_norm"] > 0 for r in rows)  # the weights moved (a step whose kept rows all have Â = 0 does not)
+    if "--rollout-is" in extra:  # a bf16 sampler's log-probs differ from the fp32 trainer's: weights are not all 1
+        assert any(r.get("is/weight_max", 1.0) != 1.0 or r.get("is/masked_frac", 0.0) > 0 for r in rows)
