@@ -29,7 +29,7 @@ from gspo.configfile import load_yaml
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 
 commands:
-  train   train a policy with GSPO, GSPO-token, GRPO or PPO (gspo train --help)
+  train   train a policy with GSPO, GSPO-token, GRPO, PPO, CISPO, SAPO or GMPO (gspo train --help)
   eval    greedy accuracy and pass@k of a model on a task's evaluation rows (gspo eval --help)
   plot    plot metrics of one or more runs against the step (gspo plot --help)
   compare the paper's comparisons at small scale: several configurations, one report (gspo compare --help)

@@ -13,7 +13,7 @@ import shutil
 import textwrap
 import typing
 
-from gspo.config import PRESETS, TrainConfig
+from gspo.config import LOG_SPACE_CLIP, PRESETS, TrainConfig
 
 # `gspo train --help` sections, in order (every field in one; tests/test_cli.py checks)
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
@@ -88,11 +88,20 @@ def _flag(name: str, hint) -> str:
     return f"{flag} {getattr(kind, '__name__', 'VALUE').upper()}"
 
 
+def _clip_range(name: str, preset: dict) -> str:
+    low, high = preset["clip_low"], preset["clip_high"]
+    if name == "sapo":
+        return f"gate τ {TrainConfig.sapo_tau_pos:g} / {TrainConfig.sapo_tau_neg:g}"
+    if name in LOG_SPACE_CLIP:
+        return f"log-ratio clip [-{low:g}, {high:g}]"
+    return f"clip [1 - {low:g}, 1 + {high:g}]"
+
+
 def train_help(width: int | None = None) -> str:
     width = width or min(110, shutil.get_terminal_size((100, 20)).columns)
     docs, hints = field_docs(), typing.get_type_hints(TrainConfig)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    presets = "".join(f"  {name:<11} clip [1 - {p['clip_low']:g}, 1 + {p['clip_high']:g}]: {ALGORITHMS.get(name, '')}\n"
+    presets = "".join(f"  {name:<11} {_clip_range(name, p)}: {ALGORITHMS.get(name, '')}\n"
                       for name, p in PRESETS.items())
     out = [INTRO.format(presets=presets)]
     for group, names in HELP_GROUPS.items():
