@@ -34,6 +34,7 @@ Model Runner V2, which needs Triton: not on CPU; `--routing-replay` is refused).
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -56,6 +57,7 @@ class EngineError(ValueError):
 def import_vllm():
     """The vllm module, or EngineError naming the install command."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights sync in place
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not three INFO lines per weight sync (VLLM_LOGGING_LEVEL=INFO brings them back)
     try:
         import vllm
         from vllm import LLM, SamplingParams  # noqa: F401  (a broken install fails here)
@@ -64,6 +66,10 @@ def import_vllm():
     except Exception as e:  # a mismatched build raises all sorts at import
         raise EngineError(f"--rollout-engine vllm: vLLM fails to import ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:200]}); {INSTALL_HINT}") from None
+    # every reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is computed
+    # from the config and is not in a checkpoint, so vLLM keeps the one it has (the right one)
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+        lambda record: "RotaryEmbedding" not in record.getMessage())
     return vllm
 
 
