@@ -9,7 +9,7 @@ Every configuration trains from the same model on the same task with the same se
 same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). Then:
 
 - `compare.json`: configuration name -> {"accuracy", "accuracy_before", "clip_frac_mean",
-  "drift_mean", "drift_in_ratio_mean", "diverged", "wall_seconds", "seeds": {...}}, averaged
+  "drift_mean", "drift_in_ratio_mean", "mismatch_mean", "diverged", "wall_seconds", "seeds": {...}}, averaged
   over seeds; drift values are null for dense models.
 - `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, and the plots.
 - `reward_accuracy.png` (Fig. 1 in miniature), `clip_fraction.png` (Fig. 2, log scale),
