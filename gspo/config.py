@@ -342,12 +342,17 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     need(0 <= cfg.rollout_is_low <= 1, "rollout_is_low", "must be in [0, 1]")
     need(cfg.rollout_is_high >= 1, "rollout_is_high", "must be >= 1")
     need(cfg.opsm_delta is None or cfg.opsm_delta >= 0, "opsm_delta", "must be >= 0")
-    corrected = cfg.rollout_is != "off" or cfg.opsm_delta is not None
-    need(not (corrected and cfg.old_logp == "sampling"), "old_logp",
+    need(not (corrects_mismatch(cfg) and cfg.old_logp == "sampling"), "old_logp",
          "sampling cannot be combined with --rollout-is or --opsm-delta: the corrections compare the sampler's "
          "log-probs with the trainer's recomputed ones (use --old-logp recompute or auto)")
     need(0 < cfg.vllm_gpu_memory_utilization < 1, "vllm_gpu_memory_utilization", "must be in (0, 1)")
     need(cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
+
+
+def corrects_mismatch(cfg: TrainConfig) -> bool:
+    """A sampler/trainer mismatch correction is on: it needs both log-probs, the sampler's and
+    the trainer's recomputed ones."""
+    return cfg.rollout_is != "off" or cfg.opsm_delta is not None
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
@@ -364,8 +369,7 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     if out.old_logp == "auto":  # in fp32 the sampling pass's log-probs are the recomputation's, to 1e-5
         same_precision = out.dtype == "float32" and out.rollout_dtype in ("same", "float32")
         full_distribution = out.rollout_engine == "hf" or (out.top_p == 1.0 and out.top_k == 0)
-        corrected = out.rollout_is != "off" or out.opsm_delta is not None  # they need both log-probs
-        out.old_logp = "sampling" if same_precision and full_distribution and not corrected else "recompute"
+        out.old_logp = "sampling" if same_precision and full_distribution and not corrects_mismatch(out) else "recompute"
     if out.critic_lr is None:
         out.critic_lr = 10 * out.lr
     if out.max_new_tokens is None:

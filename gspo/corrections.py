@@ -48,6 +48,11 @@ def _check(level: str, mode: str, low: float, high: float, shapes: list) -> None
         raise ValueError(f"rollout_is_weights: old_logp, rollout_logp and mask must share one (B, T) shape, got {shapes}")
 
 
+def _response_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """(B, T) -> (B,): each response's mean over its completion tokens (0 for an empty row)."""
+    return (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+
+
 @torch.no_grad()
 def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
                        low: float = 0.5, high: float = 2.0) -> tuple[Tensor, dict[str, float]]:
@@ -65,7 +70,7 @@ def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, 
         log_w, on = d, mask > 0  # (B, T)
     else:
         length = mask.sum(-1)  # (B,)
-        log_w = d.sum(-1) if level == "sequence" else d.sum(-1) / length.clamp(min=1.0)  # (B,)
+        log_w = d.sum(-1) if level == "sequence" else _response_mean(d, mask)  # (B,)
         on = length > 0  # (B,) responses with at least one token
     raw = torch.exp(log_w.clamp(-LOG_CLAMP, LOG_CLAMP))  # (B, T) or (B,)
     if mode == "truncate":
@@ -93,9 +98,8 @@ def opsm_keep(logp: Tensor, rollout_logp: Tensor, advantages: Tensor, mask: Tens
     mean_t (rollout_logp_t - logp_t) > delta, else 1; `(B,)`. `advantages` is (B,) or (B, T)
     (then a response's sign is that of its mean advantage over its tokens)."""
     mask = mask.to(logp.dtype)
-    length = mask.sum(-1).clamp(min=1.0)  # (B,)
-    gap = ((rollout_logp - logp) * mask).sum(-1) / length  # (B,) mean log π_rollout/π_θ
-    adv = advantages if advantages.dim() == 1 else (advantages * mask).sum(-1) / length  # (B,)
+    gap = _response_mean(rollout_logp - logp, mask)  # (B,) mean log π_rollout/π_θ
+    adv = advantages if advantages.dim() == 1 else _response_mean(advantages, mask)  # (B,)
     return (~((adv < 0) & (gap > delta))).to(logp.dtype)
 
 
