@@ -3,7 +3,7 @@
     gspo train [--config run.yaml] [--resume RUN_DIR] [--algorithm grpo --steps 100 ...]
     gspo eval --model DIR|CHECKPOINT|RUN_DIR [--k 8] [--dataset ... --reward ...]
     gspo plot RUN_DIR [RUN_DIR ...] --metrics reward/mean,clip/frac --output plot.png
-    gspo compare [--configs gspo grpo grpo-rr] [--seeds 0 1] [--steps 60 ...]
+    gspo compare [--preset paper|length] [--configs gspo grpo grpo-rr] [--seeds 0 1] [--steps 60 ...]
 
 Every `gspo train` flag is a field of `gspo.config.TrainConfig` (its docstring is the help).
 Errors in flags, config files or values print one line, `gspo <command>: error: ...`, and
@@ -195,7 +195,7 @@ class EvalArgs:
     """gspo eval: greedy accuracy (and pass@k) of a model on a task's evaluation rows."""
 
     model: str
-    """A model directory, a built-in name (tiny, tiny-moe), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    """A model directory, a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
     k: int = 8
     """Samples per problem for pass@k at --temperature (0 = greedy accuracy only)."""
     eval_size: int | None = None
@@ -319,29 +319,30 @@ def cmd_compare(args: list[str]) -> int:
     import dataclasses
     import time
 
-    from gspo.compare import DEFAULT_CONFIGS, PRESETS, compare
+    from gspo.compare import COMPARE_PRESETS, compare, compare_help
 
     configs, args = _take_many(args, "--configs")
     seeds_arg, args = _take_many(args, "--seeds")
     config_file, args = _take(args, "--config")
+    preset_name, args = _take(args, "--preset")
+    responses, args = _take(args, "--variance-responses")
+    preset = COMPARE_PRESETS.get(preset_name or "paper")
+    if preset is None:
+        raise UsageError(f"--preset: unknown preset {preset_name!r}; presets: {', '.join(COMPARE_PRESETS)}")
     try:
         seeds = [int(x) for x in seeds_arg] if seeds_arg else list(COMPARE_SEEDS)
     except ValueError:
         raise UsageError(f"--seeds: expected integers, got {' '.join(seeds_arg)}") from None
+    if responses is not None and not (responses.isdigit() and int(responses) > 0):
+        raise UsageError(f"--variance-responses: expected a positive integer, got {responses!r}")
     if any(a in ("-h", "--help") for a in args):
-        print("gspo compare: train several configurations on the same model, task and seeds; write a report.\n"
-              f"  --configs NAME ...   presets: {', '.join(PRESETS)}; or name:key=value,key=value\n"
-              f"                       (default: {' '.join(DEFAULT_CONFIGS)})\n"
-              "  --seeds N ...        seeds (default: 0 1 2); results are averaged over them\n"
-              "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
-              "                       compare resumes when given the same directory\n"
-              "Every gspo train option sets the base configuration; the defaults differ in --model tiny-moe,\n"
-              "--steps 80 and --eval-every 10.\n")
-    base = load_yaml(config_file) if config_file else COMPARE_DEFAULTS
+        print(compare_help())
+    base = load_yaml(config_file) if config_file else TrainConfig(**preset.base)
     cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo compare", default=base)
     out = cfg.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    report = compare(dataclasses.replace(cfg, output_dir=None), list(configs or DEFAULT_CONFIGS), seeds=seeds,
-                     out_dir=out)
+    report = compare(dataclasses.replace(cfg, output_dir=None), list(configs or preset.configs), seeds=seeds,
+                     out_dir=out, variance_models=preset.variance_models,
+                     variance_responses=int(responses or 512))
     for name, r in report.items():
         drift = "" if r["drift_mean"] is None else f"  moe/drift {r['drift_mean']:.4f}"
         print(f"{name:>20}: accuracy {100 * r['accuracy']:.1f}%  clip/frac {r['clip_frac_mean']:.4g}{drift}"
@@ -350,7 +351,6 @@ def cmd_compare(args: list[str]) -> int:
     return 0
 
 
-COMPARE_DEFAULTS = TrainConfig(model="tiny-moe", steps=80, eval_every=10)
 COMPARE_SEEDS = (0, 1, 2)
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "compare": cmd_compare}

@@ -1,6 +1,7 @@
 """`gspo compare`: the paper's comparisons at small scale, in one command.
 
     gspo compare                                   # GSPO, GRPO, GRPO + Routing Replay on tiny-moe
+    gspo compare --preset length                   # long answers (chain task), + the ratio variance by length
     gspo compare --configs gspo grpo --seeds 0 1 --steps 40
     gspo compare --configs gspo "grpo-hot:algorithm=grpo,lr=3e-4"
     from gspo.compare import compare; compare(base_config, ["gspo", "grpo"], seeds=[0], out_dir="runs/cmp")
@@ -8,13 +9,15 @@
 Every configuration trains from the same model on the same task with the same seeds (so the
 same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). Then:
 
-- `compare.json`: configuration name -> {"accuracy", "accuracy_before", "clip_frac_mean",
+- `compare.json`: configuration name -> {"accuracy", "accuracy_before", "accuracy_best", "clip_frac_mean",
   "drift_mean", "drift_in_ratio_mean", "mismatch_mean", "diverged", "wall_seconds", "seeds": {...}}, averaged
   over seeds; drift values are null for dense models.
 - `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, and the plots.
 - `reward_accuracy.png` (Fig. 1 in miniature), `clip_fraction.png` (Fig. 2, log scale),
   `drift.png` (expert drift per update; Fig. 3's subject), `mismatch.png` (the sampler/trainer
   log-prob gap, when a configuration recomputes the old log-probs).
+- with `variance_models` (the `length` preset): `variance.md`, `variance.json`, `variance.png`,
+  the importance-ratio variance by response length of one update (gspo.variance), also in report.md.
 
 "Diverged": a non-finite loss, or a final held-out accuracy more than 10 points below the
 best held-out accuracy the run reached (an irreversible collapse).
@@ -57,6 +60,48 @@ PRESETS: dict[str, dict] = {
 }
 DEFAULT_CONFIGS = ("gspo", "grpo", "grpo-rr")
 COLLAPSE_POINTS = 0.10
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparePreset:
+    """A named comparison: its configurations, its base `gspo train` options (flags override
+    them) and the models of its no-training ratio-variance measurement (gspo.variance)."""
+
+    configs: tuple[str, ...]
+    base: dict
+    variance_models: tuple[str, ...] = ()
+    about: str = ""
+
+
+COMPARE_PRESETS = {
+    "paper": ComparePreset(DEFAULT_CONFIGS, {"model": "tiny-moe", "steps": 80, "eval_every": 10},
+                           about="GSPO, GRPO, GRPO + Routing Replay on tiny-moe, arithmetic (4-token answers)"),
+    # long answers (50-220 tokens): where token and sequence ratios part ways; docs/length.md
+    "length": ComparePreset(
+        ("gspo", "grpo", "grpo-rr", "gspo_token"),
+        {"model": "tiny-long-moe", "task": "chain", "steps": 10, "prompts_per_step": 8, "eval_every": 5,
+         "eval_size": 100, "lr": 2e-4, "samples_per_step": 2},
+        variance_models=("tiny-long-moe", "tiny-long"),
+        about="GSPO, GRPO, GRPO + RR, GSPO-token on tiny-long-moe, chain (long answers); ratio variance"),
+}
+
+
+def compare_help() -> str:
+    """`gspo compare --help`'s own part (the base options follow it)."""
+    presets = "\n".join(f"                       {name}: {p.about}" for name, p in COMPARE_PRESETS.items())
+    return ("gspo compare: train several configurations on the same model, task and seeds; write a report.\n"
+            "  --preset NAME        a named comparison (default: paper):\n"
+            f"{presets}\n"
+            f"  --configs NAME ...   presets: {', '.join(PRESETS)}; or name:key=value,key=value\n"
+            "                       (default: the preset's)\n"
+            "  --seeds N ...        seeds (default: 0 1 2); results are averaged over them\n"
+            "  --variance-responses N  responses sampled for the length preset's ratio variance (default 512)\n"
+            "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
+            "                       compare resumes when given the same directory\n"
+            "Every gspo train option sets the base configuration over the preset's: paper uses --model\n"
+            "tiny-moe --steps 80 --eval-every 10; length uses --model tiny-long-moe --task chain --steps 10\n"
+            "--prompts-per-step 8 --lr 2e-4 --eval-size 100 --eval-every 5 (stress it with --num-minibatches\n"
+            "8 or 16, a higher --lr, or a --model built with more experts).\n")
 
 
 def parse_config(spec: str) -> tuple[str, dict]:
@@ -110,6 +155,7 @@ def summarise(run_dir: Path) -> dict:
     return {
         "accuracy": final,
         "accuracy_before": summary["eval_before"]["accuracy"],
+        "accuracy_best": max(evals + [final]),  # the best held-out accuracy the run reached
         "clip_frac_mean": _mean([r.get("clip/frac") for r in rows]),
         "drift_mean": _mean([r.get("moe/drift") for r in rows]),
         "drift_in_ratio_mean": _mean([r.get("moe/drift_in_ratio") for r in rows]),
@@ -120,8 +166,11 @@ def summarise(run_dir: Path) -> dict:
     }
 
 
-def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir: str | Path, log=print) -> dict:
-    """Train every configuration for every seed; write compare.json, report.md and the plots."""
+def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir: str | Path, log=print,
+            variance_models: tuple[str, ...] = (), variance_responses: int = 512) -> dict:
+    """Train every configuration for every seed; write compare.json, report.md and the plots.
+    variance_models: also measure the ratio variance by response length for each of these
+    models under the base configuration (gspo.variance; variance.md, .json, .png)."""
     from gspo.trainer import train
 
     out = Path(out_dir)
@@ -159,6 +208,12 @@ def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir:
                for k in keys}
         report[name] = {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
+    if variance_models and not (out / "variance.json").exists():
+        from gspo.variance import ratio_variance, write_variance
+
+        log(f"[compare] ratio variance by response length: {', '.join(variance_models)}")
+        write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=variance_responses, log=log)
+                        for m in variance_models], out)
     _plots(out, names, seeds)
     _report_md(out, base, report, seeds, time.time() - t0)
     return report
@@ -211,12 +266,13 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
         f"prompts x {base.group_size} completions, {base.num_minibatches} minibatches per rollout, seeds "
         f"{', '.join(map(str, seeds))}; {seconds / 60:.1f} minutes in all.",
         "",
-        "| configuration | held-out accuracy (before -> after) | mean clip/frac | mean moe/drift | "
+        "| configuration | held-out accuracy (before -> best -> after) | mean clip/frac | mean moe/drift | "
         "mean moe/drift_in_ratio | mean mismatch/token_abs | diverged | wall time |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in report.items():
-        lines.append(f"| {name} | {_fmt(r['accuracy_before'], True)} -> {_fmt(r['accuracy'], True)} | "
+        lines.append(f"| {name} | {_fmt(r['accuracy_before'], True)} -> {_fmt(r['accuracy_best'], True)} -> "
+                     f"{_fmt(r['accuracy'], True)} | "
                      f"{_fmt(r['clip_frac_mean'])} | {_fmt(r['drift_mean'])} | {_fmt(r['drift_in_ratio_mean'])} | "
                      f"{_fmt(r.get('mismatch_mean'))} | "
                      f"{'yes' if r['diverged'] else 'no'} | {r['wall_seconds']:.0f} s |")
@@ -241,4 +297,7 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
         "only with --old-logp recompute).",
         "",
     ]
+    if (out / "variance.md").exists():  # the no-training measurement (gspo.variance)
+        table = (out / "variance.md").read_text().split("\n", 2)[2]  # without its title
+        lines += ["## Importance-ratio variance by response length", "", table, "![variance](variance.png)", ""]
     ckpt.atomic_write_text(out / "report.md", "\n".join(lines))

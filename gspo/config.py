@@ -56,9 +56,9 @@ class TrainConfig:
     algorithm: Algorithm = "gspo"
     """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), ppo (token ratios with GAE advantages from a learned value model, Eq. 1), or the successors cispo (clipped IS weights, MiniMax-M1), sapo (soft gate, Qwen) and gmpo (geometric mean, log-space clip). Sets the preset clip range."""
     model: str = "tiny"
-    """Built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE) or the path of a local Hugging Face causal LM directory."""
+    """Built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task) or the path of a local Hugging Face causal LM directory."""
     task: str = "arithmetic"
-    """Built-in task: arithmetic (sums and differences of 3-digit numbers) or addition. Ignored with --dataset."""
+    """Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, or chain (long answers: count up from a in steps of d to 1000, every step written out, 55-217 tokens; use --model tiny-long or tiny-long-moe). Ignored with --dataset."""
 
     # --- your own data and rewards -------------------------------------------------------
     dataset: str | None = None

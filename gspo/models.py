@@ -8,7 +8,8 @@
 The built-in models live in `gspo/assets/<name>/` as ordinary `save_pretrained` folders and
 are loaded with the same `from_pretrained` code as a user's model. They are produced by
 `scripts/make_tiny_model.py` (a short supervised warm-start on the arithmetic task, from a
-fixed seed), so they start partially competent: rewards vary within a group, which is what
+fixed seed; `tiny-long` and `tiny-long-moe`, for the long-answer `chain` task, by
+`scripts/make_long_model.py`), so they start partially competent: rewards vary within a group, which is what
 group-relative advantages need. Nothing is ever fetched from a hub (`local_files_only`).
 
 A directory holding a PEFT LoRA adapter (`adapter_config.json`) is loaded as its base model
@@ -25,7 +26,9 @@ from pathlib import Path
 import torch
 
 ASSETS = Path(__file__).parent / "assets"
-BUILTIN_MODELS = {"tiny": ASSETS / "tiny", "tiny-moe": ASSETS / "tiny-moe"}
+BUILTIN_MODELS = {"tiny": ASSETS / "tiny", "tiny-moe": ASSETS / "tiny-moe",
+                  # for the long-answer `chain` task (scripts/make_long_model.py)
+                  "tiny-long": ASSETS / "tiny-long", "tiny-long-moe": ASSETS / "tiny-long-moe"}
 
 # one token per character; the vocabulary covers every built-in task
 CHARS = "0123456789+-*=() "
@@ -101,7 +104,8 @@ def resolve_model_path(name_or_path: str) -> Path:
     if name_or_path in BUILTIN_MODELS:
         path = BUILTIN_MODELS[name_or_path]
         if not (path / "config.json").exists():
-            raise ModelError(f"built-in model {name_or_path!r} is missing from {path}; run scripts/make_tiny_model.py")
+            script = "make_long_model.py" if "long" in name_or_path else "make_tiny_model.py"
+            raise ModelError(f"built-in model {name_or_path!r} is missing from {path}; run scripts/{script}")
         return path
     path = Path(name_or_path).expanduser()
     if not path.is_dir():

@@ -62,7 +62,7 @@ NOT_SMOOTHED = ("eval/accuracy", "held-out accuracy")
 
 
 def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | Path, *, smooth_n: int = 1,
-                log_y: list[str] | None = None, title: str | None = None) -> Path:
+                log_y: list[str] | None = None, title: str | None = None, xlabel: str = "step") -> Path:
     """One panel per metric: {metric: {label: (steps, values)}}; written atomically as PNG."""
     try:
         import matplotlib
@@ -86,9 +86,9 @@ def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | P
         elif metric in log_y:
             ax.text(0.5, 0.5, "all values are 0: nothing to draw on a log scale", transform=ax.transAxes,
                     ha="center", va="center", fontsize=9)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and lengths are whole numbers
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].set_xlabel(xlabel)
     axes[0, 0].legend(fontsize=8)
     if title:
         fig.suptitle(title)

@@ -16,9 +16,11 @@ directly.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 from gspo.data import Example
+from gspo.tasks.base import DrawnSplits
 
 
 def problem(prompt: str, answer: str, source: str) -> Example:
@@ -26,8 +28,10 @@ def problem(prompt: str, answer: str, source: str) -> Example:
 
 
 @dataclass
-class ArithmeticTask:
+class ArithmeticTask(DrawnSplits):
     """Sums and differences of non-negative integers with 1 to `max_digits` digits."""
+
+    STREAM: ClassVar[str] = "arithmetic"  # seeds its test and training streams
 
     max_digits: int = 3
     ops: str = "+-"
@@ -36,18 +40,6 @@ class ArithmeticTask:
     name: str = "arithmetic"
     default_rewards: tuple[str, ...] = ("exact_integer",)
     default_max_new_tokens: int = 8
-    _test: list[Example] = field(default_factory=list, init=False, repr=False)
-    _test_prompts: set[str] = field(default_factory=set, init=False, repr=False)
-
-    def __post_init__(self):
-        rng = random.Random(f"arithmetic-test-{self.split_seed}")
-        seen: set[str] = set()
-        while len(self._test) < self.test_size:
-            p = self._draw(rng, f"{self.name} test problem {len(self._test) + 1}")
-            if p.prompt not in seen:
-                seen.add(p.prompt)
-                self._test.append(p)
-        self._test_prompts = seen
 
     def _draw(self, rng: random.Random, source: str) -> Example:
         a = rng.randrange(10**self.max_digits)
@@ -57,16 +49,3 @@ class ArithmeticTask:
             a, b = b, a  # results stay non-negative
         value = a + b if op == "+" else a - b
         return problem(f"{a}{op}{b}=", str(value), source)
-
-    def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
-        """The `n` training problems of `step`: a function of (seed, step) only; never a test problem."""
-        rng = random.Random(f"arithmetic-train-{self.split_seed}-{seed}-{step}")
-        out: list[Example] = []
-        while len(out) < n:
-            p = self._draw(rng, f"{self.name} step {step} problem {len(out) + 1}")
-            if p.prompt not in self._test_prompts:
-                out.append(p)
-        return out
-
-    def test_set(self, n: int | None = None) -> list[Example]:
-        return self._test[: n or len(self._test)]

@@ -1,0 +1,48 @@
+"""What the built-in tasks share: fixed splits of problems drawn from a seeded stream.
+
+A task class sets `STREAM` (the name its random streams are seeded by), has `split_seed` and
+`test_size` fields and a `_draw(rng, source) -> Example`; `DrawnSplits` gives it
+`test_set(n)` (a fixed list of `test_size` distinct problems drawn from `split_seed`, the same
+for every run) and `train_batch(step, n, seed)` (a function of (seed, step) alone, never a
+test problem), so that a resumed run sees exactly the prompts an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import ClassVar
+
+from gspo.data import Example
+
+
+class DrawnSplits:
+    STREAM: ClassVar[str]
+    split_seed: int
+    test_size: int
+    name: str
+
+    def _draw(self, rng: random.Random, source: str) -> Example:
+        raise NotImplementedError
+
+    def __post_init__(self):
+        rng = random.Random(f"{self.STREAM}-test-{self.split_seed}")
+        self._test: list[Example] = []
+        self._test_prompts: set[str] = set()
+        while len(self._test) < self.test_size:
+            p = self._draw(rng, f"{self.name} test problem {len(self._test) + 1}")
+            if p.prompt not in self._test_prompts:
+                self._test_prompts.add(p.prompt)
+                self._test.append(p)
+
+    def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
+        """The `n` training problems of `step`: a function of (seed, step) only; never a test problem."""
+        rng = random.Random(f"{self.STREAM}-train-{self.split_seed}-{seed}-{step}")
+        out: list[Example] = []
+        while len(out) < n:
+            p = self._draw(rng, f"{self.name} step {step} problem {len(out) + 1}")
+            if p.prompt not in self._test_prompts:
+                out.append(p)
+        return out
+
+    def test_set(self, n: int | None = None) -> list[Example]:
+        return self._test[: n or len(self._test)]
