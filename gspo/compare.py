@@ -76,7 +76,7 @@ class ComparePreset:
 COMPARE_PRESETS = {
     "paper": ComparePreset(DEFAULT_CONFIGS, {"model": "tiny-moe", "steps": 80, "eval_every": 10},
                            about="GSPO, GRPO, GRPO + Routing Replay on tiny-moe, arithmetic (4-token answers)"),
-    # long answers (50-220 tokens): where token and sequence ratios part ways; docs/length.md
+    # long answers (55-217 tokens): where token and sequence ratios part ways; docs/length.md
     "length": ComparePreset(
         ("gspo", "grpo", "grpo-rr", "gspo_token"),
         {"model": "tiny-long-moe", "task": "chain", "steps": 10, "prompts_per_step": 8, "eval_every": 5,
@@ -86,11 +86,18 @@ COMPARE_PRESETS = {
 }
 
 
+def _flags(options: dict) -> str:
+    """`{"model": "tiny-moe", "lr": 2e-4}` -> `--model tiny-moe --lr 0.0002` (as gspo train takes them)."""
+    return " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                    for k, v in options.items())
+
+
 def compare_help() -> str:
     """`gspo compare --help`'s own part (the base options follow it)."""
-    presets = "\n".join(f"                       {name}: {p.about}" for name, p in COMPARE_PRESETS.items())
+    presets = "\n".join(f"                       {name}: {p.about}\n                         ({_flags(p.base)})"
+                        for name, p in COMPARE_PRESETS.items())
     return ("gspo compare: train several configurations on the same model, task and seeds; write a report.\n"
-            "  --preset NAME        a named comparison (default: paper):\n"
+            "  --preset NAME        a named comparison (default: paper), with its base options:\n"
             f"{presets}\n"
             f"  --configs NAME ...   presets: {', '.join(PRESETS)}; or name:key=value,key=value\n"
             "                       (default: the preset's)\n"
@@ -98,10 +105,8 @@ def compare_help() -> str:
             "  --variance-responses N  responses sampled for the length preset's ratio variance (default 512)\n"
             "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
             "                       compare resumes when given the same directory\n"
-            "Every gspo train option sets the base configuration over the preset's: paper uses --model\n"
-            "tiny-moe --steps 80 --eval-every 10; length uses --model tiny-long-moe --task chain --steps 10\n"
-            "--prompts-per-step 8 --lr 2e-4 --eval-size 100 --eval-every 5 (stress it with --num-minibatches\n"
-            "8 or 16, a higher --lr, or a --model built with more experts).\n")
+            "Every gspo train option sets the base configuration over the preset's (stress length with\n"
+            "--num-minibatches 8 or 16, a higher --lr, or a --model built with more experts).\n")
 
 
 def parse_config(spec: str) -> tuple[str, dict]:

@@ -36,12 +36,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
 from gspo.evaluation import evaluate  # noqa: E402
 from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
 from gspo.rewards import load_rewards  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 from gspo.tasks.chain import LENGTH_BINS, TARGET, parse_prompt  # noqa: E402
+from make_tiny_model import pad_sft  # noqa: E402
 
 MAX_POSITIONS = 384
 
@@ -80,15 +82,7 @@ def sft_batch(problems, tokenizer, rng: random.Random, bug_rate: float):
         answer = buggy_steps(*parse_prompt(p.prompt), rng, bug_rate)
         seqs.append(prompt + tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id])
         starts.append(len(prompt))
-    width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
-    mask = torch.zeros_like(ids)
-    labels = torch.full_like(ids, -100)
-    for i, (s, start) in enumerate(zip(seqs, starts)):
-        ids[i, :len(s)] = torch.tensor(s)
-        mask[i, :len(s)] = 1
-        labels[i, start:len(s)] = torch.tensor(s[start:])
-    return ids, mask, labels
+    return pad_sft(seqs, starts, tokenizer)
 
 
 class _Subset:

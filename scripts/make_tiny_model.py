@@ -69,6 +69,12 @@ def sft_batch(problems, tokenizer, rng: random.Random, bug_rate: float):
         prompt = tokenizer(p.prompt)["input_ids"]
         seqs.append(prompt + tokenizer(answer)["input_ids"] + [tokenizer.eos_token_id])
         starts.append(len(prompt))
+    return pad_sft(seqs, starts, tokenizer)
+
+
+def pad_sft(seqs: list[list[int]], starts: list[int], tokenizer):
+    """Right-padded ids, attention mask and labels (-100 before each sequence's `start`: the
+    loss covers the completion and EOS only) of prompt+completion token sequences."""
     width = max(map(len, seqs))
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id)
     mask = torch.zeros_like(ids)
