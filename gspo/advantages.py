@@ -1,7 +1,8 @@
 """Advantage estimators: group-relative (GRPO, GSPO, GSPO-token) and GAE (PPO).
 
-    from gspo.advantages import group_advantages, gae
+    from gspo.advantages import group_advantages, gae, turn_advantages
     adv = group_advantages(rewards, group_size=8)            # (B,) one per response
+    adv = turn_advantages(returns_to_go, group_size=8)       # (B, K) per turn of multi-turn episodes
     adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)  # (B, T) per token
 
 Group layout: a batch of B responses holds B // G groups, each G contiguous rows sampled for
@@ -43,17 +44,38 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         )
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or inf")
-    r = rewards.view(-1, group_size).to(torch.float64)  # (B/G, G), float64 so equal rewards stay equal
-    centered = r - r.mean(-1, keepdim=True)  # (B/G, G)
-    if scale == "group":
-        adv = centered / (r.std(-1, keepdim=True) + eps) if group_size > 1 else centered
-    elif scale == "batch":
-        adv = centered / (rewards.to(torch.float64).std() + eps) if rewards.numel() > 1 else centered
-    else:
-        adv = centered
-    flat = r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True)  # (B/G, 1) no spread in the group
-    adv = torch.where(flat, torch.zeros_like(adv), adv)  # (B/G, G)
-    return adv.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32)  # (B,)
+    adv = _relative(rewards[:, None], rewards, group_size, scale, eps)[:, 0]  # (B,)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def turn_advantages(returns: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Per-turn advantages of multi-turn episodes: (B, K) in, (B, K) out, float64.
+
+    returns[i, k] = R_{i,k}, episode i's reward from its turn k on (the final reward plus the
+    environment's rewards of turns k, k+1, ...); column 0 is the whole episode's reward R_i.
+    Â_{i,k} = (R_{i,k} - mean_group(R)) / (std_group(R) + eps): the reward-to-go less the
+    group's baseline, the same for every turn (it depends on the other episodes, not on what
+    this one does in turn k, so the estimate stays unbiased), scaled as `group_advantages`.
+    With rewards only at the end, R_{i,k} = R_i and every turn gets the episode's advantage.
+    A group whose episode rewards are all equal gets 0 in every turn.
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(ADV_SCALES)}")
+    return _relative(returns, returns[:, 0], group_size, scale, eps)
+
+
+def _relative(values: Tensor, episode: Tensor, group_size: int, scale: str, eps: float) -> Tensor:
+    """(values - mean_group(episode)) / (std + eps), values (B, K), episode (B,), in float64;
+    0 throughout a group whose `episode` values are all equal."""
+    r = episode.reshape(-1, group_size).to(torch.float64)  # (B/G, G)
+    v = values.reshape(r.shape[0], group_size, -1).to(torch.float64)  # (B/G, G, K)
+    centered = v - r.mean(-1)[:, None, None]  # (B/G, G, K)
+    if scale == "group" and group_size > 1:
+        centered = centered / (r.std(-1) + eps)[:, None, None]
+    elif scale == "batch" and episode.numel() > 1:
+        centered = centered / (episode.to(torch.float64).std() + eps)
+    flat = (r.amax(-1) == r.amin(-1))[:, None, None]  # (B/G, 1, 1) no spread in the group
+    return torch.where(flat, torch.zeros_like(centered), centered).reshape(values.shape)  # (B, K)
 
 
 def at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:

@@ -14,6 +14,8 @@ In the spirit of TRL's `GRPOTrainer(model=..., reward_funcs=[...], train_dataset
   `config.answer_column`; every column reaches the rewards);
 - `reward_funcs`: callables `(completions, **columns) -> list[float | None]` (TRL's
   convention: None where a reward does not apply) and/or reward names (gspo.rewards);
+- `env`: the environment of multi-turn episodes, a class (gspo.env; one instance per episode)
+  or its `path.py:Class` name;
 - `callbacks`: each a callable `(step, metrics) -> bool | None`, or an object with such an
   `on_step_end` method; it sees every step's metrics (the row of metrics.jsonl) and stops the
   run by returning True (a checkpoint is written at that step, then the final evaluation).
@@ -37,7 +39,7 @@ from gspo.run import Inputs
 
 class Trainer:
     def __init__(self, config: TrainConfig | None = None, *, model=None, tokenizer=None, train_dataset=None,
-                 eval_dataset=None, reward_funcs=None, callbacks=()):
+                 eval_dataset=None, reward_funcs=None, env=None, callbacks=()):
         if config is not None and not isinstance(config, TrainConfig):
             raise ConfigError(f"config: expected a gspo.TrainConfig, got {type(config).__name__}")
         cfg = config or TrainConfig()
@@ -53,12 +55,14 @@ class Trainer:
             changes["reward"] = tuple(f if isinstance(f, str) else f"<{getattr(f, '__name__', 'reward')}>"
                                       for f in funcs)
             reward_funcs = funcs
+        if env is not None:
+            changes["env"] = env if isinstance(env, str) else f"<{getattr(env, '__name__', 'env')}>"
         self.config = dataclasses.replace(cfg, **changes)
         self._configured = config is not None or bool(changes)  # else a resume keeps the run's saved config
         self.inputs = Inputs(model=model if isinstance(model, torch.nn.Module) else None, tokenizer=tokenizer,
                              train_dataset=None if isinstance(train_dataset, (str, Path)) else train_dataset,
                              eval_dataset=None if isinstance(eval_dataset, (str, Path)) else eval_dataset,
-                             reward_funcs=reward_funcs)
+                             reward_funcs=reward_funcs, env=None if isinstance(env, str) else env)
         self.callbacks = [_step_end(cb) for cb in callbacks]
 
     def train(self, resume: str | Path | None = None, log=print) -> dict:

@@ -195,7 +195,7 @@ class EvalArgs:
     """gspo eval: greedy accuracy (and pass@k) of a model on a task's evaluation rows."""
 
     model: str
-    """A model directory, a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    """A model directory, a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
     k: int = 8
     """Samples per problem for pass@k at --temperature (0 = greedy accuracy only)."""
     eval_size: int | None = None
@@ -220,6 +220,10 @@ class EvalArgs:
     """Sampling temperature of the pass@k samples (default: the run's, else 1.0)."""
     stop_token: tuple[str, ...] | None = None
     """More tokens that end a completion."""
+    env: str | None = None
+    """Environment of multi-turn episodes, path.py:Class (default: the run's, else the task's)."""
+    max_turns: int | None = None
+    """Model turns per episode at most (default: the run's, else the task's)."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Dtype to load the model in (default: float32)."""
     device: str | None = None
@@ -254,6 +258,7 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
 def cmd_eval(args: list[str]) -> int:
     """Evaluate a model, checkpoint or run on its task's evaluation rows with its rewards."""
     from gspo.config import resolve
+    from gspo.env import episode_env
     from gspo.evaluation import evaluate
     from gspo.models import DTYPES, load_policy, resolve_device
     from gspo.rollout import stop_token_ids
@@ -266,10 +271,12 @@ def cmd_eval(args: list[str]) -> int:
     cfg = resolve(cfg)
     task, rewards = task_and_rewards(cfg)
     model, tok = load_policy(model_path, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
+    env, max_turns = episode_env(cfg.env, task, cfg.max_turns, tok)
     res = evaluate(model, tok, task, rewards, n=cfg.eval_size, k=a.k, temperature=cfg.temperature,
                    max_new_tokens=cfg.max_new_tokens, seed=a.seed, progress=cfg.progress,
                    stop=stop_token_ids(tok, model, cfg.stop_token), max_prompt_length=cfg.max_prompt_length,
-                   stop_strings=cfg.stop_string)
+                   stop_strings=cfg.stop_string, env=env, max_turns=max_turns,
+                   max_episode_tokens=cfg.max_episode_tokens)
     print(json.dumps({"model": model_path, "task": cfg.dataset or cfg.task, "max_new_tokens": cfg.max_new_tokens, **res}))
     return 0
 

@@ -267,7 +267,7 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
     lines = [
         "# gspo compare",
         "",
-        f"Model `{base.model}`, task `{base.dataset or base.task}`, {base.steps} steps of {base.prompts_per_step} "
+        f"Model `{base.model or 'the task default'}`, task `{base.dataset or base.task}`, {base.steps} steps of {base.prompts_per_step} "
         f"prompts x {base.group_size} completions, {base.num_minibatches} minibatches per rollout, seeds "
         f"{', '.join(map(str, seeds))}; {seconds / 60:.1f} minutes in all.",
         "",

@@ -55,10 +55,10 @@ class TrainConfig:
     # --- what to train -------------------------------------------------------------------
     algorithm: Algorithm = "gspo"
     """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), ppo (token ratios with GAE advantages from a learned value model, Eq. 1), or the successors cispo (clipped IS weights, MiniMax-M1), sapo (soft gate, Qwen) and gmpo (geometric mean, log-space clip). Sets the preset clip range."""
-    model: str = "tiny"
-    """Built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task) or the path of a local Hugging Face causal LM directory."""
+    model: str | None = None
+    """Default: the task's model (tiny-tool for calculator), else tiny. Built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task; tiny-tool, a chat model that calls tools, for the calculator task) or the path of a local Hugging Face causal LM directory."""
     task: str = "arithmetic"
-    """Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, or chain (long answers: count up from a in steps of d to 1000, every step written out, 55-217 tokens; use --model tiny-long or tiny-long-moe). Ignored with --dataset."""
+    """Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, chain (long answers: count up from a in steps of d to 1000, every step written out, 55-217 tokens; use --model tiny-long or tiny-long-moe), or calculator (multi-turn: two-digit products with a calculator tool; its model, tiny-tool, is the default). Ignored with --dataset."""
 
     # --- your own data and rewards -------------------------------------------------------
     dataset: str | None = None
@@ -83,8 +83,8 @@ class TrainConfig:
     """Regular expression the whole completion must match for the `format` reward."""
 
     # --- rollout --------------------------------------------------------------------------
-    steps: int = 60
-    """Training steps; each step is one rollout batch and all the updates it feeds."""
+    steps: int | None = None
+    """Training steps; each step is one rollout batch and all the updates it feeds (None: the task's default, 60; 20 for calculator)."""
     prompts_per_step: int = 32
     """Distinct prompts sampled per step."""
     group_size: int = 8
@@ -103,6 +103,16 @@ class TrainConfig:
     """Strings that end a completion (e.g. "</answer>"): it is cut after the token that completes the first one (the sampler may run past it; those tokens are dropped)."""
     stop_token: tuple[str, ...] = ()
     """More tokens that end a completion (e.g. <|im_end|>); the tokenizer's EOS and the model's generation_config.eos_token_id always do."""
+
+    # --- multi-turn episodes ---------------------------------------------------------------
+    env: str | None = None
+    """Environment for multi-turn episodes (docs/multiturn.md): path/to/file.py:ClassName or package.module:ClassName. Default: the task's own (calculator: its calculator tool), else single-turn."""
+    max_turns: int | None = None
+    """Model turns per episode at most (None: the task's default, 3 for calculator; 1 without an environment)."""
+    max_episode_tokens: int = 0
+    """Token budget of an episode after the prompt, model and environment tokens together (0 = what the model's positions leave after the longest prompt); an episode that reaches it ends, flagged truncated."""
+    turn_advantages: bool = False
+    """Per-turn advantages: each model turn's tokens get the group-normalised reward from that turn on (the environment's turn rewards from there plus the final reward), for token-level losses (gspo_token, grpo, cispo, sapo); off: one advantage per episode."""
 
     # --- policy update -------------------------------------------------------------------
     num_minibatches: int = 4
@@ -252,8 +262,9 @@ AT_LEAST = {  # simple lower bounds: field -> smallest valid value
     "weight_decay": 0, "max_grad_norm": 0, "warmup_steps": 0, "eval_every": 0, "save_every": 0,
     "keep_checkpoints": 1, "samples_per_step": 0, "threads": 0, "micro_batch_tokens": 0, "top_k": 0,
     "vllm_max_model_len": 0,
-    "max_prompt_length": 0, "eval_size": 0,
+    "max_prompt_length": 0, "eval_size": 0, "max_episode_tokens": 0,
 }
+TURN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "cispo", "sapo")  # token-level: take (B, T) advantages
 
 
 def validate(cfg: TrainConfig) -> None:
@@ -269,7 +280,7 @@ def validate(cfg: TrainConfig) -> None:
         _need(cfg, ok, name, msg)
 
     for name, low in AT_LEAST.items():
-        need(getattr(cfg, name) >= low, name, f"must be >= {low}")
+        need(getattr(cfg, name) is None or getattr(cfg, name) >= low, name, f"must be >= {low}")
     need(cfg.algorithm in PRESETS, "algorithm", f"must be one of {', '.join(PRESETS)}")
     need(cfg.dataset is not None or cfg.task in TASKS, "task", f"must be one of {', '.join(TASKS)} (or give --dataset)")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward), "reward_weights",
@@ -345,6 +356,10 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     need(not (corrects_mismatch(cfg) and cfg.old_logp == "sampling"), "old_logp",
          "sampling cannot be combined with --rollout-is or --opsm-delta: the corrections compare the sampler's "
          "log-probs with the trainer's recomputed ones (use --old-logp recompute or auto)")
+    need(cfg.max_turns is None or cfg.max_turns >= 1, "max_turns", "must be >= 1")
+    need(not cfg.turn_advantages or cfg.algorithm in TURN_ADVANTAGE_LOSSES, "turn_advantages",
+         f"needs a token-level loss ({', '.join(TURN_ADVANTAGE_LOSSES)}), not --algorithm {cfg.algorithm}: "
+         f"a sequence ratio takes one advantage per episode")
     need(0 < cfg.vllm_gpu_memory_utilization < 1, "vllm_gpu_memory_utilization", "must be in (0, 1)")
     need(cfg.vllm_kv_cache_gib > 0, "vllm_kv_cache_gib", "must be > 0")
 
@@ -370,6 +385,12 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
         same_precision = out.dtype == "float32" and out.rollout_dtype in ("same", "float32")
         full_distribution = out.rollout_engine == "hf" or (out.top_p == 1.0 and out.top_k == 0)
         out.old_logp = "sampling" if same_precision and full_distribution and not corrects_mismatch(out) else "recompute"
+    if out.model is None or out.steps is None:  # the task's own (calculator: a chat model that calls tools)
+        from gspo.tasks import TASKS, get_task
+
+        task = get_task(out.task) if out.dataset is None and out.task in TASKS else None
+        out.model = out.model or getattr(task, "default_model", "tiny")
+        out.steps = getattr(task, "default_steps", 60) if out.steps is None else out.steps
     if out.critic_lr is None:
         out.critic_lr = 10 * out.lr
     if out.max_new_tokens is None:

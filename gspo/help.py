@@ -31,6 +31,7 @@ HELP_GROUPS: dict[str, tuple[str, ...]] = {
     "sampling": ("steps", "prompts_per_step", "group_size", "max_new_tokens", "min_new_tokens", "temperature",
                  "top_p", "top_k", "stop_token", "stop_string", "rollout_engine", "rollout_dtype",
                  "vllm_gpu_memory_utilization", "vllm_kv_cache_gib", "vllm_max_model_len", "vllm_sleep"),
+    "multi-turn episodes": ("env", "max_turns", "max_episode_tokens", "turn_advantages"),
     "optimisation": ("lr", "weight_decay", "adam_betas", "max_grad_norm", "lr_schedule", "warmup_steps",
                      "micro_batch_tokens", "packing"),
     "Mixture-of-Experts": ("routing_replay", "router_aux_loss_coef"),

@@ -197,7 +197,8 @@ def trim(mb: Rollout) -> tuple[Rollout, slice, slice]:
     ps, ts = slice(P - keep_p, P), slice(0, keep_t)
     routing = None if mb.routing is None else torch.cat([mb.routing[:, ps], mb.routing[:, P:][:, ts]], 1)
     out = Rollout(mb.prompt_ids[:, ps], mb.prompt_mask[:, ps], mb.completion_ids[:, ts], mb.completion_mask[:, ts],
-                  mb.logp[:, ts], mb.lengths, mb.truncated, mb.group_size, routing)
+                  mb.logp[:, ts], mb.lengths, mb.truncated, mb.group_size, routing,
+                  None if mb.env_mask is None else mb.env_mask[:, ts])
     return out, ps, ts
 
 

@@ -179,6 +179,8 @@ def step_row(run, step: int, batch, history: list[dict]) -> dict:
         **{k: float(v) for k, v in (batch.is_metrics or {}).items()},
         "lr": run.optimizer.param_groups[0]["lr"],
     }
+    if batch.episodes is not None:
+        metrics.update(episode_metrics(batch, run.max_turns, dist))
     if run.value_model is not None:
         on = ro.completion_mask > 0
         v, r = dist.gather(batch.old_values[on]), dist.gather(batch.returns[on])  # completion tokens of all processes
@@ -187,3 +189,26 @@ def step_row(run, step: int, batch, history: list[dict]) -> dict:
 
         metrics["value/explained_variance"] = explained_variance(v, r, torch.ones_like(v))
     return metrics
+
+
+def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
+    """Multi-turn episodes over the global batch: turns, tool calls and the share that failed,
+    model and environment tokens per episode, and the environment's mean reward at each turn
+    (over the episodes that reached it)."""
+    ep, ro = batch.episodes, batch.rollout
+    rows = torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ro.completion_mask.sum(1).cpu(),
+                        ro.env_mask.sum(1).cpu()], 1).double()  # (B, 5)
+    turns, calls, errors, model_tokens, env_tokens = dist.gather(rows).unbind(1)  # (B_all,) each
+    by_turn = torch.full((len(ep.turn_rewards), max_turns), float("nan"), dtype=torch.float64)  # (B, K)
+    for b, rewards in enumerate(ep.turn_rewards):
+        by_turn[b, :len(rewards)] = torch.tensor(rewards, dtype=torch.float64)
+    by_turn = dist.gather(by_turn)  # (B_all, K)
+    return {
+        "episode/turns": float(turns.mean()),
+        "episode/tool_calls": float(calls.mean()),
+        "episode/tool_error_rate": float(errors.sum() / calls.sum()) if calls.sum() > 0 else 0.0,
+        "episode/model_tokens": float(model_tokens.mean()),
+        "episode/env_tokens": float(env_tokens.mean()),
+        **{f"episode/turn_{k + 1}_reward": float(by_turn[:, k].nanmean()) for k in range(max_turns)
+           if not by_turn[:, k].isnan().all()},
+    }

@@ -28,12 +28,36 @@ import torch
 ASSETS = Path(__file__).parent / "assets"
 BUILTIN_MODELS = {"tiny": ASSETS / "tiny", "tiny-moe": ASSETS / "tiny-moe",
                   # for the long-answer `chain` task (scripts/make_long_model.py)
-                  "tiny-long": ASSETS / "tiny-long", "tiny-long-moe": ASSETS / "tiny-long-moe"}
+                  "tiny-long": ASSETS / "tiny-long", "tiny-long-moe": ASSETS / "tiny-long-moe",
+                  # a chat model that calls tools, for the multi-turn `calculator` task (scripts/make_tool_model.py)
+                  "tiny-tool": ASSETS / "tiny-tool"}
 
 # one token per character; the vocabulary covers every built-in task
 CHARS = "0123456789+-*=() "
 SPECIAL = ("<pad>", "<eos>", "<unk>")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# the chat model's tokenizer (`build_chat_tokenizer`): characters, plus the chat markers of
+# Qwen2.5-style templates (the turn markers are special tokens, the tool-call ones are not: a
+# tool call must survive decoding with special tokens skipped, as in Qwen's own tokenizer)
+CHAT_CHARS = CHARS + "/abcdefghijklmnopqrstuvwxyz{}\":,_.\n"
+CHAT_SPECIAL = ("<pad>", "<|im_end|>", "<unk>", "<|im_start|>")
+CHAT_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+# Hermes-style tool calls (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
+# tools are listed in a system turn by name and parameters (the tiny model has no room for schemas)
+CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}("
+    "{{ t.function.parameters.properties | list | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
+    "{% for call in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
+    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif m.role == 'tool' %}<|im_start|>tool\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 class ModelError(ValueError):
@@ -52,6 +76,26 @@ def build_char_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def build_chat_tokenizer():
+    """The chat model's tokenizer (`tiny-tool`): one token per character of CHAT_CHARS, the chat
+    markers as single tokens, `<|im_end|>` as EOS, and CHAT_TEMPLATE as its chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIAL + CHAT_MARKERS)}
+    for c in CHAT_CHARS:
+        vocab[c] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in CHAT_SPECIAL])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in CHAT_MARKERS])
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>",
+                                  additional_special_tokens=["<|im_start|>"])
+    out.chat_template = CHAT_TEMPLATE
+    return out
 
 
 # the trunk both built-in models share (the MoE model replaces each MLP with experts)
@@ -104,7 +148,8 @@ def resolve_model_path(name_or_path: str) -> Path:
     if name_or_path in BUILTIN_MODELS:
         path = BUILTIN_MODELS[name_or_path]
         if not (path / "config.json").exists():
-            script = "make_long_model.py" if "long" in name_or_path else "make_tiny_model.py"
+            script = "make_long_model.py" if "long" in name_or_path else \
+                "make_tool_model.py" if "tool" in name_or_path else "make_tiny_model.py"
             raise ModelError(f"built-in model {name_or_path!r} is missing from {path}; run scripts/{script}")
         return path
     path = Path(name_or_path).expanduser()

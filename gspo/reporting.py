@@ -8,7 +8,8 @@ TensorBoard event files go to `run_dir/tensorboard/` (`tensorboard --logdir runs
 logs to project `wandb_project` under the run directory's name; offline mode
 (`WANDB_MODE=offline`) needs no network and no account. On resume, TensorBoard purges the
 steps after the checkpoint and W&B continues the same run id (stored in `run_dir/wandb_id`),
-so neither shows a step twice.
+so neither shows a step twice. Also here: samples.jsonl's rows (`samples_rows`) and the
+progress of a run on the terminal (`Progress`).
 """
 
 from __future__ import annotations
@@ -92,5 +93,35 @@ def samples_rows(step: int, batch, n: int, tokenizer=None) -> list[dict]:
         rows.append({"step": step, "prompt": seen,  # what the model saw: after the chat template, truncation
                      **({"messages": ex.prompt} if ex.is_chat else {}), "completion": batch.completions[i],
                      "answer": ex.answer, "reward": float(batch.rewards[i]),
-                     "advantage": float(batch.advantages[i].flatten()[0])})
+                     "advantage": float(batch.advantages[i].flatten()[0]),
+                     **({"episode": batch.episodes.transcripts[i], "turns": int(batch.episodes.turns[i]),
+                         "turn_rewards": batch.episodes.turn_rewards[i]} if batch.episodes is not None else {})})
     return rows
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise a plain log line every ~10% of the run."""
+
+    def __init__(self, cfg, start: int, log):
+        self.enabled, self.total, self.log = cfg.progress, cfg.steps, log
+        self.bar = None
+        self.every = max(1, cfg.steps // 10)
+        if self.enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=start, desc=f"gspo train ({cfg.algorithm})", unit="step",
+                            dynamic_ncols=True)
+
+    def update(self, m: dict) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", clip=f"{m['clip/frac']:.2g}")
+            self.bar.update(1)
+        elif m["step"] % self.every == 0 or m["step"] == self.total:
+            self.log(f"step {m['step']}/{self.total}  reward {m['reward/mean']:.3f}  clip/frac {m['clip/frac']:.3g}"
+                     f"  {m['time/step_seconds']:.2f}s/step")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -55,6 +55,10 @@ class Rollout:
     truncated: Tensor  # (B,) bool: stopped by max_new_tokens before an EOS
     group_size: int
     routing: Tensor | None = None  # (B, P+T, L, k) int8/int16 MoE experts used while sampling; -1 = not fed
+    # multi-turn episodes (gspo.episodes): 1.0 on the environment's tokens between the model's
+    # turns, which the model reads (attention) but is never trained on (completion_mask is 0
+    # there, logp 0); `lengths` then counts model and environment tokens
+    env_mask: Tensor | None = None  # (B, T)
 
     @property
     def input_ids(self) -> Tensor:
@@ -62,7 +66,8 @@ class Rollout:
 
     @property
     def attention_mask(self) -> Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask.to(self.prompt_mask.dtype)], 1)  # (B, P+T)
+        seen = self.completion_mask if self.env_mask is None else self.completion_mask + self.env_mask  # (B, T)
+        return torch.cat([self.prompt_mask, seen.to(self.prompt_mask.dtype)], 1)  # (B, P+T)
 
     def map(self, fn) -> "Rollout":
         """The same rollout with `fn` applied to every tensor field."""
@@ -145,13 +150,15 @@ class PolicySampler:
             return generate(self.model, prompts, params, generator=generator, routing=self.routing, rows=rows)
 
 
-def encode_prompts(tokenizer, prompts: list, max_length: int = 0) -> list[list[int]]:
-    """Token ids of prompts: plain text as is, chat messages through the chat template; with
-    `max_length`, a longer prompt keeps its last max_length tokens (TRL truncates so too)."""
+def encode_prompts(tokenizer, prompts: list, max_length: int = 0, tools: list | None = None) -> list[list[int]]:
+    """Token ids of prompts: plain text as is, chat messages through the chat template (with
+    the environment's `tools` schemas, if any); with `max_length`, a longer prompt keeps its
+    last max_length tokens (TRL truncates so too)."""
     out = []
+    kw = {"tools": tools} if tools else {}
     for prompt in prompts:
         if isinstance(prompt, list):
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kw)
             out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
         else:
             out.append(tokenizer(prompt)["input_ids"])
@@ -266,6 +273,8 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     rows: (offset, total): these rows are rows offset... of a batch of `total` rows split
     across processes; every process draws all `total` uniforms each step and uses its own,
     so a row's tokens do not depend on how the batch is split (nor on the device).
+    (indices, total): these rows are rows `indices` (a (B,) long tensor) of the `total` (the
+    episodes still running in a multi-turn rollout, gspo.episodes).
     params.min_new_tokens: no stop token can be drawn before this many tokens (min = max gives
     every completion the same length, as benchmarks need).
     routing: a gspo.moe.Routing on `model`: record the experts every token used while
@@ -319,10 +328,11 @@ def _generate(model, prompts: list[list[int]], params: SamplingParams, generator
     lengths = torch.zeros(B, dtype=torch.long, device=device)  # (B,)
     attn = torch.cat([prompt_mask, torch.ones((B, max_new_tokens), dtype=prompt_mask.dtype, device=device)], 1)
     offset, total = rows or (0, B)
+    mine = slice(offset, offset + B) if isinstance(offset, int) else offset  # this call's rows of the `total`
     n_steps = 0
     for t in range(max_new_tokens):
         banned = params.stop_token_ids if t < params.min_new_tokens else None
-        u = None if params.temperature == 0 else torch.rand(total, generator=generator)[offset:offset + B]  # (B,) CPU
+        u = None if params.temperature == 0 else torch.rand(total, generator=generator)[mine]  # (B,) CPU
         tok, lp = sample_token(logits, params.temperature, params.top_p, generator, banned=banned, uniforms=u,
                                top_k=params.top_k)  # (B,), (B,)
         tok = tok.masked_fill(done, pad_token_id)

@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from gspo.configfile import load_yaml
 from gspo.data import DataError
 from gspo.distributed import Dist
 from gspo.lifecycle import absolute_paths, check_no_writer, resume_config
+from gspo.env import episode_env, tool_schemas
 from gspo.logprobs import TokenLogprobs, supports_packing
 from gspo.models import (DTYPES, add_lora, disable_dropout, load_policy, load_tokenizer, low_precision_copy,
                          prepare_tokenizer, unwrap)
@@ -71,6 +71,8 @@ class Run:
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
     restart: bool = False  # resumed, but killed before its first checkpoint: start over from step 0
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
+    env: type | None = None  # multi-turn: the environment class (gspo.env), one instance per episode
+    max_turns: int = 1  # model turns per episode at most
     # where the run stands; saved in every checkpoint
     start_step: int = 0
     steps_done: int = 0
@@ -111,6 +113,7 @@ class Inputs:
     train_dataset: object = None  # a list of dicts or a datasets.Dataset
     eval_dataset: object = None
     reward_funcs: list | None = None  # callables (completions, **columns) -> list[float], and/or reward names
+    env: type | None = None  # the environment class of multi-turn episodes (gspo.env)
 
     @property
     def model_object(self):
@@ -155,8 +158,10 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     reference = _reference(cfg, inputs, dist.device)  # the initial policy, before any weight is loaded or trained
     policy, tokenizer = _load_policy(cfg, resume_from, dist.device, inputs)
     if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
-        raise DataError(f"{cfg.dataset}: prompts are chat messages but the tokenizer of {cfg.model} has no chat template")
-    cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length)
+        raise DataError(f"{cfg.dataset or 'task ' + cfg.task}: prompts are chat messages but the tokenizer of "
+                        f"{cfg.model} has no chat template")
+    env, max_turns = episode_env(inputs.env or cfg.env, task, cfg.max_turns, tokenizer)
+    cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
     rewards = _rewards(cfg, task, inputs)
     notes = list(getattr(task, "notes", [])) + notes
     disable_dropout(policy)  # training forwards compute the log-probs the no-grad passes do
@@ -178,7 +183,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     scaler = torch.amp.GradScaler(dist.device.type) if cfg.dtype == "float16" and mixed is not None else None
     packed = cfg.packing and routing is None and supports_packing(policy)
     return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
-               reference, vm, routing, resume_from, stop_ids, scaler, packed, restart, notes)
+               reference, vm, routing, resume_from, stop_ids, scaler, packed, restart, notes, env, max_turns)
 
 
 def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainConfig, Path | None]:
@@ -215,15 +220,18 @@ def _rewards(cfg: TrainConfig, task, inputs: Inputs) -> list[Reward]:
                         max_new_tokens=cfg.max_new_tokens)
 
 
-def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool,
+def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool, env=None,
                  sample: int = 256) -> tuple[TrainConfig, list[str]]:
     """Prompt + completion must fit the model's positions: a given --max-new-tokens that does
     not is a one-line error, the task's default is capped to fit (said in a warning); prompts
-    longer than --max-prompt-length are cut (a warning says how many). Checked on the first
-    `sample` training and evaluation prompts. Returns the config and the warnings."""
+    longer than --max-prompt-length are cut (a warning says how many). Multi-turn (`env`): the
+    episode's token budget is what the positions leave after the longest prompt (a larger
+    --max-episode-tokens is an error). Checked on the first `sample` training and evaluation
+    prompts. Returns the config and the warnings."""
     notes = []
     examples = task.train_batch(1, min(sample, cfg.prompts_per_step * 8), cfg.seed) + task.test_set()[:sample]
-    lengths = [len(ids) for ids in encode_prompts(tokenizer, [ex.prompt for ex in examples])]
+    tools = tool_schemas(list(getattr(env, "tools", None) or []))
+    lengths = [len(ids) for ids in encode_prompts(tokenizer, [ex.prompt for ex in examples], tools=tools)]
     longest = max(lengths)
     if cfg.max_prompt_length and longest > cfg.max_prompt_length:
         cut = sum(n > cfg.max_prompt_length for n in lengths)
@@ -239,6 +247,11 @@ def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: b
         notes.append(f"max_new_tokens: the task's default {cfg.max_new_tokens} capped to {limit - longest}, so that "
                      f"prompts of up to {longest} tokens fit the model's {limit} positions")
         cfg = dataclasses.replace(cfg, max_new_tokens=limit - longest)
+    if env is not None and limit:
+        if longest + cfg.max_episode_tokens > limit:
+            raise ConfigError(f"max_episode_tokens: prompts of up to {longest} tokens + {cfg.max_episode_tokens} "
+                              f"exceed the model's max_position_embeddings ({limit})")
+        cfg = dataclasses.replace(cfg, max_episode_tokens=cfg.max_episode_tokens or limit - longest)
     return cfg, notes
 
 
@@ -369,31 +382,3 @@ def lr_factor(cfg: TrainConfig):
         return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
 
     return f
-
-
-class Progress:
-    """A tqdm bar on a terminal; otherwise a plain log line every ~10% of the run."""
-
-    def __init__(self, cfg: TrainConfig, start: int, log):
-        self.enabled, self.total, self.log = cfg.progress, cfg.steps, log
-        self.bar = None
-        self.every = max(1, cfg.steps // 10)
-        if self.enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.steps, initial=start, desc=f"gspo train ({cfg.algorithm})", unit="step",
-                            dynamic_ncols=True)
-
-    def update(self, m: dict) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", clip=f"{m['clip/frac']:.2g}")
-            self.bar.update(1)
-        elif m["step"] % self.every == 0 or m["step"] == self.total:
-            self.log(f"step {m['step']}/{self.total}  reward {m['reward/mean']:.3f}  clip/frac {m['clip/frac']:.3g}"
-                     f"  {m['time/step_seconds']:.2f}s/step")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -7,14 +7,16 @@
 written) → start it, or restore it from its checkpoint → `train_step` for each step →
 evaluate again → summary. `train_step(run, step)` can be called alone: sample a group per
 prompt (`rollout`), score it (`score`), get the old policy's log-probs and the advantages
-(`prepare`), then `update` over `num_minibatches` minibatches for `epochs` passes. An update
+(`prepare`, gspo.batch), then `update` over `num_minibatches` minibatches for `epochs` passes. An update
 `accumulate`s a `minibatch_loss` per micro-batch (within --micro-batch-tokens) and takes one
 `optimizer_step`. All but the first minibatch of the first epoch are off-policy: that is
 where the ratios move and clipping acts.
 
 PPO differs in two places only: GAE advantages over a learned value model
 (gspo.value.ppo_advantages), and each update also trains the value model. MoE models add
-drift metrics and Routing Replay (gspo.moe). Under torchrun every process runs this loop on
+drift metrics and Routing Replay (gspo.moe). With an environment (--env, or the task's own) a
+rollout is a group of multi-turn episodes (gspo.episodes): the same batch, whose environment
+tokens are context only. Under torchrun every process runs this loop on
 its share of the prompts; the global-batch bookkeeping shows up only as `dist` calls, the
 identity in one process (gspo.distributed, gspo.parallel, gspo.metrics).
 """
@@ -32,20 +34,20 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import parallel
-from gspo.advantages import group_advantages
-from gspo.batch import Batch
+from gspo.batch import Batch, prepare
 from gspo.config import to_dict
 from gspo.evaluation import evaluate
-from gspo.losses import agg_count, policy_loss, rollout_is_weights
-from gspo.logprobs import micro_batches, token_logprobs, trim
+from gspo.losses import agg_count, policy_loss
+from gspo.logprobs import micro_batches, trim
 from gspo.metrics import Mean, combine, reduce_across, step_row
 from gspo.moe import moe_terms
-from gspo.reporting import Reporter, samples_rows, warn
+from gspo.reporting import Progress, Reporter, samples_rows, warn
 from gspo.rewards import Reward, score_completions
+from gspo.episodes import Episodes, run_episodes
 from gspo.rollout import Rollout, cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.lifecycle import Guard, Interrupted
-from gspo.run import AlreadyComplete, Progress, Run, build_run
-from gspo.value import ppo_advantages, value_loss
+from gspo.run import AlreadyComplete, Run, build_run
+from gspo.value import value_loss
 
 Tensor = torch.Tensor
 
@@ -145,7 +147,8 @@ def run_eval(run: Run) -> dict:
     with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
         return evaluate(run.policy, run.tokenizer, run.task, run.rewards, n=cfg.eval_size, stop=run.stop_ids,
                         max_prompt_length=cfg.max_prompt_length, stop_strings=cfg.stop_string,
-                        max_new_tokens=cfg.max_new_tokens, progress=cfg.progress and run.dist.is_main, dist=run.dist)
+                        max_new_tokens=cfg.max_new_tokens, progress=cfg.progress and run.dist.is_main, dist=run.dist,
+                        env=run.env, max_turns=run.max_turns, max_episode_tokens=cfg.max_episode_tokens)
 
 
 def finish(run: Run, reporter: Reporter | None) -> dict:
@@ -195,10 +198,11 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     t0 = time.perf_counter()
     n = cfg.prompts_per_step // dist.world
     examples = run.task.train_batch(step, cfg.prompts_per_step, cfg.seed)[dist.rank * n:(dist.rank + 1) * n]
-    ro, completions, completion_ids = rollout(run, examples, step)
+    ro, completions, completion_ids, episodes = rollout(run, examples, step)
     t_rollout = time.perf_counter() - t0
-    rewards, parts = score(run.rewards, examples, completions, completion_ids, cfg.group_size)  # (B,)
-    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=completions)
+    rewards, parts = score(run.rewards, examples, completions, completion_ids, cfg.group_size, episodes)  # (B,)
+    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=completions,
+                    episodes=episodes)
     t1 = time.perf_counter()
     history = update(run, batch, step_generator(cfg.seed, step, "minibatches"))
     t_update = time.perf_counter() - t1
@@ -218,72 +222,42 @@ def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], list[list[int]]]:
+def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
     """Sample cfg.group_size completions per example with the run's sampler, from the current
-    policy's weights; returns the rollout, texts and token ids. Several processes: these are
-    rows (offset, total) of the global batch (see gspo.rollout.generate)."""
+    policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
+    an environment) the episodes (gspo.episodes: the texts are then each episode's final model
+    turn). Several processes: these are rows (offset, total) of the global batch (see
+    gspo.rollout.generate)."""
     cfg, dist, G = run.cfg, run.dist, run.cfg.group_size
     params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.max_new_tokens,
                              temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                              min_new_tokens=cfg.min_new_tokens)
     run.sampler.sync(run.policy)
+    rows = (dist.rank * len(examples) * G, cfg.prompts_per_step * G)
+    if run.env is not None:
+        ro, ep = run_episodes(run.sampler, run.tokenizer, examples, run.env, params, max_turns=run.max_turns,
+                              max_tokens=cfg.max_episode_tokens, rows=rows, stop_strings=cfg.stop_string,
+                              max_prompt_length=cfg.max_prompt_length, dist=dist,
+                              generator_for=lambda turn: step_generator(cfg.seed, step, f"sample-turn-{turn}"
+                                                                        if turn else "sample"))
+        return ro, ep.final_texts, ep.final_ids, ep
     prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.max_prompt_length)
-    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.seed, step, "sample"),
-                            rows=(dist.rank * len(examples) * G, cfg.prompts_per_step * G))
+    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.seed, step, "sample"), rows=rows)
     ro = cut_at_stop_strings(ro, run.tokenizer, cfg.stop_string)
     texts, ids = decode_completions(run.tokenizer, ro)
-    return ro, texts, ids
+    return ro, texts, ids, None
 
 
-def score(rewards: list[Reward], examples, completions: list[str], completion_ids, group_size: int):
-    """Weighted reward of each completion (B,) and each reward's values; row b is example b // G."""
+def score(rewards: list[Reward], examples, completions: list[str], completion_ids, group_size: int,
+          episodes: Episodes | None = None):
+    """Weighted reward of each completion (B,) and each reward's values; row b is example b // G.
+    Episodes: plus the environment's rewards over the episode (its own part, `env`)."""
     total, parts = score_completions(rewards, examples, completions, completion_ids, group_size)
-    return torch.tensor(total, dtype=torch.float32), parts
-
-
-def prepare(run: Run, ro: Rollout, *, rewards: Tensor, parts: dict, examples: list, completions: list[str]) -> Batch:
-    """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
-    reference's, and the advantages: group-relative over the global batch, or GAE (PPO).
-    The no-grad passes run in micro-batches of the token budget, under mixed precision when
-    on, with FSDP's parameters gathered (each process runs its own number of passes)."""
-    cfg, dist, vm = run.cfg, run.dist, run.value_model
-    all_rewards = dist.gather(rewards)  # (B_all,)
-    if cfg.mask_truncated_completions:  # cut by max_new_tokens: out of the loss, still in the group's statistics
-        ro.completion_mask = ro.completion_mask * (~ro.truncated)[:, None]
-    passes = dict(temperature=cfg.temperature, budget=cfg.micro_batch_tokens, packed=run.packed,
-                  rows=max(1, ro.prompt_ids.shape[0] // cfg.num_minibatches))
-    if cfg.old_logp == "sampling":
-        old_logp, old_routing = ro.logp, ro.routing  # (B, T) recorded while sampling
-    else:
-        with run.autocast(), parallel.gathered(run.train_model, dist):
-            old_logp, old_routing = token_logprobs(run.policy, ro, routing=run.routing, **passes)  # (B, T)
-    ref_logp = None
-    if cfg.beta > 0 or cfg.reward_kl_coef > 0:
-        # a frozen copy, or (LoRA) the base model with the adapters switched off
-        model, ctx = (run.reference, parallel.gathered(run.reference, dist)) if run.reference is not None \
-            else (run.policy, run.policy.disable_adapter())
-        with run.autocast(), ctx:
-            ref_logp, _ = token_logprobs(model, ro, **passes)  # (B, T)
-    old_values = returns = None
-    if vm is not None:  # PPO: GAE over the critic's values
-        with run.autocast(), parallel.gathered(vm.critic_train or run.train_model, dist):
-            old_values = vm.values(run.policy, ro, **passes)  # (B, T)
-        kl = old_logp - ref_logp if cfg.reward_kl_coef > 0 else None  # (B, T)
-        advantages, returns = ppo_advantages(rewards, old_values, ro.completion_mask, gamma=cfg.gamma,
-                                             lam=cfg.gae_lambda, kl=kl, kl_coef=cfg.reward_kl_coef,
-                                             whiten=cfg.whiten_advantages, all_sum=dist.all_sum)
-    else:
-        B = rewards.shape[0]
-        advantages = group_advantages(all_rewards, cfg.group_size, scale=cfg.adv_scale)  # (B_all,)
-        advantages = advantages[dist.rank * B:(dist.rank + 1) * B].to(ro.logp.device)  # (B,) this process's rows
-    batch = Batch(ro, rewards, all_rewards, parts, advantages, old_logp, ref_logp, examples, completions,
-                  old_values, returns, old_routing)
-    if cfg.rollout_is != "off":  # π_old/π_rollout per token or response: fixed for the step's updates
-        batch.is_weights, metrics = rollout_is_weights(old_logp, ro.logp, ro.completion_mask, level=cfg.rollout_is,
-                                                       mode=cfg.rollout_is_mode, low=cfg.rollout_is_low,
-                                                       high=cfg.rollout_is_high)
-        batch.is_metrics = reduce_across([metrics], dist)[0]  # over the global batch
-    return batch
+    total = torch.tensor(total, dtype=torch.float32)
+    if episodes is not None:
+        parts["env"] = episodes.env_reward.tolist()
+        total = total + episodes.env_reward
+    return total, parts
 
 
 # ----------------------------------------------------------------------------------------------

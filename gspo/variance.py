@@ -67,7 +67,7 @@ def sample_old(run: Run, responses: int) -> list[tuple]:
     chunks = []
     for k in range(max(1, math.ceil(responses / (cfg.prompts_per_step * cfg.group_size)))):
         step = FIRST_STEP + 1 + k
-        ro, _, _ = rollout(run, run.task.train_batch(step, cfg.prompts_per_step, cfg.seed), step)
+        ro, _, _, _ = rollout(run, run.task.train_batch(step, cfg.prompts_per_step, cfg.seed), step)
         old, experts = _logprobs(run, ro)
         chunks.append((ro, old, experts))
     return chunks
@@ -78,7 +78,7 @@ def one_minibatch_update(run: Run) -> int:
     rollout (its own prompts); returns the minibatch's number of responses."""
     cfg = run.cfg
     examples = run.task.train_batch(FIRST_STEP, cfg.prompts_per_step, cfg.seed)
-    ro, texts, ids = rollout(run, examples, FIRST_STEP)
+    ro, texts, ids, _ = rollout(run, examples, FIRST_STEP)
     rewards, parts = score(run.rewards, examples, texts, ids, cfg.group_size)
     batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts)
     mask = batch.rollout.completion_mask  # (B, T)

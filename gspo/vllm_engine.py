@@ -119,7 +119,8 @@ class VLLMSampler:
                rows: tuple[int, int] | None = None) -> Rollout:
         G = params.group_size
         offset, total = rows or (0, len(prompts) * G)
-        seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[offset // G:offset // G + len(prompts)]
+        mine = slice(offset // G, offset // G + len(prompts)) if isinstance(offset, int) else offset // G  # prompts
+        seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[mine]
         requests = [self._params(params, int(s)) for s in seeds.tolist()]
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
         if self.sleep:

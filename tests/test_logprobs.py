@@ -135,7 +135,7 @@ def test_micro_batches_and_packing_equal_one_pass(algorithm, agg, tmp_path):
     if run.value_model is not None:
         run.value_model.critic.double()
     examples = run.task.train_batch(1, cfg.prompts_per_step, cfg.seed)
-    ro, texts, ids = rollout(run, examples, step=1)
+    ro, texts, ids, _ = rollout(run, examples, step=1)
     rewards, parts = score(run.rewards, examples, texts, ids, cfg.group_size)
     batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts)
     with torch.no_grad():  # move off-policy so that ratios differ from 1 and some clip

@@ -171,7 +171,7 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
                       output_dir=str(tmp_path / "r"), progress=False, old_logp="recompute")
     run = build_run(cfg)
     ex = run.task.train_batch(1, 4, 0)
-    ro, texts, ids = rollout(run, ex, 1)
+    ro, texts, ids, _ = rollout(run, ex, 1)
     assert ro.truncated.any()
     rewards, parts = score(run.rewards, ex, texts, ids, 4)
     batch = prepare(run, ro, rewards=rewards, parts=parts, examples=ex, completions=texts)

@@ -203,6 +203,20 @@ def test_vllm_run_learns_and_resumes_exactly(tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
+def test_multi_turn_episodes_sample_on_vllm(tmp_path):
+    # calculator episodes sampled by the engine turn after turn (a tool call, the tool's answer
+    # rendered into the context, the final answer): the engine's log-probs of every model turn
+    # match the trainer's recomputation over the whole episode, environment tokens in context
+    run = tmp_path / "run"
+    r = gspo("train", "--task", "calculator", "--model", "tiny-tool", *FAST, "--steps", "2", "--rollout-engine",
+             "vllm", "--old-logp", "recompute", "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = rows(run)
+    assert len(m) == 2 and all(x["mismatch/token_abs"] < 1e-4 for x in m), [x["mismatch/token_abs"] for x in m]
+    assert m[0]["episode/turns"] > 1.2 and m[0]["episode/env_tokens"] > 10 and m[0]["episode/tool_calls"] > 0.2
+
+
 for _name in [n for n in list(globals()) if n.startswith("test_")]:
     for _mark in needs_vllm:
         globals()[_name] = _mark(globals()[_name])

@@ -3,19 +3,21 @@
 A task has `train_batch(step, n, seed) -> list[Example]` (a function of its arguments alone,
 so a resumed run sees the same prompts), `test_set(n) -> list[Example]` (fixed), and
 `default_rewards` / `default_max_new_tokens`. Built-in tasks are named here (`arithmetic`,
-`addition`, and `chain` with long answers); a user's dataset becomes a `gspo.data.DatasetTask`.
+`addition`, `chain` with long answers, and `calculator`, multi-turn with a tool); a user's dataset becomes a `gspo.data.DatasetTask`.
 """
 
 from __future__ import annotations
 
 from gspo.tasks.arithmetic import ArithmeticTask
 from gspo.tasks.base import DrawnSplits
+from gspo.tasks.calculator import CalculatorTask
 from gspo.tasks.chain import ChainTask
 
 TASKS = {
     "arithmetic": lambda: ArithmeticTask(max_digits=3, ops="+-", name="arithmetic"),
     "addition": lambda: ArithmeticTask(max_digits=3, ops="+", name="addition"),
     "chain": lambda: ChainTask(),  # long answers: counting up to 1000 in steps, every step written out
+    "calculator": lambda: CalculatorTask(),  # multi-turn: a calculator tool for two-digit products
 }
 
 
@@ -43,4 +45,4 @@ def build_task(*, task: str, dataset: str | None, dataset_split: str = "train", 
                              require_answer=any(r in NEEDS_ANSWER for r in names))
 
 
-__all__ = ["TASKS", "ArithmeticTask", "ChainTask", "DrawnSplits", "build_task", "get_task"]
+__all__ = ["TASKS", "ArithmeticTask", "CalculatorTask", "ChainTask", "DrawnSplits", "build_task", "get_task"]

@@ -9,6 +9,7 @@ test problem), so that a resumed run sees exactly the prompts an uninterrupted o
 
 from __future__ import annotations
 
+import json
 import random
 from typing import ClassVar
 
@@ -30,8 +31,8 @@ class DrawnSplits:
         self._test_prompts: set[str] = set()
         while len(self._test) < self.test_size:
             p = self._draw(rng, f"{self.name} test problem {len(self._test) + 1}")
-            if p.prompt not in self._test_prompts:
-                self._test_prompts.add(p.prompt)
+            if _key(p) not in self._test_prompts:
+                self._test_prompts.add(_key(p))
                 self._test.append(p)
 
     def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
@@ -40,9 +41,14 @@ class DrawnSplits:
         out: list[Example] = []
         while len(out) < n:
             p = self._draw(rng, f"{self.name} step {step} problem {len(out) + 1}")
-            if p.prompt not in self._test_prompts:
+            if _key(p) not in self._test_prompts:
                 out.append(p)
         return out
 
     def test_set(self, n: int | None = None) -> list[Example]:
         return self._test[: n or len(self._test)]
+
+
+def _key(example: Example) -> str:
+    """A problem's identity: its prompt (chat messages as JSON)."""
+    return example.prompt if isinstance(example.prompt, str) else json.dumps(example.prompt)

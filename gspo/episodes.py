@@ -1,0 +1,211 @@
+"""Multi-turn episodes: the model and an environment take turns, token in, token out.
+
+    from gspo.episodes import run_episodes
+    ro, ep = run_episodes(sampler, tokenizer, examples, CalculatorEnv, params, max_turns=3)
+
+`ro` is a gspo.rollout.Rollout whose completion is the whole episode after the prompt: the
+model's turns (completion_mask 1, the log-probs recorded while sampling) and, between them,
+the environment's tokens (env_mask 1: in the context, never in the loss, the ratios, the clip
+fractions or any per-token metric; log-prob 0). So every loss, aggregation and correction of
+the single-turn path applies unchanged: GSPO's s_i is the length-normalised ratio over the
+episode's model tokens, GRPO's ratios are those of the model tokens. `ep` (`Episodes`) holds
+what the rewards and metrics need: the final model turn's text (what the task's rewards
+score), the environment's reward per turn, the turn of every column (per-turn advantages),
+tool calls and errors.
+
+How a turn goes. Every episode still running is sampled one turn (turn 0: the prompts, G
+episodes each, exactly as a single-turn rollout; later turns: one completion per episode
+from its conversation so far, prompt + every token since). The model's turn, decoded with
+special tokens skipped, goes to its environment's `step`; the messages that come back are
+rendered by the chat template (gspo.env.observation_text) and appended as tokens, and the
+next turn starts after them. An episode ends when the environment says done, after
+`max_turns` model turns, or when its turn was cut by max_new_tokens or the episode's token
+budget (`max_tokens`, model and environment tokens after the prompt): then it is flagged
+truncated.
+
+Randomness: turn k of the step draws from its own generator (`generator_for(k)`) and each
+episode from its global row index (`rows`), so a run split across processes samples exactly
+what one process does. Every process samples the same number of turns (a process whose
+episodes have all ended samples a stand-in row): under FSDP, sampling gathers parameters
+collectively.
+
+Left out: parallel tool execution (steps run one after another in this process) and
+asynchronous environments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from gspo.env import EnvError, Step, observation_text, tool_schemas
+from gspo.rollout import Rollout, SamplingParams, cut_at_stop_strings, encode_prompts
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Episodes:
+    """Per episode (row): what the rewards, advantages and metrics need beyond the Rollout."""
+
+    final_texts: list[str]  # (B,) the last model turn, special tokens skipped: what the task's rewards score
+    final_ids: list[list[int]]  # (B,) its token ids
+    transcripts: list[str]  # (B,) the episode after the prompt as the model saw it (special tokens kept)
+    turn_index: Tensor  # (B, T) the model turn each column belongs to (its observation: the same), -1 padding
+    turn_rewards: list[list[float]]  # (B, turns) the environment's reward for each model turn
+    turns: Tensor  # (B,) model turns taken
+    tool_calls: Tensor  # (B,) tool calls made
+    tool_errors: Tensor  # (B,) of which failed
+
+    @property
+    def env_reward(self) -> Tensor:
+        """(B,) the environment's rewards, summed over the episode."""
+        return torch.tensor([sum(r) for r in self.turn_rewards], dtype=torch.float32)
+
+    def rewards_to_go(self, max_turns: int) -> Tensor:
+        """(B, max_turns): Σ_{k' >= k} of the environment's turn rewards, from each turn on."""
+        out = torch.zeros((len(self.turn_rewards), max_turns), dtype=torch.float64)
+        for b, rs in enumerate(self.turn_rewards):
+            for k in range(len(rs)):
+                out[b, k] = sum(rs[k:])
+        return out
+
+
+@dataclass
+class _Row:
+    segments: list = field(default_factory=list)  # (ids, log-probs or None for the environment's, turn)
+    used: int = 0  # tokens after the prompt
+    done: bool = False
+    truncated: bool = False
+    rewards: list = field(default_factory=list)
+    calls: int = 0
+    errors: int = 0
+    final: list = field(default_factory=list)
+
+    def ids(self) -> list[int]:
+        return [t for seg in self.segments for t in seg[0]]
+
+
+def run_episodes(sampler, tokenizer, examples: list, env_cls, params: SamplingParams, *, max_turns: int,
+                 max_tokens: int = 0, generator_for=lambda turn: None, rows: tuple[int, int] | None = None,
+                 stop_strings: tuple[str, ...] = (), max_prompt_length: int = 0, dist=None) -> tuple[Rollout, Episodes]:
+    """`params.group_size` episodes of up to `max_turns` model turns per example (module
+    docstring); rows (offset, total): these are rows offset... of `total` across processes."""
+    G = params.group_size
+    B = len(examples) * G
+    offset, total = rows or (0, B)
+    envs = [start_env(env_cls, examples[b // G]) for b in range(B)]
+    tools = tool_schemas(list(getattr(env_cls, "tools", None) or []))
+    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], max_prompt_length, tools)
+    state = [_Row() for _ in range(B)]
+    first = None
+    for turn in range(max_turns):
+        active = [b for b in range(B) if not state[b].done]
+        if (dist.max_int(len(active)) if dist is not None else len(active)) == 0:
+            break
+        if turn == 0:
+            ro = first = sampler.sample(prompts, params, generator=generator_for(0), rows=(offset, total))
+            live = list(range(B))
+        else:
+            live = active or [0]  # a stand-in row (its result unused): every process samples every turn
+            room = max(1, *(_room(state[b], params.max_new_tokens, max_tokens) for b in live))
+            ro = sampler.sample([prompts[b // G] + state[b].ids() for b in live],
+                                dataclasses.replace(params, group_size=1, max_new_tokens=room),
+                                generator=generator_for(turn), rows=(torch.tensor([offset + b for b in live]), total))
+        ro = cut_at_stop_strings(ro, tokenizer, stop_strings)
+        for j, b in enumerate(live):
+            if not state[b].done:
+                _take_turn(state[b], envs[b], ro, j, turn, tokenizer=tokenizer, tools=tools, params=params,
+                           max_turns=max_turns, max_tokens=max_tokens, source=examples[b // G].source)
+    return _assemble(first, state, tokenizer, G)
+
+
+def start_env(env_cls, example):
+    """A new environment for one episode, reset to its dataset row."""
+    try:
+        env = env_cls()
+        env.reset(example)
+    except Exception as e:
+        raise EnvError(f"env {getattr(env_cls, '__name__', env_cls)}: reset on {example.source or 'a row'} raised "
+                       f"{type(e).__name__}: {e}") from None
+    return env
+
+
+def _room(row: _Row, max_new_tokens: int, max_tokens: int) -> int:
+    return min(max_new_tokens, max_tokens - row.used) if max_tokens > 0 else max_new_tokens
+
+
+def _take_turn(row: _Row, env, ro: Rollout, j: int, turn: int, *, tokenizer, tools, params: SamplingParams,
+               max_turns: int, max_tokens: int, source: str) -> None:
+    """Row j of this turn's rollout becomes the episode's next model turn; its environment answers."""
+    n = min(int(ro.lengths[j]), _room(row, params.max_new_tokens, max_tokens))
+    ids, logp = ro.completion_ids[j, :n].tolist(), ro.logp[j, :n].tolist()
+    row.segments.append((ids, logp, turn))
+    row.used += n
+    row.final = ids
+    if n < int(ro.lengths[j]) or bool(ro.truncated[j]):  # the turn did not end: neither does it reach the env
+        row.rewards.append(0.0)
+        row.done = row.truncated = True
+        return
+    step = _step(env, tokenizer.decode(ids, skip_special_tokens=True), source)
+    row.rewards.append(float(step.reward))
+    row.calls, row.errors = row.calls + step.tool_calls, row.errors + step.tool_errors
+    if step.done or turn == max_turns - 1:
+        row.done = True
+        return
+    stopped = tokenizer.decode(ids[-1:]) if ids and ids[-1] in params.stop_token_ids else None
+    obs = tokenizer(observation_text(tokenizer, step.messages, tools, stopped), add_special_tokens=False)["input_ids"]
+    if max_tokens > 0 and row.used + len(obs) >= max_tokens:  # no room left for the next turn
+        row.done = row.truncated = True
+        return
+    row.segments.append((obs, None, turn))
+    row.used += len(obs)
+
+
+def _step(env, text: str, source: str) -> Step:
+    name = type(env).__name__
+    try:
+        step = env.step(text)
+    except Exception as e:
+        raise EnvError(f"env {name}: step on {source or 'a row'} raised {type(e).__name__}: {e} "
+                       f"(a tool's error should become an observation: gspo.env.ToolEnvironment does that)") from None
+    if not isinstance(step, Step):
+        raise EnvError(f"env {name}: step returned {type(step).__name__}, expected a gspo.env.Step")
+    bad = [m for m in step.messages if not (isinstance(m, dict) and "role" in m and "content" in m)]
+    if bad:
+        raise EnvError(f"env {name}: step returned a message {bad[0]!r}; expected {{'role': ..., 'content': ...}}")
+    return step
+
+
+def _assemble(first: Rollout, state: list[_Row], tokenizer, G: int) -> tuple[Rollout, Episodes]:
+    """The episodes laid out as a Rollout (model and environment tokens after the prompt)."""
+    B, T = len(state), max(1, max(row.used for row in state))
+    ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
+    model, env, logp = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T), dtype=torch.float32)
+    turn_index = torch.full((B, T), -1, dtype=torch.long)
+    for b, row in enumerate(state):
+        at = 0
+        for seg_ids, seg_logp, turn in row.segments:
+            cols = slice(at, at + len(seg_ids))
+            ids[b, cols] = torch.tensor(seg_ids, dtype=torch.long)
+            turn_index[b, cols] = turn
+            if seg_logp is None:
+                env[b, cols] = 1.0
+            else:
+                model[b, cols] = 1.0
+                logp[b, cols] = torch.tensor(seg_logp, dtype=torch.float32)
+            at += len(seg_ids)
+    dev = first.completion_ids.device
+    ro = Rollout(first.prompt_ids, first.prompt_mask, ids.to(dev), model.to(dev), logp.to(dev),
+                 torch.tensor([row.used for row in state], device=dev),
+                 torch.tensor([row.truncated for row in state], device=dev), G, None, env.to(dev))
+    ep = Episodes(final_texts=tokenizer.batch_decode([row.final for row in state], skip_special_tokens=True),
+                  final_ids=[row.final for row in state],
+                  transcripts=[tokenizer.decode(row.ids()) for row in state],
+                  turn_index=turn_index.to(dev), turn_rewards=[row.rewards for row in state],
+                  turns=torch.tensor([len(row.rewards) for row in state]),
+                  tool_calls=torch.tensor([row.calls for row in state]),
+                  tool_errors=torch.tensor([row.errors for row in state]))
+    return ro, ep
