@@ -24,6 +24,7 @@ from typing import Literal
 import tyro
 
 from gspo.config import ConfigError, TrainConfig
+from gspo.distributed import say_once
 from gspo.configfile import load_yaml
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
@@ -385,8 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(e).split())  # one line, whatever the exception held
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{e.filename}: {msg}"
-        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process fails alike; say it once
-            print(f"gspo {name}: error: {msg}", file=sys.stderr)
+        say_once(f"gspo {name}: error: {msg}")
         return 2
     except KeyboardInterrupt:
         print(f"gspo {name}: interrupted", file=sys.stderr)
@@ -396,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if not isinstance(e, Interrupted):
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"gspo {name}: {e}", file=sys.stderr)
+        say_once(f"gspo {name}: {e}")
         return 128 + e.signum
+
 
 
 if __name__ == "__main__":

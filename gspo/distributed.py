@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as torch_dist
 
 Tensor = torch.Tensor
+
+RANK_GRACE_S = 3.0  # how long a rank other than 0 waits before saying its failure (say_once)
+
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,6 +149,19 @@ class Dist:
                 torch_dist.barrier()
             torch_dist.destroy_process_group()
 
+
+def say_once(line: str) -> None:
+    """Print a failure once under torchrun, where every process usually fails alike.
+
+    Rank 0 says it. Another rank waits first: had it exited at once, torchrun could stop rank 0
+    before rank 0 printed; and when rank 0 fails too, torchrun stops this one while it waits. A
+    rank still running after the wait failed on its own and says so.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank:
+        time.sleep(RANK_GRACE_S)
+        line = f"{line} (rank {rank})"
+    print(line, file=sys.stderr, flush=True)
 
 def init(parallel: str, device: str) -> Dist:
     """Join the process group torchrun set up (a single-process Dist without torchrun)."""

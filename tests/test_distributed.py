@@ -160,6 +160,21 @@ def test_distributed_run_killed_and_resumed(tmp_path, single, parallel):
     assert_same_weights(weights(single), weights(run))
 
 
+def test_a_failure_is_said_once_and_a_ranks_own_failure_too(monkeypatch, capsys):
+    # rank 0 says a failure at once; rank 1 says it only after the grace period, in which
+    # torchrun stops it when rank 0 failed alike (so one line), and with its rank when it did not
+    from gspo import distributed
+
+    monkeypatch.setattr(distributed, "RANK_GRACE_S", 0.0)
+    monkeypatch.setattr(distributed.time, "sleep", lambda s: waited.append(s))
+    waited = []
+    monkeypatch.setenv("RANK", "0")
+    distributed.say_once("gspo train: error: x")
+    monkeypatch.setenv("RANK", "1")
+    distributed.say_once("gspo train: error: y")
+    assert capsys.readouterr().err == "gspo train: error: x\ngspo train: error: y (rank 1)\n" and waited == [0.0]
+
+
 def test_batch_that_does_not_split_is_one_line_error(tmp_path):
     r = torchrun("--prompts-per-step", "3", "--group-size", "4", "--steps", "1", "--output-dir", str(tmp_path / "r"))
     assert r.returncode != 0

@@ -187,7 +187,10 @@ def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, to
     assert (ep.turns == 2).sum() >= 8 and ro.env_mask.sum() > 0
     logp, _ = token_logprobs(model, ro, temperature=1.0)
     on = ro.completion_mask > 0
-    assert (logp - ro.logp)[on].abs().max() < 2e-5
+    # the single-turn rollout tests' tolerance: cached decoding and one full forward round apart
+    # by ~1e-7 per token (the odd token ~2e-5 on AVX-512); hiding one observation token from the
+    # context moves the later log-probs by ~2 nats (median, measured)
+    torch.testing.assert_close(logp[on], ro.logp[on], rtol=1e-5, atol=1e-5)
     assert (logp[~on] == 0).all()
     ratio = torch.exp(((logp - ro.logp) * ro.completion_mask).sum(1) / ro.completion_mask.sum(1))
     assert (ratio - 1).abs().max() < 1e-5
