@@ -21,7 +21,8 @@ rendered by the chat template (gspo.env.observation_text) and appended as tokens
 next turn starts after them. An episode ends when the environment says done, after
 `max_turns` model turns, or when its turn was cut by max_new_tokens or the episode's token
 budget (`max_tokens`, model and environment tokens after the prompt): then it is flagged
-truncated.
+truncated. One ended by `max_turns` (the environment not done) is not truncated, its last turn
+having ended, but is flagged `turn_limit`.
 
 Randomness: turn k of the step draws from its own generator (`generator_for(k)`) and each
 episode from its global row index (`rows`), so a run split across processes samples exactly
@@ -58,6 +59,7 @@ class Episodes:
     turns: Tensor  # (B,) model turns taken
     tool_calls: Tensor  # (B,) tool calls made
     tool_errors: Tensor  # (B,) of which failed
+    turn_limit: Tensor  # (B,) ended by max_turns, the environment not done
 
     @property
     def env_reward(self) -> Tensor:
@@ -79,6 +81,7 @@ class _Row:
     used: int = 0  # tokens after the prompt
     done: bool = False
     truncated: bool = False
+    turn_limit: bool = False  # ended by max_turns, the environment not done
     rewards: list = field(default_factory=list)
     calls: int = 0
     errors: int = 0
@@ -153,7 +156,7 @@ def _take_turn(row: _Row, env, ro: Rollout, j: int, turn: int, *, tokenizer, too
     row.rewards.append(float(step.reward))
     row.calls, row.errors = row.calls + step.tool_calls, row.errors + step.tool_errors
     if step.done or turn == max_turns - 1:
-        row.done = True
+        row.done, row.turn_limit = True, not step.done
         return
     stopped = tokenizer.decode(ids[-1:]) if ids and ids[-1] in params.stop_token_ids else None
     obs = tokenizer(observation_text(tokenizer, step.messages, tools, stopped), add_special_tokens=False)["input_ids"]
@@ -207,5 +210,6 @@ def _assemble(first: Rollout, state: list[_Row], tokenizer, G: int) -> tuple[Rol
                   turn_index=turn_index.to(dev), turn_rewards=[row.rewards for row in state],
                   turns=torch.tensor([len(row.rewards) for row in state]),
                   tool_calls=torch.tensor([row.calls for row in state]),
-                  tool_errors=torch.tensor([row.errors for row in state]))
+                  tool_errors=torch.tensor([row.errors for row in state]),
+                  turn_limit=torch.tensor([row.turn_limit for row in state]))
     return ro, ep

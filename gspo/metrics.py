@@ -193,12 +193,12 @@ def step_row(run, step: int, batch, history: list[dict]) -> dict:
 
 def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
     """Multi-turn episodes over the global batch: turns, tool calls and the share that failed,
-    model and environment tokens per episode, and the environment's mean reward at each turn
+    the share of episodes ended by the turn limit, model and environment tokens per episode, and the environment's mean reward at each turn
     (over the episodes that reached it)."""
     ep, ro = batch.episodes, batch.rollout
-    rows = torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ro.completion_mask.sum(1).cpu(),
-                        ro.env_mask.sum(1).cpu()], 1).double()  # (B, 5)
-    turns, calls, errors, model_tokens, env_tokens = dist.gather(rows).unbind(1)  # (B_all,) each
+    rows = torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ep.turn_limit, ro.completion_mask.sum(1).cpu(),
+                        ro.env_mask.sum(1).cpu()], 1).double()  # (B, 6)
+    turns, calls, errors, limited, model_tokens, env_tokens = dist.gather(rows).unbind(1)  # (B_all,) each
     by_turn = torch.full((len(ep.turn_rewards), max_turns), float("nan"), dtype=torch.float64)  # (B, K)
     for b, rewards in enumerate(ep.turn_rewards):
         by_turn[b, :len(rewards)] = torch.tensor(rewards, dtype=torch.float64)
@@ -207,6 +207,7 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
         "episode/turns": float(turns.mean()),
         "episode/tool_calls": float(calls.mean()),
         "episode/tool_error_rate": float(errors.sum() / calls.sum()) if calls.sum() > 0 else 0.0,
+        "episode/turn_limit_frac": float(limited.mean()),
         "episode/model_tokens": float(model_tokens.mean()),
         "episode/env_tokens": float(env_tokens.mean()),
         **{f"episode/turn_{k + 1}_reward": float(by_turn[:, k].nanmean()) for k in range(max_turns)

@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from gspo.config import TrainConfig
 from gspo.env import Environment, EnvError, Step, ToolEnvironment, load_env, observation_text, tool_schemas
 from gspo.episodes import run_episodes
 from gspo.logprobs import token_logprobs
+from gspo.metrics import episode_metrics
 from gspo.models import build_chat_tokenizer, load_policy
 from gspo.rollout import PolicySampler, Rollout, left_pad, sampling_params
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
@@ -172,6 +174,21 @@ class CountingEnv(Environment):
     def step(self, text):
         self.k += 1
         return Step([{"role": "user", "content": f"again {self.k}"}], reward=0.25 * self.k, done=self.k == 2)
+
+
+def test_an_episode_ended_by_the_turn_limit_is_flagged_not_truncated(tok):
+    # CountingEnv is done after its second turn: with max_turns 1 the limit ends the episodes
+    # (turn_limit), with 2 the environment does; neither is truncated (every turn ended)
+    ex = CalculatorTask().test_set(1)[0]
+    params = sampling_params(tok, group_size=2, max_new_tokens=80)
+    for max_turns, limited in [(1, True), (2, False)]:
+        sampler = ScriptedSampler(tok, ["12<|im_end|>", "34<|im_end|>"])
+        ro, ep = run_episodes(sampler, tok, [ex], CountingEnv, params, max_turns=max_turns)
+        assert ep.turns.tolist() == [max_turns] * 2 and ep.turn_limit.tolist() == [limited] * 2
+        assert not ro.truncated.any()
+        m = episode_metrics(SimpleNamespace(episodes=ep, rollout=ro), max_turns, SimpleNamespace(gather=lambda t: t))
+        assert m["episode/turn_limit_frac"] == float(limited) and m["episode/turns"] == max_turns
+        assert m["episode/turn_1_reward"] == 0.25 and m.get("episode/turn_2_reward") == (None if limited else 0.5)
 
 
 def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, tok):
