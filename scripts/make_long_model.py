@@ -43,7 +43,7 @@ from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_conf
 from gspo.rewards import load_rewards  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 from gspo.tasks.chain import LENGTH_BINS, TARGET, parse_prompt  # noqa: E402
-from make_tiny_model import pad_sft  # noqa: E402
+from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
 
 MAX_POSITIONS = 384
 
@@ -156,10 +156,7 @@ def build_model(args, tokenizer):
 def sft(model, tokenizer, task, args, moe: bool) -> None:
     """Supervised warm-start on buggy chains (module docstring); AdamW, warm-up then linear decay."""
     rng = random.Random(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    warmup = min(100, args.steps // 5)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / args.steps))
+    opt, sched = sft_optimizer(model, args.lr, args.steps, warmup=min(100, args.steps // 5))
     t0 = time.time()
     model.train()
     for step in range(args.steps):

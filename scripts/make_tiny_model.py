@@ -86,6 +86,14 @@ def pad_sft(seqs: list[list[int]], starts: list[int], tokenizer):
     return ids, mask, labels
 
 
+def sft_optimizer(model, lr: float, steps: int, warmup: int):
+    """AdamW (no weight decay) and its schedule for a warm-start: linear warm-up over `warmup`
+    steps, then linear decay to 5% of `lr` at `steps`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / steps))
+    return opt, sched
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=["dense", "moe"], default="dense")
@@ -109,10 +117,7 @@ def main():
     model = AutoModelForCausalLM.from_config(config)
     moe = args.arch == "moe"
     task = get_task(args.task)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    warmup = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / args.steps))
+    opt, sched = sft_optimizer(model, args.lr, args.steps, warmup=100)
     t0 = time.time()
     model.train()
     for step in range(args.steps):

@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, bes
 from gspo.env import tool_schemas  # noqa: E402
 from gspo.models import ASSETS, build_chat_tokenizer, tiny_config  # noqa: E402
 from gspo.tasks.calculator import FORMS, CalculatorTask, calculator, expression  # noqa: E402
-from make_tiny_model import pad_sft  # noqa: E402
+from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
 
 MAX_POSITIONS = 256
 SCHEMAS = tool_schemas([calculator])
@@ -276,10 +276,7 @@ def check(model, tokenizer, task, n: int = 200, k: int = 4, n_copy: int = 100, s
 def sft(model, tokenizer, task, args) -> None:
     """Supervised warm-start on episodes (module docstring); AdamW, warm-up then linear decay."""
     rng = random.Random(args.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    warmup = min(100, args.steps // 5)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / args.steps))
+    opt, sched = sft_optimizer(model, args.lr, args.steps, warmup=min(100, args.steps // 5))
     t0 = time.time()
     model.train()
     running = []
