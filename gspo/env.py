@@ -7,6 +7,7 @@ An environment is a class with a no-argument constructor; gspo makes one per epi
 
     class Environment:
         tools = []                                  # plain functions the model may call (optional)
+        concurrency = 1                             # >1: that many episodes' steps at once, in threads
         def reset(self, example) -> None: ...       # the episode's dataset row (a gspo.data.Example)
         def step(self, text: str) -> Step: ...      # the model's turn, decoded -> what comes back
 
@@ -20,9 +21,10 @@ never trained on), the turn's reward (added to the episode's reward and, with
 Qwen2.5/Qwen3 chat templates) and returns each result as a tool message; a turn without a tool
 call ends the episode (it is the answer). A tool that raises, an unknown tool, or a call that
 is not JSON becomes an observation starting with `error:`, never a crash, and counts as a tool
-error. Tools are plain Python functions with type hints and a docstring with an `Args:`
-section: they reach the chat template's `tools=` argument as JSON schemas
-(`transformers.utils.get_json_schema`), the Hugging Face convention.
+error, as does a call over the class's `tool_timeout` seconds. Tools are plain Python
+functions with type hints and a docstring with an `Args:` section: they reach the chat
+template's `tools=` argument as JSON schemas (`transformers.utils.get_json_schema`), the
+Hugging Face convention.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import importlib
 import importlib.util
 import json
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,9 +56,12 @@ class Step:
 
 
 class Environment:
-    """Base class: override `step` (and `reset` to read the dataset row)."""
+    """Base class: override `step` (and `reset` to read the dataset row). `concurrency` > 1
+    lets up to that many episodes' steps of a turn run at once, in threads: for a step that
+    waits on I/O (a web search, a sandbox), when the class is safe to run so."""
 
     tools: list = []
+    concurrency: int = 1
 
     def reset(self, example) -> None:
         self.example = example
@@ -66,7 +72,11 @@ class Environment:
 
 class ToolEnvironment(Environment):
     """Runs the tool calls of each model turn; a turn with none ends the episode. Another
-    template's call format: override `find_calls` (the JSON text of each call in a turn)."""
+    template's call format: override `find_calls` (the JSON text of each call in a turn).
+    `tool_timeout` (seconds): a call that runs longer becomes an error observation and the
+    episode goes on (the call runs in a thread, left to finish on its own); None: no limit."""
+
+    tool_timeout: float | None = None
 
     def find_calls(self, text: str) -> list[str]:
         return TOOL_CALL.findall(text)
@@ -94,9 +104,31 @@ class ToolEnvironment(Environment):
         if name not in tools:
             return f"error: unknown tool {name!r} (tools: {', '.join(tools)})", False
         try:
-            return str(tools[name](**args)), True
+            return str(_call(tools[name], args, self.tool_timeout)), True
         except Exception as e:  # a tool's failure is the model's observation, not the run's crash
             return f"error: {type(e).__name__}: {e}", False
+
+
+def _call(fn, args: dict, timeout: float | None):
+    """fn(**args), or TimeoutError after `timeout` seconds (fn's thread is left to finish)."""
+    if timeout is None:
+        return fn(**args)
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn(**args)
+        except BaseException as e:  # handed to the caller's thread
+            box["err"] = e
+
+    worker = threading.Thread(target=run, name=f"gspo-tool-{fn.__name__}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise TimeoutError(f"the tool ran over {timeout:g} s")
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def tool_schemas(tools: list) -> list[dict] | None:

@@ -30,13 +30,14 @@ what one process does. Every process samples the same number of turns (a process
 episodes have all ended samples a stand-in row): under FSDP, sampling gathers parameters
 collectively.
 
-Left out: parallel tool execution (steps run one after another in this process) and
-asynchronous environments.
+The environments' steps of a turn run one after another, or up to the class's `concurrency`
+at once in threads (run_steps); asynchronous environments are left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -118,10 +119,14 @@ def run_episodes(sampler, tokenizer, examples: list, env_cls, params: SamplingPa
                                 dataclasses.replace(params, group_size=1, max_new_tokens=room),
                                 generator=generator_for(turn), rows=(torch.tensor([offset + b for b in live]), total))
         ro = cut_at_stop_strings(ro, tokenizer, stop_strings)
-        for j, b in enumerate(live):
-            if not state[b].done:
-                _take_turn(state[b], envs[b], ro, j, turn, tokenizer=tokenizer, tools=tools, params=params,
-                           max_turns=max_turns, max_tokens=max_tokens, source=examples[b // G].source)
+        texts = {b: _model_turn(state[b], ro, j, turn, params, max_tokens, tokenizer)
+                 for j, b in enumerate(live) if not state[b].done}
+        asked = [b for b, text in texts.items() if text is not None]  # the turns that ended reach the env
+        steps = run_steps([envs[b] for b in asked], [texts[b] for b in asked],
+                          [examples[b // G].source for b in asked], getattr(env_cls, "concurrency", 1))
+        for b, step in zip(asked, steps):
+            _env_turn(state[b], step, turn, tokenizer=tokenizer, tools=tools, params=params, max_turns=max_turns,
+                      max_tokens=max_tokens)
     return _assemble(first, state, tokenizer, G)
 
 
@@ -140,24 +145,31 @@ def _room(row: _Row, max_new_tokens: int, max_tokens: int) -> int:
     return min(max_new_tokens, max_tokens - row.used) if max_tokens > 0 else max_new_tokens
 
 
-def _take_turn(row: _Row, env, ro: Rollout, j: int, turn: int, *, tokenizer, tools, params: SamplingParams,
-               max_turns: int, max_tokens: int, source: str) -> None:
-    """Row j of this turn's rollout becomes the episode's next model turn; its environment answers."""
+def _model_turn(row: _Row, ro: Rollout, j: int, turn: int, params: SamplingParams, max_tokens: int,
+                tokenizer) -> str | None:
+    """Row j of this turn's rollout becomes the episode's next model turn: its text for the
+    environment, or None when the turn did not end (cut by a budget: the episode is truncated)."""
     n = min(int(ro.lengths[j]), _room(row, params.max_new_tokens, max_tokens))
     ids, logp = ro.completion_ids[j, :n].tolist(), ro.logp[j, :n].tolist()
     row.segments.append((ids, logp, turn))
     row.used += n
     row.final = ids
-    if n < int(ro.lengths[j]) or bool(ro.truncated[j]):  # the turn did not end: neither does it reach the env
+    if n < int(ro.lengths[j]) or bool(ro.truncated[j]):
         row.rewards.append(0.0)
         row.done = row.truncated = True
-        return
-    step = _step(env, tokenizer.decode(ids, skip_special_tokens=True), source)
+        return None
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _env_turn(row: _Row, step: Step, turn: int, *, tokenizer, tools, params: SamplingParams, max_turns: int,
+              max_tokens: int) -> None:
+    """The environment's answer to the episode's last model turn, appended as its tokens."""
     row.rewards.append(float(step.reward))
     row.calls, row.errors = row.calls + step.tool_calls, row.errors + step.tool_errors
     if step.done or turn == max_turns - 1:
         row.done, row.turn_limit = True, not step.done
         return
+    ids = row.final
     stopped = tokenizer.decode(ids[-1:]) if ids and ids[-1] in params.stop_token_ids else None
     obs = tokenizer(observation_text(tokenizer, step.messages, tools, stopped), add_special_tokens=False)["input_ids"]
     if max_tokens > 0 and row.used + len(obs) >= max_tokens:  # no room left for the next turn
@@ -165,6 +177,16 @@ def _take_turn(row: _Row, env, ro: Rollout, j: int, turn: int, *, tokenizer, too
         return
     row.segments.append((obs, None, turn))
     row.used += len(obs)
+
+
+def run_steps(envs: list, texts: list[str], sources: list[str], concurrency: int = 1) -> list[Step]:
+    """Each environment's step on its episode's model turn, in order; `concurrency` > 1 runs up
+    to that many at once in threads (an environment class that waits on I/O says so with its
+    `concurrency` attribute). The first failure, in episode order, is raised either way."""
+    if concurrency <= 1 or len(envs) <= 1:
+        return [_step(env, text, source) for env, text, source in zip(envs, texts, sources)]
+    with ThreadPoolExecutor(max_workers=min(concurrency, len(envs)), thread_name_prefix="gspo-env") as pool:
+        return list(pool.map(_step, envs, texts, sources))
 
 
 def _step(env, text: str, source: str) -> Step:

@@ -5,6 +5,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -117,6 +119,72 @@ def test_tool_errors_become_observations():
     assert contents[3].startswith("error: the tool call is not valid JSON")
     assert (step.tool_calls, step.tool_errors, step.done) == (4, 3, False)
     assert env.step("42").done  # no tool call: the answer ends the episode
+
+
+def test_a_tool_over_its_timeout_is_an_error_observation():
+    release = threading.Event()
+
+    def wait(seconds: float) -> str:
+        """Wait, or return early when released.
+
+        Args:
+            seconds: how long
+        """
+        release.wait(seconds)
+        return "waited"
+
+    def fail() -> str:
+        """Fail."""
+        raise RuntimeError("no")
+
+    env = ToolEnvironment()
+    env.tools, env.tool_timeout = [wait, fail], 0.2
+    try:
+        step = env.step('<tool_call>{"name": "wait", "arguments": {"seconds": 60}}</tool_call>'
+                        '<tool_call>{"name": "wait", "arguments": {"seconds": 0}}</tool_call>'
+                        '<tool_call>{"name": "fail", "arguments": {}}</tool_call>')
+    finally:
+        release.set()  # the timed-out call's thread ends
+    assert [m["content"] for m in step.messages] == ["error: TimeoutError: the tool ran over 0.2 s", "waited",
+                                                     "error: RuntimeError: no"]  # raised in its thread, said alike
+    assert (step.tool_calls, step.tool_errors) == (3, 2)
+
+
+class SlowEnv(Environment):
+    """A step that waits (I/O-like), reports its thread, and answers with the episode's row."""
+
+    concurrency = 8
+    threads: set = set()
+
+    def reset(self, example):
+        self.k = 0
+
+    def step(self, text):
+        SlowEnv.threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        self.k += 1
+        return Step([{"role": "user", "content": f"{text[:3]} again"}], reward=0.5 * self.k, done=self.k == 2)
+
+
+class SequentialSlowEnv(SlowEnv):
+    concurrency = 1
+
+
+def test_concurrent_steps_give_the_sequential_episodes(tok):
+    # 8 episodes' steps at once in threads give exactly the episodes that one after another give
+    ex = CalculatorTask().test_set(1)[0]
+    params = sampling_params(tok, group_size=8, max_new_tokens=80)
+    out = {}
+    for env_cls in (SequentialSlowEnv, SlowEnv):
+        SlowEnv.threads = set()
+        sampler = ScriptedSampler(tok, ["12<|im_end|>", "34<|im_end|>"])
+        out[env_cls] = run_episodes(sampler, tok, [ex], env_cls, params, max_turns=3), SlowEnv.threads
+    (ro_a, ep_a), threads_a = out[SequentialSlowEnv]
+    (ro_b, ep_b), threads_b = out[SlowEnv]
+    assert threads_a == {"MainThread"} and len(threads_b) > 1 and "MainThread" not in threads_b
+    assert torch.equal(ro_a.completion_ids, ro_b.completion_ids) and torch.equal(ro_a.env_mask, ro_b.env_mask)
+    assert ep_a.transcripts == ep_b.transcripts and ep_a.turn_rewards == ep_b.turn_rewards == [[0.5, 1.0]] * 8
+    assert "12 again" in ep_b.transcripts[0]
 
 
 def test_load_env_errors_are_one_line(tmp_path):
