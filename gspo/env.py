@@ -211,4 +211,9 @@ def episode_env(spec, task, max_turns: int | None, tokenizer) -> tuple[type | No
     cls = load_env(spec) if isinstance(spec, str) else spec
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise EnvError(f"env: expected an environment class with a step(text) method, got {cls!r}")
+    for name, ok, want in [("concurrency", lambda v: type(v) is int and v >= 1, "an int >= 1"),
+                           ("tool_timeout", lambda v: v is None or (type(v) in (int, float) and v > 0),
+                            "None or seconds > 0")]:
+        if hasattr(cls, name) and not ok(getattr(cls, name)):
+            raise EnvError(f"env {cls.__name__}: {name} must be {want} (got {getattr(cls, name)!r})")
     return cls, max_turns or getattr(task, "default_max_turns", 4)

@@ -15,7 +15,8 @@ import torch
 from gspo import checkpoint as ckpt
 from gspo.advantages import group_advantages, turn_advantages
 from gspo.config import TrainConfig
-from gspo.env import Environment, EnvError, Step, ToolEnvironment, load_env, observation_text, tool_schemas
+from gspo.env import (Environment, EnvError, Step, ToolEnvironment, episode_env, load_env, observation_text,
+                      tool_schemas)
 from gspo.episodes import run_episodes
 from gspo.logprobs import token_logprobs
 from gspo.metrics import episode_metrics
@@ -185,6 +186,18 @@ def test_concurrent_steps_give_the_sequential_episodes(tok):
     assert torch.equal(ro_a.completion_ids, ro_b.completion_ids) and torch.equal(ro_a.env_mask, ro_b.env_mask)
     assert ep_a.transcripts == ep_b.transcripts and ep_a.turn_rewards == ep_b.turn_rewards == [[0.5, 1.0]] * 8
     assert "12 again" in ep_b.transcripts[0]
+
+
+def test_concurrency_and_tool_timeout_are_checked(tok):
+    task = CalculatorTask()
+    for attrs, message in [({"concurrency": 0}, "env Bad: concurrency must be an int >= 1 (got 0)"),
+                           ({"concurrency": 2.5}, "env Bad: concurrency must be an int >= 1 (got 2.5)"),
+                           ({"tool_timeout": -1}, "env Bad: tool_timeout must be None or seconds > 0 (got -1)")]:
+        with pytest.raises(EnvError) as e:
+            episode_env(type("Bad", (ToolEnvironment,), attrs), task, 3, tok)
+        assert str(e.value) == message
+    ok = type("Ok", (ToolEnvironment,), {"concurrency": 4, "tool_timeout": 0.5})
+    assert episode_env(ok, task, 3, tok) == (ok, 3)
 
 
 def test_load_env_errors_are_one_line(tmp_path):
