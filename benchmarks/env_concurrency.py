@@ -9,8 +9,9 @@ as a remote tool would (a web search, a sandbox, a grader behind HTTP). The envi
 differs only in `concurrency` (gspo.env.Environment): how many episodes' steps of a turn run
 at once, in threads. Each setting samples the same episodes from the same seed (checked:
 same tokens), `repeats` times; reported: the median wall time of a rollout, of which the
-model's sampling is the same in every row, and the speed-up over `concurrency = 1`, beside the same rollout with tools that do not wait (the
-floor: the model's sampling and the environments' own work).
+model's sampling is the same in every row, and the speed-up over `concurrency = 1`, beside the
+same rollout with tools that do not wait (the floor: the model's sampling and the
+environments' own work).
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def slow_env(latency: float, concurrency: int) -> type:
                                                                    "concurrency": concurrency})
 
 
-def _timed(fn, *args) -> float:
+def _timed(fn, *args):
+    """(seconds, fn(*args))."""
     t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
+    out = fn(*args)
+    return time.perf_counter() - t0, out
 
 
 def main() -> None:
@@ -71,7 +73,7 @@ def main() -> None:
                             generator_for=lambda turn: torch.Generator().manual_seed(turn))
 
     rollout(slow_env(0.0, 1))  # warm-up
-    floor = statistics.median(_timed(rollout, slow_env(0.0, 1)) for _ in range(args.repeats))
+    floor = statistics.median(_timed(rollout, slow_env(0.0, 1))[0] for _ in range(args.repeats))
     print(f"{args.prompts} prompts x {args.group_size} episodes, tool latency {args.latency * 1000:.0f} ms, "
           f"{args.threads} threads, median of {args.repeats}; the same rollout with tools that do not "
           f"wait: {floor:.2f} s")
@@ -81,9 +83,8 @@ def main() -> None:
     for n in args.concurrency:
         env_cls, times = slow_env(args.latency, n), []
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            ro, ep = rollout(env_cls)
-            times.append(time.perf_counter() - t0)
+            seconds, (ro, ep) = _timed(rollout, env_cls)
+            times.append(seconds)
         if reference is None:
             reference = ro.completion_ids
         assert torch.equal(ro.completion_ids, reference), "the episodes differ between concurrency settings"

@@ -24,8 +24,8 @@ from typing import Literal
 import tyro
 
 from gspo.config import ConfigError, TrainConfig
-from gspo.distributed import say_once
 from gspo.configfile import load_yaml
+from gspo.distributed import say_once
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 
@@ -398,7 +398,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         say_once(f"gspo {name}: {e}")
         return 128 + e.signum
-
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ def say_once(line: str) -> None:
         line = f"{line} (rank {rank})"
     print(line, file=sys.stderr, flush=True)
 
+
 def init(parallel: str, device: str) -> Dist:
     """Join the process group torchrun set up (a single-process Dist without torchrun)."""
     from gspo.models import resolve_device

@@ -193,8 +193,8 @@ def step_row(run, step: int, batch, history: list[dict]) -> dict:
 
 def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
     """Multi-turn episodes over the global batch: turns, tool calls and the share that failed,
-    the share of episodes ended by the turn limit, model and environment tokens per episode, and the environment's mean reward at each turn
-    (over the episodes that reached it)."""
+    the share of episodes ended by the turn limit, model and environment tokens per episode, and
+    the environment's mean reward at each turn (over the episodes that reached it)."""
     ep, ro = batch.episodes, batch.rollout
     rows = torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ep.turn_limit, ro.completion_mask.sum(1).cpu(),
                         ro.env_mask.sum(1).cpu()], 1).double()  # (B, 6)

@@ -94,6 +94,7 @@ def sft_optimizer(model, lr: float, steps: int, warmup: int):
         opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1.0 - s / steps))
     return opt, sched
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=["dense", "moe"], default="dense")

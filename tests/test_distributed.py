@@ -165,14 +165,13 @@ def test_a_failure_is_said_once_and_a_ranks_own_failure_too(monkeypatch, capsys)
     # torchrun stops it when rank 0 failed alike (so one line), and with its rank when it did not
     from gspo import distributed
 
-    monkeypatch.setattr(distributed, "RANK_GRACE_S", 0.0)
     monkeypatch.setattr(distributed.time, "sleep", lambda s: waited.append(s))
     waited = []
     monkeypatch.setenv("RANK", "0")
     distributed.say_once("gspo train: error: x")
     monkeypatch.setenv("RANK", "1")
     distributed.say_once("gspo train: error: y")
-    assert capsys.readouterr().err == "gspo train: error: x\ngspo train: error: y (rank 1)\n" and waited == [0.0]
+    assert capsys.readouterr().err == "gspo train: error: x\ngspo train: error: y (rank 1)\n" and waited == [distributed.RANK_GRACE_S]
 
 
 def test_batch_that_does_not_split_is_one_line_error(tmp_path):
