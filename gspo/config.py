@@ -56,13 +56,17 @@ class TrainConfig:
     algorithm: Algorithm = "gspo"
     """Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), ppo (token ratios with GAE advantages from a learned value model, Eq. 1), or the successors cispo (clipped IS weights, MiniMax-M1), sapo (soft gate, Qwen) and gmpo (geometric mean, log-space clip). Sets the preset clip range."""
     model: str | None = None
-    """Default: the task's model (tiny-tool for calculator), else tiny. Built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task; tiny-tool, a chat model that calls tools, for the calculator task) or the path of a local Hugging Face causal LM directory."""
+    """Default: the task's model (tiny-long for chain, tiny-tool for calculator), else tiny. A Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct: downloaded, or read from the local cache offline), the path of a local Hugging Face causal LM directory, or a built-in model name (tiny, a dense Qwen3; tiny-moe, a Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task; tiny-tool, a chat model that calls tools, for the calculator task)."""
+    revision: str | None = None
+    """Hub revision of --model (a branch, tag or commit hash; None: main); also used for the reference model and PPO's critic."""
     task: str = "arithmetic"
     """Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, chain (long answers: count up from a in steps of d to 1000, every step written out, 55-217 tokens; use --model tiny-long or tiny-long-moe), or calculator (multi-turn: two-digit products with a calculator tool; its model, tiny-tool, is the default). Ignored with --dataset."""
 
     # --- your own data and rewards -------------------------------------------------------
     dataset: str | None = None
-    """Training data: a .jsonl, .json, .csv, .tsv or .parquet file, or a datasets directory (save_to_disk or data files). None: the built-in --task."""
+    """Training data: a Hugging Face Hub dataset id (openai/gsm8k: downloaded, or read from the local cache offline), a .jsonl, .json, .csv, .tsv or .parquet file, or a datasets directory (save_to_disk or data files). None: the built-in --task."""
+    dataset_config: str | None = None
+    """Configuration (subset) of a Hub dataset, e.g. main for openai/gsm8k (None: its default)."""
     dataset_split: str = "train"
     """Split to train on, for a dataset directory with several splits."""
     eval_dataset: str | None = None
@@ -71,6 +75,8 @@ class TrainConfig:
     """Split to evaluate on, for a dataset directory with several splits (e.g. test)."""
     prompt_column: str = "prompt"
     """Dataset column holding the prompt: a string, or a list of chat messages (gets the chat template)."""
+    system_prompt: str | None = None
+    """A system message: string prompts become chat messages (this system turn, then the prompt as the user's turn) and get the chat template; prompts that are already chat messages get it as their first turn unless they have one."""
     max_prompt_length: int = 0
     """Longest prompt, in tokens (after the chat template): longer prompts keep their last max_prompt_length tokens (as TRL truncates), and a warning counts them; 0 = no limit."""
     answer_column: str = "answer"
@@ -79,6 +85,10 @@ class TrainConfig:
     """Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length) or module:function / file.py:function. Empty: the task's default (exact_integer for the built-in tasks, exact_match for a dataset). The first reward is the accuracy reported by evaluation."""
     reward_weights: tuple[float, ...] = ()
     """One weight per --reward; the training reward is their weighted sum (empty: all 1)."""
+    reward_model_device: str | None = None
+    """Device of learned reward models (a --reward naming an AutoModelForSequenceClassification): cpu, cuda, cuda:N (None: the policy's device)."""
+    reward_model_batch_size: int = 32
+    """Completions a learned reward model scores per forward pass."""
     format_pattern: str = r"<think>.*?</think>\s*<answer>.*?</answer>"
     """Regular expression the whole completion must match for the `format` reward."""
 
@@ -261,7 +271,7 @@ AT_LEAST = {  # simple lower bounds: field -> smallest valid value
     "beta": 0, "value_clip": 0, "vf_coef": 0, "reward_kl_coef": 0, "router_aux_loss_coef": 0,
     "weight_decay": 0, "max_grad_norm": 0, "warmup_steps": 0, "eval_every": 0, "save_every": 0,
     "keep_checkpoints": 1, "samples_per_step": 0, "threads": 0, "micro_batch_tokens": 0, "top_k": 0,
-    "vllm_max_model_len": 0,
+    "vllm_max_model_len": 0, "reward_model_batch_size": 1,
     "max_prompt_length": 0, "eval_size": 0, "max_episode_tokens": 0,
 }
 TURN_ADVANTAGE_LOSSES = ("gspo_token", "grpo", "cispo", "sapo")  # token-level: take (B, T) advantages

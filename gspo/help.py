@@ -17,11 +17,11 @@ from gspo.config import LOG_SPACE_CLIP, PRESETS, TrainConfig
 
 # `gspo train --help` sections, in order (every field in one; tests/test_cli.py checks)
 HELP_GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "param_dtype", "gradient_checkpointing", "lora_r", "lora_alpha", "lora_dropout",
+    "model": ("model", "revision", "dtype", "param_dtype", "gradient_checkpointing", "lora_r", "lora_alpha", "lora_dropout",
               "lora_target_modules"),
-    "data": ("task", "dataset", "dataset_split", "eval_dataset", "eval_split", "prompt_column", "answer_column",
-             "max_prompt_length"),
-    "rewards": ("reward", "reward_weights", "format_pattern"),
+    "data": ("task", "dataset", "dataset_config", "dataset_split", "eval_dataset", "eval_split", "prompt_column", "answer_column",
+             "system_prompt", "max_prompt_length"),
+    "rewards": ("reward", "reward_weights", "format_pattern", "reward_model_device", "reward_model_batch_size"),
     "algorithm": ("algorithm", "num_minibatches", "epochs", "clip_low", "clip_high", "loss_agg", "adv_scale", "beta",
                   "kl_estimator", "old_logp", "mask_truncated_completions", "sapo_tau_pos", "sapo_tau_neg"),
     "sampler/trainer mismatch corrections": ("rollout_is", "rollout_is_mode", "rollout_is_low", "rollout_is_high",

@@ -130,7 +130,7 @@ class Guard:
 # the run it was (a longer --steps with a decaying LR schedule stretches the schedule, though)
 SAFE_ON_RESUME = ("steps", "device", "threads", "progress", "report_to", "wandb_project", "save_every",
                   "keep_checkpoints", "eval_every", "samples_per_step", "vllm_gpu_memory_utilization",
-                  "vllm_kv_cache_gib", "vllm_sleep")
+                  "vllm_kv_cache_gib", "vllm_sleep", "reward_model_device", "reward_model_batch_size")
 
 
 def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfig:
