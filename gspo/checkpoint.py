@@ -299,6 +299,9 @@ def restore_run(run) -> None:
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
     run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
+    done = is_complete(run.run_dir, run.start_step)  # the final evaluation ran after this checkpoint was written
+    if done is not None and done.get("steps") == run.start_step:
+        run.evals = [e for e in done.get("evals", []) if e["step"] <= run.start_step]
     run.steps_done = run.start_step
     run.t_start -= state["wall_seconds"]
     if dist.is_main:

@@ -4,6 +4,7 @@
     gspo eval --model DIR|CHECKPOINT|RUN_DIR [--k 8] [--dataset ... --reward ...]
     gspo plot RUN_DIR [RUN_DIR ...] --metrics reward/mean,clip/frac --output plot.png
     gspo compare [--preset paper|length] [--configs gspo grpo grpo-rr] [--seeds 0 1] [--steps 60 ...]
+    gspo export RUN_DIR|CHECKPOINT OUT [--dtype bfloat16] [--step N] [--push-to-hub ORG/NAME [--private]]
 
 Every `gspo train` flag is a field of `gspo.config.TrainConfig` (its docstring is the help).
 Errors in flags, config files or values print one line, `gspo <command>: error: ...`, and
@@ -12,19 +13,22 @@ exit with status 2, without a traceback (set GSPO_DEBUG=1 to see one).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import tyro
 
+from gspo.argv import UsageError
+from gspo.argv import list_flags as _list_flags
+from gspo.argv import merge_repeated as _merge_repeated
+from gspo.argv import parse as _parse
+from gspo.argv import take as _take
+from gspo.argv import take_many as _take_many
 from gspo.config import ConfigError, TrainConfig
-from gspo.configfile import load_yaml
+from gspo.configfile import eval_names, in_memory, load_yaml
 from gspo.distributed import say_once
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
@@ -34,108 +38,8 @@ commands:
   eval    greedy accuracy and pass@k of a model on a task's evaluation rows (gspo eval --help)
   plot    plot metrics of one or more runs against the step (gspo plot --help)
   compare the paper's comparisons at small scale: several configurations, one report (gspo compare --help)
+  export  a run's trained policy as a plain Hugging Face model directory, LoRA merged (gspo export --help)
 """
-
-
-class UsageError(Exception):
-    pass
-
-
-def _parse(fn_or_cls, args: list[str], prog: str, default=None):
-    """Run tyro; turn its boxed parse errors into one line. --help still prints in full."""
-    if any(a in ("-h", "--help") for a in args):
-        return tyro.cli(fn_or_cls, args=args, prog=prog, default=default)
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
-            return tyro.cli(fn_or_cls, args=args, prog=prog, default=default)
-    except SystemExit as e:
-        if e.code in (0, None):
-            raise
-        raise UsageError(_first_error_line(buf.getvalue())) from None
-
-
-def _first_error_line(text: str) -> str:
-    """tyro's error box -> 'Title: detail' on one line.
-
-    The box is a title, then sections separated by rules (the detail, the argument's help,
-    a pointer to --help); rules and borders are box-drawing characters on a terminal and
-    dashes otherwise.
-    """
-    sections: list[list[str]] = [[]]
-    for raw in text.splitlines():
-        line = re.sub(r"[│┃╭╮╰╯]", " ", raw).strip()
-        if line and set(line) <= set("─━-"):
-            sections.append([])
-        elif line:
-            sections[-1].append(line)
-    sections = [" ".join(sec) for sec in sections if sec]
-    sections = [sec for sec in sections if not sec.lower().startswith(("argument helptext", "for full helptext", "usage:"))]
-    if not sections:
-        return "invalid arguments"
-    title, detail = sections[0], (sections[1] if len(sections) > 1 else "")
-    if not detail or detail.lower().startswith(title.lower()):
-        return detail or title
-    return f"{title}: {detail}"
-
-
-def _take(args: list[str], flag: str) -> tuple[str | None, list[str]]:
-    """Remove `flag VALUE` (or `flag=VALUE`) from args."""
-    out, value, i = [], None, 0
-    while i < len(args):
-        a = args[i]
-        if a == flag:
-            if i + 1 >= len(args):
-                raise UsageError(f"{flag} needs a value")
-            value = args[i + 1]
-            i += 2
-            continue
-        if a.startswith(flag + "="):
-            value = a.split("=", 1)[1]
-        else:
-            out.append(a)
-        i += 1
-    return value, out
-
-
-def _list_flags(cls) -> set[str]:
-    """Flags of tuple[X, ...] fields: they take several values."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    out = set()
-    for f in dataclasses.fields(cls):
-        args = typing.get_args(hints[f.name])
-        if typing.get_origin(hints[f.name]) is tuple and len(args) == 2 and args[1] is Ellipsis:
-            out.add("--" + f.name.replace("_", "-"))
-    return out
-
-
-def _merge_repeated(args: list[str], list_flags: set[str]) -> list[str]:
-    """`--reward a --reward b` -> `--reward a b` (tyro would keep only the last)."""
-    values: dict[str, list[str]] = {}
-    out: list[str] = []
-    i = 0
-    while i < len(args):
-        a = args[i]
-        if a in list_flags:
-            j = i + 1
-            while j < len(args) and not args[j].startswith("--"):
-                j += 1
-            if a not in values:
-                values[a] = []
-                out.append(a)
-                out.append(values[a])  # placeholder, filled below
-            values[a].extend(args[i + 1:j])
-            i = j
-            continue
-        out.append(a)
-        i += 1
-    flat: list[str] = []
-    for x in out:
-        flat.extend(x if isinstance(x, list) else [x])
-    return flat
 
 
 def cmd_train(args: list[str]) -> int:
@@ -152,6 +56,9 @@ def cmd_train(args: list[str]) -> int:
         if config_file is not None:
             raise UsageError("--resume continues a run with its saved config.yaml; --config cannot replace it")
         saved = _saved_config(resume)
+        if held := [v for k, v in in_memory(saved).items() if k != "model"]:  # the checkpoint has the model
+            raise UsageError(f"{resume} was trained from Python on objects ({', '.join(held)}): resume it from Python, "
+                             "passing them again: gspo.Trainer(..., train_dataset=...).train(resume=RUN_DIR)")
         changed = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=saved) \
             if args else None
         summary = Trainer(changed).train(resume=resume)
@@ -179,6 +86,13 @@ def _print_summary(summary: dict) -> None:
     head = f"{summary['algorithm']} on {summary['task']}"
     if not after.get("n"):
         print(f"{head}: {summary['steps']} steps in {summary['wall_seconds']:.0f}s (no evaluation: --eval-size 0)")
+    elif None in (before["accuracy"], after["accuracy"]):  # the first reward scored no evaluated row: not 0%
+        b, a = ("n/a" if v is None else f"{100 * v:.1f}%" if after.get("binary", True) else f"{v:.4g}"
+                for v in (before["accuracy"], after["accuracy"]))
+        when = "" if a == b else " before training" if b == "n/a" else " after training"
+        print(f"{head}: held-out greedy accuracy: {'n/a' if a == b else f'{b} -> {a}'} (the reward "
+              f"{after.get('metric')!r} returned None for every evaluated completion{when}) "
+              f"in {summary['wall_seconds']:.0f}s")
     elif after.get("binary", True):  # a 0/1 verifier: a share of problems solved
         b, a = before["accuracy"], after["accuracy"]
         print(f"{head}: held-out greedy accuracy {100 * b:.1f}% -> {100 * a:.1f}% ({100 * (a - b):+.1f} points) "
@@ -196,7 +110,9 @@ class EvalArgs:
     """gspo eval: greedy accuracy (and pass@k) of a model on a task's evaluation rows."""
 
     model: str
-    """A model directory, a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    """A model directory, a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct), a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    revision: str | None = None
+    """Hub revision of --model (a branch, tag or commit hash; default: the run's, else main); for a LoRA checkpoint, of its base model."""
     k: int = 8
     """Samples per problem for pass@k at --temperature (0 = greedy accuracy only)."""
     eval_size: int | None = None
@@ -204,11 +120,13 @@ class EvalArgs:
     task: str | None = None
     """Built-in task (default: the run's, else arithmetic)."""
     dataset: str | None = None
-    """Dataset whose held-out slice is evaluated (default: the run's)."""
+    """Dataset whose held-out slice is evaluated: a file, directory or Hub dataset id (default: the run's)."""
+    dataset_config: str | None = None
+    """Configuration (subset) of a Hub dataset, e.g. main for openai/gsm8k (default: the run's)."""
     eval_dataset: str | None = None
-    """Evaluation data file or directory."""
+    """Evaluation data file, directory or Hub dataset id."""
     eval_split: str | None = None
-    """Split of a dataset directory to evaluate."""
+    """Split of a dataset directory or Hub dataset to evaluate (e.g. test)."""
     prompt_column: str | None = None
     """Prompt column of the data."""
     answer_column: str | None = None
@@ -253,6 +171,7 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
              if f.name not in ("model", "k") and getattr(a, f.name) is not None}
     if "dtype" in given:
         keep["param_dtype"] = given["dtype"]
+    keep.update(eval_names(a.model, base, given))  # a run trained from Python on objects: what replaces them
     return dataclasses.replace(base, **keep, **given, output_dir="-"), model
 
 
@@ -263,6 +182,7 @@ def cmd_eval(args: list[str]) -> int:
     from gspo.evaluation import evaluate
     from gspo.models import DTYPES, load_policy, resolve_device
     from gspo.rollout import stop_token_ids
+    from gspo.models import quiet_peft
     from gspo.run import task_and_rewards
 
     a = _parse(EvalArgs, _merge_repeated(args, _list_flags(EvalArgs)), "gspo eval")
@@ -271,7 +191,9 @@ def cmd_eval(args: list[str]) -> int:
     cfg, model_path = eval_config(a)
     cfg = resolve(cfg)
     task, rewards = task_and_rewards(cfg)
-    model, tok = load_policy(model_path, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device))
+    with quiet_peft():  # a LoRA checkpoint: peft's deprecation warning is not the user's
+        model, tok = load_policy(model_path, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device),
+                                 revision=cfg.revision)
     env, max_turns = episode_env(cfg.env, task, cfg.max_turns, tok)
     res = evaluate(model, tok, task, rewards, n=cfg.eval_size, k=a.k, temperature=cfg.temperature,
                    max_new_tokens=cfg.max_new_tokens, seed=a.seed, progress=cfg.progress,
@@ -306,20 +228,6 @@ def cmd_plot(args: list[str]) -> int:
                     smooth_n=a.smooth, title=a.title)
     print(f"wrote {out}")
     return 0
-
-
-def _take_many(args: list[str], flag: str) -> tuple[list[str] | None, list[str]]:
-    """Remove `flag V1 V2 ...` (values up to the next --option) from args."""
-    if flag not in args:
-        return None, args
-    i = args.index(flag)
-    j = i + 1
-    while j < len(args) and not args[j].startswith("--"):
-        j += 1
-    if j == i + 1:
-        raise UsageError(f"{flag} needs at least one value")
-    more, rest = _take_many(args[:i] + args[j:], flag)
-    return args[i + 1:j] + (more or []), rest
 
 
 def cmd_compare(args: list[str]) -> int:
@@ -361,7 +269,24 @@ def cmd_compare(args: list[str]) -> int:
 
 COMPARE_SEEDS = (0, 1, 2)
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "compare": cmd_compare}
+
+def cmd_export(args: list[str]) -> int:
+    """A run (its newest checkpoint) or a checkpoint as a Hugging Face model directory; uploaded with --push-to-hub."""
+    from gspo.export import ExportArgs, check_push, export, push_to_hub
+
+    a = _parse(ExportArgs, args, "gspo export")
+    if a.private and not a.push_to_hub:
+        raise UsageError("--private applies to the repository --push-to-hub creates; give --push-to-hub ORG/NAME")
+    if a.push_to_hub:
+        check_push(a.push_to_hub)  # before the export's work
+    out = export(a.source, a.out, step=a.step, dtype=a.dtype, base_model=a.base_model, repo_id=a.push_to_hub)
+    print(f"wrote {out}")
+    if a.push_to_hub:
+        print(f"pushed to {push_to_hub(out, a.push_to_hub, private=a.private)}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "compare": cmd_compare, "export": cmd_export}
 
 
 def main(argv: list[str] | None = None) -> int:

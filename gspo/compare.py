@@ -151,8 +151,8 @@ def _seed_mean(series: list[tuple[list, list]]) -> tuple[list, list]:
 def summarise(run_dir: Path) -> dict:
     rows = ckpt.read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
-    evals = [e["accuracy"] for e in summary.get("evals", [])]
-    final = summary["eval_after"]["accuracy"]
+    evals = [e["accuracy"] for e in summary.get("evals", []) if e.get("accuracy") is not None]
+    final = summary["eval_after"]["accuracy"]  # None: no evaluation, or the reward scored no completion
     def bad(v):  # NaN/inf are written to metrics.jsonl as null
         return v is None or (isinstance(v, float) and not math.isfinite(v))
 
@@ -160,13 +160,13 @@ def summarise(run_dir: Path) -> dict:
     return {
         "accuracy": final,
         "accuracy_before": summary["eval_before"]["accuracy"],
-        "accuracy_best": max(evals + [final]),  # the best held-out accuracy the run reached
+        "accuracy_best": max(evals + [final], default=None, key=lambda a: -1 if a is None else a),  # the best reached
         "clip_frac_mean": _mean([r.get("clip/frac") for r in rows]),
         "drift_mean": _mean([r.get("moe/drift") for r in rows]),
         "drift_in_ratio_mean": _mean([r.get("moe/drift_in_ratio") for r in rows]),
         "mismatch_mean": _mean([r.get("mismatch/token_abs") for r in rows]),
         "reward_last10_mean": _mean([r.get("reward/mean") for r in rows[-10:]]),
-        "diverged": bool(nonfinite or (evals and final < max(evals) - COLLAPSE_POINTS)),
+        "diverged": bool(nonfinite or (evals and final is not None and final < max(evals) - COLLAPSE_POINTS)),
         "wall_seconds": summary["wall_seconds"],
     }
 

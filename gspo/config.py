@@ -60,7 +60,7 @@ class TrainConfig:
     revision: str | None = None
     """Hub revision of --model (a branch, tag or commit hash; None: main); also used for the reference model and PPO's critic."""
     task: str = "arithmetic"
-    """Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, chain (long answers: count up from a in steps of d to 1000, every step written out, 55-217 tokens; use --model tiny-long or tiny-long-moe), or calculator (multi-turn: two-digit products with a calculator tool; its model, tiny-tool, is the default). Ignored with --dataset."""
+    """Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, chain (long answers: count up from a in steps of d to 1000, every step written out, 55-217 tokens; its model, tiny-long, is the default; tiny-long-moe is its MoE twin), or calculator (multi-turn: two-digit products with a calculator tool; its model, tiny-tool, is the default). Ignored with --dataset."""
 
     # --- your own data and rewards -------------------------------------------------------
     dataset: str | None = None
@@ -82,7 +82,7 @@ class TrainConfig:
     answer_column: str = "answer"
     """Dataset column holding the reference answer (string or number) that rewards compare to; passed to rewards as `answer`."""
     reward: tuple[str, ...] = ()
-    """Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length) or module:function / file.py:function. Empty: the task's default (exact_integer for the built-in tasks, exact_match for a dataset). The first reward is the accuracy reported by evaluation."""
+    """Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length), module:function / file.py:function, or a learned reward model (an AutoModelForSequenceClassification directory or Hub id, scored on prompt + completion with its own tokenizer and chat template). Empty: the task's default (exact_integer for the built-in tasks, exact_match for a dataset). The first reward is the accuracy reported by evaluation."""
     reward_weights: tuple[float, ...] = ()
     """One weight per --reward; the training reward is their weighted sum (empty: all 1)."""
     reward_model_device: str | None = None
@@ -217,7 +217,7 @@ class TrainConfig:
 
     # --- model ---------------------------------------------------------------------------
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Compute dtype of the policy. bfloat16 / float16: mixed precision, float32 master weights and optimizer state with forwards under autocast (float16 adds loss scaling); the sampler is a copy in this dtype. Log-softmax and the loss are always float32."""
+    """Compute dtype of the policy. bfloat16 / float16: mixed precision, float32 master weights and optimizer state with forwards under autocast (float16 adds loss scaling); the sampler is a copy in this dtype (under --parallel fsdp, the sharded policy itself, gathered in this dtype for each rollout). Log-softmax and the loss are always float32."""
     param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the trained weights and their optimizer state: float32 (mixed precision with --dtype), or the same as --dtype for pure low-precision training (bfloat16: half the memory, but updates smaller than a weight's resolution are lost)."""
     micro_batch_tokens: int = 0
@@ -264,6 +264,13 @@ class TrainConfig:
     """Also log metrics to tensorboard (run_dir/tensorboard) and/or wandb; metrics.jsonl is always written."""
     wandb_project: str = "gspo"
     """Weights & Biases project (set WANDB_MODE=offline to log without a network)."""
+
+    @classmethod
+    def from_trl(cls, **options) -> TrainConfig:
+        """A config from TRL's GRPOConfig names (num_generations=8, loss_type="dr_grpo") and gspo's (gspo.aliases)."""
+        from gspo.aliases import from_trl
+
+        return from_trl(**options)
 
 
 AT_LEAST = {  # simple lower bounds: field -> smallest valid value
@@ -340,8 +347,10 @@ def _validate_combinations(cfg: TrainConfig) -> None:
          "cannot be combined with --gradient-checkpointing (the recomputed forward would route freely)")
     need(not (cfg.parallel == "fsdp" and cfg.lora_r > 0), "parallel",
          "fsdp cannot be combined with --lora-r (use --parallel ddp: the adapters are small)")
-    need(not (cfg.parallel == "fsdp" and cfg.rollout_dtype != "same"), "parallel",
-         "fsdp cannot be combined with --rollout-dtype (use --parallel ddp)")
+    need(not (cfg.parallel == "fsdp" and cfg.rollout_dtype not in ("same", cfg.dtype)), "parallel",
+         f"fsdp samples with the sharded policy itself, in --dtype {cfg.dtype}: a --rollout-dtype of "
+         f"{cfg.rollout_dtype} would need a second full copy of the weights on every process; drop --rollout-dtype "
+         f"(or set --dtype {cfg.rollout_dtype}), or use --parallel ddp")
     need(not (cfg.algorithm == "ppo" and cfg.critic == "separate" and cfg.lora_r > 0), "critic",
          "separate needs full weights; with --lora-r use --critic shared (a value head on the LoRA policy)")
     need(cfg.param_dtype in ("float32", cfg.dtype), "param_dtype",

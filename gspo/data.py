@@ -1,12 +1,14 @@
-"""Your own data: prompts (and reference answers) from files, validated row by row.
+"""Your own data: prompts (and reference answers) from files or the Hugging Face Hub, validated row by row.
 
     from gspo.data import load_dataset_task
     task = load_dataset_task("train.jsonl", prompt_column="question", answer_column="solution")
+    task = load_dataset_task("openai/gsm8k", config="main", prompt_column="question", eval_split="test")
 
 Formats, chosen by the path:
 
 | path | read with |
 | --- | --- |
+| `ORG/NAME`, a Hub dataset id (not a local path) | `datasets.load_dataset(id, config)` (gspo.hub; `--dataset-config`, `--dataset-split`, `--eval-split`) |
 | `*.jsonl`, `*.ndjson` | one JSON object per line |
 | `*.json` | a JSON list of objects |
 | `*.csv`, `*.tsv` | a header row, then one row per example |
@@ -21,10 +23,12 @@ number. Every column travels with its row and reaches reward functions as a keyw
 argument. Problems are reported as one line naming the file, the line or row, and the field:
 
     train.jsonl line 17: field 'prompt' must be a non-empty string or a list of chat messages, got int
+    openai/gsm8k[main] train row 17: field 'answer' must be a string or a number, got list
 
-Evaluation rows: `--eval-dataset`, or `--eval-split` of a dataset directory, or else a fixed
-held-out slice of the training file (the smaller of `eval_size` and a tenth of it), never
-trained on.
+Evaluation rows: `--eval-dataset`, or `--eval-split` of a dataset directory, Hub dataset or
+in-memory `datasets.DatasetDict`, or else a fixed held-out slice of the training data (the
+smaller of `eval_size` and a tenth of it), never trained on. `--dataset-config` applies to
+both Hub ids (`--dataset` and `--eval-dataset`).
 """
 
 from __future__ import annotations
@@ -123,16 +127,49 @@ def _read_hf_dir(path: Path, split: str | None):
     except Exception as e:
         raise DataError(f"{path}: not a readable dataset directory ({type(e).__name__}: {' '.join(str(e).split())})") from None
     if isinstance(ds, (datasets.DatasetDict, dict)):
-        if split is None or split not in ds:
-            splits = ", ".join(ds.keys())
-            raise DataError(f"{path}: no split {split!r} (splits: {splits}); choose one with --dataset-split / --eval-split")
-        ds = ds[split]
+        ds = _split_of(ds, split, str(path))
     for n, row in enumerate(ds, 1):
         yield f"{path} row {n}", dict(row)
 
 
-def read_records(path: str | Path, split: str | None = None) -> list[tuple[str, dict]]:
-    """(source, row) pairs from a file or dataset directory."""
+DATA_SUFFIXES = (".jsonl", ".ndjson", ".json", ".csv", ".tsv", ".parquet")
+
+
+def is_hub_dataset(path) -> bool:
+    """A Hub dataset id: `ORG/NAME`, not an existing local path, not a data file's name."""
+    from gspo.hub import looks_like_hub_id
+
+    return isinstance(path, str) and "/" in path and looks_like_hub_id(path) and not path.endswith(DATA_SUFFIXES)
+
+
+def hub_name(repo_id: str, config: str | None) -> str:
+    """How rows of a Hub dataset are named in messages: `openai/gsm8k[main]`."""
+    return f"{repo_id}[{config}]" if config else repo_id
+
+
+def _read_hub(repo_id: str, config: str | None, split: str | None):
+    from gspo.hub import load_dataset_dict
+
+    ds = _split_of(load_dataset_dict(repo_id, config), split, hub_name(repo_id, config))
+    for n, row in enumerate(ds, 1):
+        yield f"{hub_name(repo_id, config)} {split} row {n}", dict(row)
+
+
+def _split_of(splits, split: str | None, name: str):
+    """One split of a DatasetDict, or a one-line error listing its splits."""
+    if split is None or split not in splits:
+        raise DataError(f"{name}: no split {split!r} (splits: {', '.join(splits.keys())}); choose one with "
+                        "--dataset-split / --eval-split")
+    return splits[split]
+
+
+def read_records(path: str | Path, split: str | None = None, config: str | None = None) -> list[tuple[str, dict]]:
+    """(source, row) pairs from a file, a dataset directory or a Hub dataset id (its `config`)."""
+    if is_hub_dataset(path):
+        out = list(_read_hub(path, config, split))
+        if not out:
+            raise DataError(f"{hub_name(path, config)} {split}: no rows")
+        return out
     path = Path(path).expanduser()
     if not path.exists():
         raise DataError(f"{path}: no such file or directory")
@@ -249,12 +286,12 @@ class DatasetTask:
 
 def rows_of(data, name: str) -> list[tuple[str, dict]]:
     """(source, row) pairs of in-memory data: a list of dicts or a `datasets.Dataset`."""
-    if hasattr(data, "column_names") and hasattr(data, "__iter__"):  # datasets.Dataset
+    if hasattr(data, "column_names") and hasattr(data, "__iter__") and not isinstance(data, dict):  # datasets.Dataset
         rows = [dict(r) for r in data]
     elif isinstance(data, (list, tuple)):
         rows = list(data)
     else:
-        raise DataError(f"{name}: expected a list of dicts or a datasets.Dataset, got {type(data).__name__}")
+        raise DataError(f"{name}: expected a list of dicts, a datasets.Dataset or DatasetDict, got {type(data).__name__}")
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise DataError(f"{name} row {n}: expected a dict, got {type(row).__name__}")
@@ -263,31 +300,57 @@ def rows_of(data, name: str) -> list[tuple[str, dict]]:
     return [(f"{name} row {n}", row) for n, row in enumerate(rows, 1)]
 
 
-def load_dataset_task(path: str, *, prompt_column: str = "prompt", answer_column: str = "answer",
-                      split: str = "train", eval_path: str | None = None, eval_split: str | None = None,
-                      eval_size: int = 500, require_answer: bool = True) -> DatasetTask:
-    """Read, validate and split a dataset; raises DataError on the first bad row."""
+def _is_dataset_dict(data) -> bool:
+    """A `datasets.DatasetDict` (a dict of splits), without importing datasets."""
+    return isinstance(data, dict) and bool(data) and all(hasattr(v, "column_names") for v in data.values())
+
+
+def has_splits(data) -> bool:
+    """Whether `data` has named splits: an in-memory DatasetDict, a Hub dataset id or a dataset directory."""
+    if not isinstance(data, (str, Path)):
+        return _is_dataset_dict(data)
+    return is_hub_dataset(data) or Path(data).expanduser().is_dir()
+
+
+def _name(data, config: str | None, in_memory: str) -> str:
+    if not isinstance(data, (str, Path)):
+        return in_memory
+    return hub_name(data, config) if is_hub_dataset(data) else str(data)
+
+
+def _records(data, split: str, config: str | None, name: str) -> list[tuple[str, dict]]:
+    """(source, row) pairs of `data` (in memory, a Hub id, a directory or a file); `split` where it has splits."""
+    if not isinstance(data, (str, Path)):
+        if _is_dataset_dict(data):
+            return rows_of(_split_of(data, split, name), f"{name}[{split}]")
+        return rows_of(data, name)
+    return read_records(data, split if has_splits(data) else None, config)
+
+
+def load_dataset_task(path, *, prompt_column: str = "prompt", answer_column: str = "answer",
+                      split: str = "train", eval_path=None, eval_split: str | None = None,
+                      eval_size: int = 500, require_answer: bool = True, config: str | None = None) -> DatasetTask:
+    """Read, validate and split a dataset; raises DataError on the first bad row.
+
+    path / eval_path: a file, a dataset directory, a Hub dataset id (with `config`), or in-memory
+    rows (a list of dicts, a datasets.Dataset, or a DatasetDict whose `split` / `eval_split` are used)."""
     kw = dict(prompt_column=prompt_column, answer_column=answer_column, require_answer=require_answer)
     notes: list[str] = []  # warnings, said once the run starts (not before an error)
-    in_memory = not isinstance(path, (str, Path))  # the Python API's train_dataset= / eval_dataset=
-    is_dir = not in_memory and Path(path).expanduser().is_dir()
-    name = "train_dataset" if in_memory else path
-    records = rows_of(path, name) if in_memory else read_records(path, split if is_dir else None)
-    train = to_examples(records, name, **kw)
-    if eval_path is not None and not isinstance(eval_path, (str, Path)):
-        evals = to_examples(rows_of(eval_path, "eval_dataset"), "eval_dataset", **kw)
-    elif eval_path is not None:
-        eval_dir = Path(eval_path).expanduser().is_dir()
-        evals = to_examples(read_records(eval_path, (eval_split or split) if eval_dir else None), eval_path, **kw)
+    name = _name(path, config, "train_dataset")
+    train = to_examples(_records(path, split, config, name), name, **kw)
+    if eval_path is not None:
+        eval_name = _name(eval_path, config, "eval_dataset")
+        evals = to_examples(_records(eval_path, eval_split or split, config, eval_name), eval_name, **kw)
     elif eval_split is not None:
-        if not is_dir:
-            raise DataError(f"{path}: --eval-split needs a dataset directory with splits; give --eval-dataset FILE instead")
-        evals = to_examples(read_records(path, eval_split), path, **kw)
+        if not has_splits(path):
+            raise DataError(f"{name}: --eval-split needs data with splits (a dataset directory, a Hub dataset or a "
+                            "DatasetDict); give --eval-dataset FILE instead")
+        evals = to_examples(_records(path, eval_split, config, name), name, **kw)
     else:
         if len(train) < 2:
             raise DataError(f"{name}: only {len(train)} row; need at least 2 to hold one out for evaluation, or give --eval-dataset")
-        held = min(eval_size, max(1, len(train) // 10))
-        if held < 10:
+        held = min(eval_size, max(1, len(train) // 10))  # 0 with --eval-size 0: nothing held out
+        if 0 < held < 10:
             notes.append(f"{name}: evaluating on {held} held-out row(s) of {len(train)} (a tenth of the data): the "
                          f"accuracy moves in steps of {100 / held:.0f} points; give --eval-dataset for a real evaluation")
         order = list(range(len(train)))
@@ -295,4 +358,5 @@ def load_dataset_task(path: str, *, prompt_column: str = "prompt", answer_column
         evals = [train[i] for i in sorted(order[:held])]
         keep = set(order[held:])
         train = [ex for i, ex in enumerate(train) if i in keep]
-    return DatasetTask(train, evals, name=name if in_memory else Path(path).name, notes=notes)
+    short = name if not isinstance(path, (str, Path)) or is_hub_dataset(path) else Path(path).name
+    return DatasetTask(train, evals, name=short, notes=notes)

@@ -6,9 +6,11 @@
 
 `accuracy` is the mean of the *first* reward over greedy completions (for a 0/1 verifier, the
 fraction answered correctly; `binary` says whether every value was 0 or 1, `metric` names the
-reward; rows where it returned None are left out); `reward` is the mean weighted sum of all rewards. `pass@k` is
-the fraction of rows where at least one of k samples (at `temperature`) gets a first reward
-of 1; `sample_accuracy` the mean first reward over those samples.
+reward). Rows where it returned None (does not apply) are left out: `n_scored` counts the
+rows it scored, and where it scored none `accuracy` is None, never 0. `reward` is the mean
+weighted sum of all rewards. `pass@k` is the fraction of rows where at least one of k samples
+(at `temperature`) gets a first reward of 1; `sample_accuracy` the mean first reward over the
+samples it scored.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import torch
 
 from gspo.episodes import run_episodes
-from gspo.rewards import Reward, score_completions
+from gspo.rewards import Reward, TrainerState, score_completions
 from gspo.rollout import (PolicySampler, cut_at_stop_strings, decode_completions, encode_prompts, generate,
                           sampling_params, stop_token_ids)
 
@@ -27,19 +29,20 @@ from gspo.rollout import (PolicySampler, cut_at_stop_strings, decode_completions
 def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: int = 0, temperature: float = 1.0,
              max_new_tokens: int = 8, batch_size: int = 128, seed: int = 0, progress: bool = False,
              dist=None, stop: tuple[int, ...] | None = None, max_prompt_length: int = 0,
-             stop_strings: tuple[str, ...] = (), env=None, max_turns: int = 1, max_episode_tokens: int = 0) -> dict:
+             stop_strings: tuple[str, ...] = (), env=None, max_turns: int = 1, max_episode_tokens: int = 0,
+             trainer_state: TrainerState | None = None) -> dict:
     """dist (gspo.distributed.Dist): each process evaluates its contiguous share of the rows
     and the sums are added up; every process returns the same result. stop: the stop token
     ids (default: the tokenizer's EOS and the model's generation config's, `stop_token_ids`).
     The pass@k samples draw from a CPU generator whatever the model's device (the sampler
     draws its uniforms on the CPU). env: an environment class (gspo.env): each row is then an
-    episode of up to `max_turns` model turns (gspo.episodes), scored on its final model turn."""
+    episode of up to `max_turns` model turns (gspo.episodes), scored on its final model turn.
+    trainer_state: what the rewards get as `trainer_state` (a training run's progress)."""
     all_examples = task.test_set(n)
     lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
     examples = all_examples[lo:hi]
     first = rewards[0].name
-    acc = total = pass_k = sample_acc = applied = 0.0
-    binary = True  # every first-reward value seen is 0 or 1: a verifier, and `accuracy` is a share correct
+    sums = dict.fromkeys(("acc", "scored", "total", "pass_k", "sample_acc", "sample_scored", "nonbinary"), 0.0)
     gen = torch.Generator().manual_seed(seed)
     stop = stop or stop_token_ids(tokenizer, model)
     greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
@@ -55,26 +58,31 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
         episode = dict(env=env, max_turns=max_turns, max_tokens=max_episode_tokens, stop_strings=stop_strings,
                        max_prompt_length=max_prompt_length)
         texts, ids = _complete(model, tokenizer, chunk, greedy, None, **episode)
-        weighted, per = score_completions(rewards, chunk, texts, ids, 1)
+        weighted, per = score_completions(rewards, chunk, texts, ids, 1, trainer_state)
         values = [v for v in per[first] if v == v]  # None (NaN): the reward does not apply to that row
-        acc, applied, total = acc + sum(values), applied + len(values), total + sum(weighted)
-        binary = binary and all(v in (0.0, 1.0) for v in values)
+        sums["acc"] += sum(values)
+        sums["scored"] += len(values)
+        sums["total"] += sum(weighted)
+        sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
             texts, ids = _complete(model, tokenizer, chunk, sampled, gen, **episode)
-            _, per = score_completions(rewards, chunk, texts, ids, k)
-            r = torch.tensor(per[first]).view(len(chunk), k)
-            pass_k += float((r >= 1.0).any(1).sum())
-            sample_acc += float(r.mean(1).sum())
+            _, per = score_completions(rewards, chunk, texts, ids, k, trainer_state)
+            r = torch.tensor(per[first]).view(len(chunk), k)  # (rows, k); NaN where it does not apply
+            sums["pass_k"] += float((r >= 1.0).any(1).sum())
+            sums["sample_acc"] += float(r.nan_to_num(0.0).sum())
+            sums["sample_scored"] += float((r == r).sum())
     if dist is not None and dist.enabled:
-        acc, total, pass_k, sample_acc, applied, binary = dist.all_sum(torch.tensor(
-            [acc, total, pass_k, sample_acc, applied, float(not binary)], dtype=torch.float64)).tolist()
-        binary = binary == 0
-    n_all = len(all_examples)
-    out = {"accuracy": acc / max(applied, 1), "reward": total / n_all, "n": n_all, "metric": first,
-           "binary": bool(binary)}
+        sums = dict(zip(sums, dist.all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
+    return _result(sums, n=len(all_examples), k=k, metric=first)
+
+
+def _result(sums: dict, *, n: int, k: int, metric: str) -> dict:
+    """The evaluation's numbers from its sums; a mean over no scored rows is None."""
+    out = {"accuracy": sums["acc"] / sums["scored"] if sums["scored"] else None, "n_scored": int(sums["scored"]),
+           "reward": sums["total"] / n, "n": n, "metric": metric, "binary": sums["nonbinary"] == 0}
     if k > 0:
-        out[f"pass@{k}"] = pass_k / n_all
-        out["sample_accuracy"] = sample_acc / n_all
+        out[f"pass@{k}"] = sums["pass_k"] / n
+        out["sample_accuracy"] = sums["sample_acc"] / sums["sample_scored"] if sums["sample_scored"] else None
     return out
 
 

@@ -20,8 +20,12 @@ Safety. It is used only for dense Llama-family decoders it knows (Llama, Mistral
 Qwen3: RMSNorm, rotary, SiLU-gated MLP, optional QKV bias and Q/K norms), not for PEFT-wrapped
 models, MoE models or sliding windows that the rollout would reach. And every rollout checks
 it: the first decode step is computed both ways and must agree (1e-3 on the logits in fp32),
-or the rollout continues with Hugging Face's forward. The log-probs it records equal a
-full-sequence recomputation to 1e-5 (tests/test_rollout.py).
+or the rollout continues with Hugging Face's forward (said once, in a warning line). The
+log-probs it records equal a full-sequence recomputation to 1e-5 (tests/test_rollout.py).
+
+FSDP. A sharded model is decoded with its parameters gathered (gspo.parallel.gathered): the
+compact step then reads plain tensors, in the MixedPrecisionPolicy's dtype; `describe` says
+which path a run takes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gspo.lmhead import fused_head
+from gspo.reporting import warn
 
 Tensor = torch.Tensor
 
@@ -100,18 +105,7 @@ class FastDecoder(HFDecoder):
 
     @staticmethod
     def supports(model, max_len: int) -> bool:
-        if hasattr(model, "get_base_model") or fused_head(model) is None:
-            return False  # PEFT adapters, special heads
-        cfg = model.config
-        if cfg.model_type not in FAST_MODEL_TYPES or getattr(cfg, "hidden_act", "silu") != "silu":
-            return False
-        if getattr(cfg, "mlp_bias", False) or getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-            return False
-        window = getattr(cfg, "sliding_window", None)
-        uses_window = getattr(cfg, "use_sliding_window", True) or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
-        if window is not None and uses_window and max_len > window:
-            return False
-        return True
+        return unsupported(model, max_len) is None
 
     def expand(self, group_size: int) -> None:
         super().expand(group_size)  # the DynamicCache too: it is the fallback and the check's reference
@@ -147,6 +141,7 @@ class FastDecoder(HFDecoder):
             tol = CHECK_TOL.get(logits.dtype, 0.25)
             if not torch.allclose(logits.float(), reference.float(), atol=tol, rtol=0):
                 self.fallback = True
+                _say_fallback(float((logits.float() - reference.float()).abs().max()), tol)
                 return reference
             self.checked = True
             self.cache = None  # the fast cache carries on alone
@@ -178,6 +173,44 @@ class FastDecoder(HFDecoder):
                              mlp.down_proj.weight)  # (B, H)
         self.t += 1
         return F.linear(_rms(x, self.backbone.norm), self.head.weight)  # (B, V)
+
+
+_said = []  # the fallback is said once per process
+
+
+def _say_fallback(diff: float, tol: float) -> None:
+    if not _said:
+        warn(f"fastdecode: the compact decode step's logits differ from Hugging Face's forward by {diff:.3g} "
+             f"(> {tol:g}) at a rollout's first step; such rollouts decode with Hugging Face's forward (slower)")
+        _said.append(True)
+
+
+def unsupported(model, max_len: int) -> str | None:
+    """Why `model` decodes with Hugging Face's forward rather than the compact step, for
+    rollouts of up to `max_len` tokens; None when the compact step serves it. An FSDP-sharded
+    model qualifies only while its parameters are gathered (the head must be a plain tensor)."""
+    if hasattr(model, "get_base_model"):
+        return "a PEFT model"
+    if fused_head(model) is None:
+        return "its LM head is not a plain bias-free linear map of the last hidden state"
+    cfg = model.config
+    if cfg.model_type not in FAST_MODEL_TYPES:
+        return f"model_type {cfg.model_type} is not one of {', '.join(sorted(FAST_MODEL_TYPES))}"
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+        return "its MLP is not a bias-free SiLU-gated one"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attention implementation {cfg._attn_implementation}"
+    window = getattr(cfg, "sliding_window", None)
+    uses_window = getattr(cfg, "use_sliding_window", True) or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    if window is not None and uses_window and max_len > window:
+        return f"rollouts of {max_len} tokens pass its sliding window of {window}"
+    return None
+
+
+def describe(model, max_len: int) -> str:
+    """The decode path `generate` takes for `model`, in words (for the run's start-up notes)."""
+    why = unsupported(model, max_len)
+    return "the compact decode step (gspo.fastdecode)" if why is None else f"Hugging Face's forward ({why})"
 
 
 def decoder(model, max_len: int) -> HFDecoder:

@@ -149,14 +149,20 @@ def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfi
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Paths made absolute (model and data directories, reward files, the run directory), so a
-    run directory and its checkpoints work from any working directory."""
+    """Paths made absolute (model and data directories, reward files and reward-model
+    directories, the run directory), so a run directory and its checkpoints work from any
+    working directory. Hub ids and built-in names are left as they are (they are no paths)."""
 
     def absolute(p):
         return str(Path(p).expanduser().resolve()) if p is not None and Path(p).expanduser().exists() else p
 
-    rewards = tuple(f"{absolute(r.rpartition(':')[0])}:{r.rpartition(':')[2]}" if ":" in r and
-                    Path(r.rpartition(":")[0]).exists() else r for r in cfg.reward)
+    def reward(r: str) -> str:
+        target, colon, attr = r.rpartition(":")
+        if colon and Path(target).exists():  # path/to/file.py:function
+            return f"{absolute(target)}:{attr}"
+        return absolute(r) if not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
+
+    rewards = tuple(reward(r) for r in cfg.reward)
     out = str(Path(cfg.output_dir).expanduser().absolute()) if cfg.output_dir not in (None, "-") else cfg.output_dir
     from gspo.models import BUILTIN_MODELS
 

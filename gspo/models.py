@@ -1,8 +1,9 @@
-"""Loading policies: any local Hugging Face causal LM, or a built-in tiny model by name.
+"""Loading policies: a Hugging Face causal LM by Hub id or directory, or a built-in tiny model by name.
 
     from gspo.models import load_policy
     model, tokenizer = load_policy("tiny")                     # the built-in, shipped with gspo
     model, tokenizer = load_policy("/path/to/hf/dir", dtype=torch.bfloat16)
+    model, tokenizer = load_policy("Qwen/Qwen2.5-0.5B-Instruct", revision="main")   # a Hub id
     model, tokenizer = load_policy("runs/x/checkpoints/step-000060")   # full model or LoRA adapter
 
 The built-in models live in `gspo/assets/<name>/` as ordinary `save_pretrained` folders and
@@ -10,17 +11,27 @@ are loaded with the same `from_pretrained` code as a user's model. They are prod
 `scripts/make_tiny_model.py` (a short supervised warm-start on the arithmetic task, from a
 fixed seed; `tiny-long` and `tiny-long-moe`, for the long-answer `chain` task, by
 `scripts/make_long_model.py`), so they start partially competent: rewards vary within a group, which is what
-group-relative advantages need. Nothing is ever fetched from a hub (`local_files_only`).
+group-relative advantages need.
+
+A name that is not a built-in nor an existing directory but reads as a Hub id (`ORG/NAME`) is
+resolved to its local snapshot directory by gspo.hub (downloaded once, with only the files a
+model needs; read from the cache under HF_HOME with `HF_HUB_OFFLINE=1`; `revision` picks a
+branch, tag or commit). From there on everything reads a directory (`local_files_only`), and
+the model keeps the id as its `name_or_path`, so a LoRA adapter records the id as its base.
 
 A directory holding a PEFT LoRA adapter (`adapter_config.json`) is loaded as its base model
-plus the adapter. `add_lora` wraps a model for LoRA training.
+(a directory or Hub id, at the adapter's recorded revision) plus the adapter. `add_lora`
+wraps a model for LoRA training. Refused in one line: encoder and encoder-decoder models
+(BERT, T5, BART: not causal LMs), and directories without tokenizer files.
 
 Left out: quantisation and multi-device placement (see the distributed issue).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -144,7 +155,9 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def resolve_model_path(name_or_path: str) -> Path:
+def resolve_model_path(name_or_path: str, *, revision: str | None = None) -> Path:
+    """The local directory of a model: a built-in's, a local directory, or a Hub id's snapshot
+    (gspo.hub.model_dir; `revision` applies to Hub ids only). Raises ModelError / HubError."""
     if name_or_path in BUILTIN_MODELS:
         path = BUILTIN_MODELS[name_or_path]
         if not (path / "config.json").exists():
@@ -152,44 +165,76 @@ def resolve_model_path(name_or_path: str) -> Path:
                 "make_tool_model.py" if "tool" in name_or_path else "make_tiny_model.py"
             raise ModelError(f"built-in model {name_or_path!r} is missing from {path}; run scripts/{script}")
         return path
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        valid = ", ".join(BUILTIN_MODELS)
+    from gspo.hub import HubError, looks_like_hub_id, model_dir
+
+    path, valid = Path(name_or_path).expanduser(), ", ".join(BUILTIN_MODELS)
+    if not path.is_dir() and looks_like_hub_id(name_or_path):
+        try:
+            path = model_dir(name_or_path, revision=revision)
+        except HubError as e:  # a bare name may be a misspelt built-in
+            raise (HubError(f"{e}; nor a local directory (built-in models: {valid})") if "/" not in name_or_path
+                   else e) from None
+    elif not path.is_dir():
         raise ModelError(f"model {name_or_path}: no such directory (built-in models: {valid})")
     if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
-        raise ModelError(f"model {path}: no config.json, not a Hugging Face model directory")
+        raise ModelError(f"model {name_or_path}: no config.json, not a Hugging Face model directory")
     return path
 
 
-def check_causal_lm(path: Path) -> None:
-    """Fail with one line unless `path` holds a config AutoModelForCausalLM can build."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+def is_hub_model(name_or_path: str) -> bool:
+    """Whether `name_or_path` is loaded from the Hub (not a built-in, not an existing directory)."""
+    from gspo.hub import looks_like_hub_id
 
+    return name_or_path not in BUILTIN_MODELS and not Path(name_or_path).expanduser().is_dir() and \
+        looks_like_hub_id(name_or_path)
+
+
+def check_causal_lm(path: Path, name: str | None = None) -> None:
+    """Fail with one line (naming `name`, default the path) unless `path` holds a config
+    AutoModelForCausalLM can build as a decoder: encoders (BERT, RoBERTa) and encoder-decoder
+    models map to a causal-LM class too, but only as a decoder variant (`is_decoder`)."""
+    from transformers import AutoConfig
+    from transformers.models.auto import modeling_auto as auto
+
+    name = name or str(path)
     try:
         raw = json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"model {path}: config.json is not valid JSON ({e})") from None
+        raise ModelError(f"model {name}: config.json is not valid JSON ({e})") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else None
     if not model_type:
-        raise ModelError(f"model {path}: config.json has no 'model_type'; not a Hugging Face model")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ModelError(f"model {path}: model_type {model_type!r} is not a causal language model "
+        raise ModelError(f"model {name}: config.json has no 'model_type'; not a Hugging Face model")
+    if model_type not in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ModelError(f"model {name}: model_type {model_type!r} is not a causal language model "
                          "(AutoModelForCausalLM cannot load it)")
+    seq2seq = model_type in auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    if (seq2seq or model_type in auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES) and not raw.get("is_decoder"):
+        kind = "an encoder-decoder (sequence-to-sequence) model" if seq2seq else "an encoder"
+        raise ModelError(f"model {name}: model_type {model_type!r} is {kind}, not a causal (decoder) language model")
     try:
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelError(f"model {path}: cannot read its config ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise ModelError(f"model {name}: cannot read its config ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
-def load_tokenizer(path: Path):
+# any of these makes a directory's tokenizer loadable (fast, BPE, WordPiece, SentencePiece, tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model", "tokenizer.tiktoken")
+
+
+def load_tokenizer(path: Path, name: str | None = None):
+    """The tokenizer saved in `path` (one line naming `name` when there is none or it fails)."""
     from transformers import AutoTokenizer
 
+    name = name or str(path)
+    if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
+        raise ModelError(f"model {name}: no tokenizer files (tokenizer.json / tokenizer_config.json / vocab or "
+                         "SentencePiece files); save them with tokenizer.save_pretrained, or pass tokenizer= in Python")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelError(f"model {path}: cannot load its tokenizer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    return prepare_tokenizer(tokenizer, f"model {path}")
+        raise ModelError(f"model {name}: cannot load its tokenizer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    return prepare_tokenizer(tokenizer, f"model {name}")
 
 
 def prepare_tokenizer(tokenizer, where: str):
@@ -204,30 +249,48 @@ def prepare_tokenizer(tokenizer, where: str):
 
 
 def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                base_model: str | None = None, trainable_adapter: bool = False):
+                base_model: str | None = None, trainable_adapter: bool = False, revision: str | None = None,
+                with_tokenizer: bool = True):
     """Load a causal LM (or base model + LoRA adapter) and its tokenizer; returns (model, tokenizer).
 
+    name_or_path: a built-in name, a directory, or a Hub id (at `revision`).
     base_model: for an adapter directory, the base to load it onto (default: the adapter's
-    recorded base_model_name_or_path).
+    recorded base_model_name_or_path, at `revision` or else its recorded revision).
+    with_tokenizer: False returns (model, None) (a tokenizer comes from elsewhere).
     """
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
-    path = resolve_model_path(name_or_path)
+    path = resolve_model_path(name_or_path, revision=revision)
+    hub = is_hub_model(name_or_path)
+    name = name_or_path if hub else str(path)
     if (path / "adapter_config.json").exists():
-        PeftModel = _peft(f"model {path} (a LoRA adapter)").PeftModel
-
-        base_name = base_model or json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base_name:
-            raise ModelError(f"model {path}: LoRA adapter without a recorded base model; pass the base with --model")
-        base, _ = load_policy(base_name, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(path if (path / "tokenizer_config.json").exists() else resolve_model_path(base_name))
-        model = PeftModel.from_pretrained(base, path, is_trainable=trainable_adapter).to(device)
-        return model, tokenizer
-    check_causal_lm(path)
-    tokenizer = load_tokenizer(path)
+        return _load_adapter(path, name, dtype=dtype, device=device, base_model=base_model,
+                             base_revision=None if hub else revision, trainable=trainable_adapter)
+    check_causal_lm(path, name)
+    tokenizer = load_tokenizer(path, name) if with_tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    if hub:  # as transformers records a model loaded by id (a LoRA adapter then names it as its base)
+        model.config._name_or_path = model.name_or_path = name_or_path
+    return model, tokenizer
+
+
+def _load_adapter(path: Path, name: str, *, dtype, device, base_model: str | None, base_revision: str | None,
+                  trainable: bool):
+    """A LoRA adapter directory onto its base model (a directory or Hub id); its tokenizer, or the base's."""
+    PeftModel = _peft(f"model {name} (a LoRA adapter)").PeftModel
+
+    recorded = json.loads((path / "adapter_config.json").read_text())
+    base_name = base_model or recorded.get("base_model_name_or_path")
+    if not base_name:
+        raise ModelError(f"model {name}: LoRA adapter without a recorded base model; pass the base with --model")
+    revision = base_revision or recorded.get("revision")
+    base, _ = load_policy(base_name, dtype=dtype, device=device, revision=revision, with_tokenizer=False)
+    own = any((path / f).exists() for f in TOKENIZER_FILES)
+    tokenizer = load_tokenizer(path, name) if own else \
+        load_tokenizer(resolve_model_path(base_name, revision=revision), base_name)
+    model = PeftModel.from_pretrained(base, path, is_trainable=trainable).to(device)
     return model, tokenizer
 
 
@@ -240,15 +303,16 @@ def _peft(what: str):
     return peft
 
 
-def add_lora(model, *, r: int, alpha: float, dropout: float, target_modules: list[str]):
-    """Wrap `model` with trainable LoRA adapters (PEFT); the base weights are frozen."""
+def add_lora(model, *, r: int, alpha: float, dropout: float, target_modules: list[str], revision: str | None = None):
+    """Wrap `model` with trainable LoRA adapters (PEFT); the base weights are frozen. `revision`:
+    the Hub revision of the base, recorded in the adapter's config with its name."""
     peft = _peft("--lora-r")
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model
 
     targets = target_modules[0] if list(target_modules) == ["all-linear"] else list(target_modules)
     try:
         cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-        return get_peft_model(model, cfg)
+        return get_peft_model(model, cfg, revision=revision)
     except ValueError as e:
         raise ModelError(f"lora_target_modules {list(target_modules)}: {' '.join(str(e).split())[:200]}") from None
 
@@ -276,6 +340,13 @@ _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "
                         "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout", "activation_dropout")
 
 
+def enable_checkpointing(model) -> None:
+    """Gradient (activation) checkpointing, non-reentrant: transformers 5 renamed the method
+    (the old name warns), older releases have the old name only."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
+
+
 def disable_dropout(model) -> None:
     """Dropout off everywhere (nn.Dropout modules, LoRA's included, and the config values
     attention kernels read), so a training forward computes the same log-probs as the no-grad
@@ -287,3 +358,12 @@ def disable_dropout(model) -> None:
             for key in _DROPOUT_KEYS:
                 if isinstance(getattr(holder, key, None), float):
                     setattr(holder, key, 0.0)
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` when it wraps a
+    model, a FutureWarning that is neither the user's nor gspo's to fix: hidden while it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

@@ -13,7 +13,10 @@ nothing is sharded, so callers have one code path; `dist` is a gspo.distributed.
 - `fsdp`: FSDP2 `fully_shard` on every decoder layer and on the root (policy, separate critic,
   frozen reference): parameters, gradients and AdamW state are sharded. Sampling runs with the
   parameters gathered (`gathered`), since processes decode different numbers of tokens and
-  so cannot take part in per-layer collectives.
+  so cannot take part in per-layer collectives. They are gathered in the compute dtype (with
+  `mixed`, the MixedPrecisionPolicy's param dtype: bf16 for --dtype bfloat16), and the sampler
+  is the sharded policy itself: the rollout computes in that dtype with no second copy of the
+  weights, and the gathered parameters are freed when it ends.
 - A shared value head (`--critic shared`) is small and replicated; its gradients are
   all-reduced by hand (`Dist.average_grads`).
 """
@@ -72,7 +75,8 @@ def shard(model, dist, *, mixed: torch.dtype | None = None) -> None:
 @contextlib.contextmanager
 def gathered(model, dist):
     """FSDP: hold `model`'s full parameters on every process for the block (sampling,
-    evaluation), so forwards there need no collectives; a no-op otherwise."""
+    evaluation), so forwards there need no collectives; in the MixedPrecisionPolicy's param
+    dtype when `shard` had `mixed`, else their own. A no-op otherwise."""
     if dist.parallel != "fsdp":
         yield model
         return

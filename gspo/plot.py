@@ -34,7 +34,7 @@ def load_series(run_dir: Path, metric: str) -> tuple[list[int], list[float]]:
             ys.append(float(v))
     if metric == "eval/accuracy" and (run_dir / "summary.json").exists():
         evals = json.loads((run_dir / "summary.json").read_text()).get("evals", [])
-        pts = {e["step"]: e["accuracy"] for e in evals}
+        pts = {e["step"]: e["accuracy"] for e in evals if e.get("accuracy") is not None}
         pts.update(dict(zip(xs, ys)))
         xs, ys = sorted(pts), [pts[s] for s in sorted(pts)]
     return xs, ys

@@ -1,28 +1,32 @@
 """Rewards: verifiers and the plumbing that applies them to a batch of completions.
 
-A reward function is batched and TRL-compatible:
+A reward is batched and called by keyword as TRL's GRPOTrainer calls it, so TRL's reward functions
+work unchanged (`def f(completions, **kwargs)`, `def f(prompts, completions, answer, **kwargs)`):
 
-    def my_reward(completions: list, **columns) -> list[float]: ...
+    fn(prompts=[...], completions=[...], completion_ids=[...], trainer_state=..., **columns) -> list[float | None]
 
-`completions[i]` is the i-th completion: a string, or for a conversational prompt a list with
-one assistant message `[{"role": "assistant", "content": "..."}]`. Every dataset column
-arrives as a keyword argument holding one value per completion (`answer=[...]`, plus any
-other column), together with `prompts` and `completion_ids` (token id lists). Accept
-`**kwargs` to ignore what you do not use.
+`completions[i]` is a string, or for a conversational prompt `[{"role": "assistant", "content": "..."}]`.
+Every dataset column arrives by name with one value per completion (`answer=[...]`, ...);
+`trainer_state` has `global_step` (steps done) and `max_steps`. Accept `**kwargs` to ignore
+the rest: a signature that cannot take the arguments is a one-line error naming the argument
+and the columns there are. A value of None means "does not apply to this completion".
 
-Built-ins are written as plain per-completion functions (with doctests) and made batched by
-`per_completion`:
+Built-ins are plain per-completion functions (with doctests) made batched by `per_completion`:
 
 | name | reward |
 | --- | --- |
 | `exact_match` | 1.0 if the completion, stripped, equals the answer as a string |
 | `exact_integer` | the same, used by the built-in arithmetic task |
-| `numeric_match` | 1.0 if the last number in the completion equals the numeric answer (1e-6 relative) |
-| `math_verify` | 1.0 if `math-verify` finds the completion's answer equivalent to the gold answer |
+| `numeric_match` | 1.0 if the last number in the completion equals the numeric answer (1e-6 relative)* |
+| `math_verify` | 1.0 if `math-verify` finds the completion's answer equivalent to the gold answer* |
 | `format` | 1.0 if the completion matches `--format-pattern` (a regex, full match, DOTALL) |
 | `length` | −(completion tokens / max_new_tokens), in [−1, 0]: a length penalty |
+| a model directory or hub id | a learned reward model's score, `logits[:, 0]` (gspo.reward_model) |
 
-User rewards are given as `package.module:function` or `path/to/file.py:function`.
+*The gold answer is the part after the last `####` when there is one (GSM8K's worked solutions
+end in `#### 72`); `exact_match` compares the whole answer. User rewards: `package.module:function`
+or `path/to/file.py:function`. A learned reward: a directory whose config.json architectures end
+in `ForSequenceClassification`, or a hub id such as `Skywork/Skywork-Reward-V2-Qwen3-0.6B`.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -63,8 +68,8 @@ def per_completion(fn: Callable[..., float]) -> RewardFn:
     """Make a batched reward from `fn(completion_text, **row) -> float`."""
 
     @functools.wraps(fn)
-    def batched(completions: list, **columns) -> list[float]:
-        keys = list(columns)
+    def batched(completions: list, trainer_state=None, **columns) -> list[float]:
+        keys = list(columns)  # one value per completion each; trainer_state is not a column
         return [fn(completion_text(c), **{k: columns[k][i] for k in keys}) for i, c in enumerate(completions)]
 
     batched.per_completion = fn
@@ -100,6 +105,18 @@ def exact_integer(completion: str, answer: Any = None, **_) -> float:
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
+def gold_answer(answer: Any) -> Any:
+    """The final answer of a worked solution: the text after the last `####` (GSM8K's
+    convention), else the answer as it is.
+
+    >>> gold_answer("48 / 2 = 24 clips in May.\\n48 + 24 = 72\\n#### 72"), gold_answer(7), gold_answer("1/2")
+    ('72', 7, '1/2')
+    """
+    if isinstance(answer, str) and "####" in answer:
+        return answer.rpartition("####")[2].strip()
+    return answer
+
+
 def _to_float(text: Any) -> float | None:
     try:
         return float(str(text).replace(",", "").strip())
@@ -108,12 +125,15 @@ def _to_float(text: Any) -> float | None:
 
 
 def _numeric(completion: str, answer: Any = None, **_) -> float:
-    """1.0 when the last number in the completion equals the answer (relative tolerance 1e-6).
+    """1.0 when the last number in the completion equals the answer (relative tolerance 1e-6);
+    a worked solution's answer is the part after its last `####` (gold_answer).
 
     >>> _numeric("so the total is 1,250.", answer="1250"), _numeric("3.50", answer=3.5), _numeric("x", answer=1)
     (1.0, 1.0, 0.0)
+    >>> _numeric("She sold 72 clips.", answer="48 + 24 = 72\\n#### 72"), _numeric("24", answer="... = 72\\n#### 72")
+    (1.0, 0.0)
     """
-    gold = _to_float(answer)
+    gold = _to_float(gold_answer(answer))
     found = _NUMBER.findall(completion)
     if gold is None or not found:
         return 0.0
@@ -124,13 +144,17 @@ def _numeric(completion: str, answer: Any = None, **_) -> float:
 
 
 def _math_verify(completion: str, answer: Any = None, **_) -> float:
-    """1.0 when math-verify finds the completion's final answer equivalent to the gold one.
+    """1.0 when math-verify finds the completion's final answer equivalent to the gold one (a
+    worked solution's gold answer is the part after its last `####`, gold_answer).
 
     >>> _math_verify(r"so x = \\boxed{\\frac{1}{2}}", answer="0.5"), _math_verify("4", answer="5")
+    (1.0, 0.0)
+    >>> _math_verify(r"\\boxed{72}", answer="48 + 24 = 72\\n#### 72"), _math_verify(r"\\boxed{24}", answer="#### 72")
     (1.0, 0.0)
     """
     from math_verify import parse, verify
 
+    answer = gold_answer(answer)
     if answer is None:
         return 0.0
     gold = parse(str(answer) if str(answer).startswith("$") else f"${answer}$")
@@ -197,22 +221,20 @@ class Reward:
     weight: float = 1.0
 
 
-def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_tokens: int = 256) -> Reward:
-    """A reward by built-in name, `package.module:function`, `path/to/file.py:function`, or a
-    callable itself (the Python API's reward_funcs)."""
+def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_tokens: int = 256,
+                device=None, batch_size: int = 32) -> Reward:
+    """A reward by built-in name, `package.module:function`, `path/to/file.py:function`, a learned reward
+    model (a directory or hub id on `device`, `batch_size` per forward), or a callable (the API's)."""
+    if hasattr(spec, "config") and hasattr(spec, "forward"):  # a model object, as TRL takes: its tokenizer is unknown
+        raise RewardError(f"reward {type(spec).__name__}: pass a reward model as its directory (save_pretrained)")
     if callable(spec):
         return Reward(getattr(spec, "__name__", type(spec).__name__), spec)
     if not isinstance(spec, str):
         raise RewardError(f"reward {spec!r}: expected a callable or a name, got {type(spec).__name__}")
     if spec in BUILTIN_REWARDS:
-        fn = {
-            "exact_match": exact_match,
-            "exact_integer": per_completion(exact_integer),
-            "numeric_match": numeric_match,
-            "math_verify": math_verify,
-            "format": format_reward(format_pattern),
-            "length": length_penalty(max_new_tokens),
-        }[spec]
+        fn = {"exact_match": exact_match, "exact_integer": per_completion(exact_integer), "math_verify": math_verify,
+              "numeric_match": numeric_match, "format": format_reward(format_pattern),
+              "length": length_penalty(max_new_tokens)}[spec]
         if spec == "math_verify":
             try:
                 import math_verify as _  # noqa: F401
@@ -220,33 +242,51 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
                 raise RewardError("reward 'math_verify' needs the math-verify package: pip install 'gspo[rewards]'") from None
         return Reward(spec, fn)
     if ":" not in spec:
-        raise RewardError(f"unknown reward {spec!r}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
-                          "package.module:function, or path/to/file.py:function")
+        from gspo.reward_model import RewardModel, reward_model_path
+
+        path = reward_model_path(spec)
+        if path is None:
+            raise RewardError(f"unknown reward {spec!r}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
+                              "package.module:function, path/to/file.py:function, or a reward model (a directory "
+                              "or a Hugging Face Hub id org/name)")
+        rm = RewardModel.load(path, spec=spec, device=device or "cpu", batch_size=batch_size)
+        return Reward(rm.__name__, rm)
     target, _, attr = spec.rpartition(":")
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise RewardError(f"reward {spec!r}: no such file {path}")
-        mod_name = f"gspo_user_reward_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[mod_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:  # the user's module failed to import
-            raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(target)
-        except Exception as e:
-            raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
-    fn = getattr(module, attr, None)
+    fn = getattr(_import(spec, target), attr, None)
     if fn is None or not callable(fn):
         raise RewardError(f"reward {spec!r}: {target} has no function {attr!r}")
     return Reward(attr, fn)
 
 
-def load_rewards(specs: list[str], weights: list[float] | None, **kw) -> list[Reward]:
+def _import(spec: str, target: str):
+    """The module of `package.module:function`, or of `path/to/file.py:function`."""
+    if not (target.endswith(".py") or "/" in target or "\\" in target):
+        try:
+            return importlib.import_module(target)
+        except Exception as e:
+            raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
+    path = Path(target).expanduser()
+    if not path.is_file():
+        raise RewardError(f"reward {spec!r}: no such file {path}")
+    mod_name = f"gspo_user_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # the user's module failed to import
+        raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    return module
+
+
+def load_rewards(specs: list[str], weights: list[float] | None, *, reward_model_device: str | None = None,
+                 **kw) -> list[Reward]:
+    """Every reward of `specs`, with its weight and a unique metric name. Learned reward models
+    go on `reward_model_device` (checked here, used or not), else on `device` (the policy's)."""
+    from gspo.reward_model import check_device
+
+    check_device(reward_model_device)  # a bad value is an error whether or not a reward model is used
+    kw["device"] = reward_model_device or kw.get("device")
     if weights and len(weights) != len(specs):
         raise RewardError(f"reward_weights: {len(weights)} weights for {len(specs)} rewards; give one per --reward")
     rewards = [load_reward(s, **kw) for s in specs]
@@ -259,31 +299,67 @@ def load_rewards(specs: list[str], weights: list[float] | None, **kw) -> list[Re
     return rewards
 
 
-def _failing_row(r: Reward, completions: list, kwargs: dict[str, list], sources: list[str]) -> str:
+@dataclass
+class TrainerState:
+    """TRL's `trainer_state` keyword, as far as gspo has it: for rewards that change with progress."""
+
+    global_step: int = 0  # training steps completed (during step k: k - 1)
+    max_steps: int = 0  # the run's --steps (0 outside a training run)
+
+
+def _caller(r: Reward, kwargs: dict[str, list], state: TrainerState) -> Callable[[list, dict], list]:
+    """How `r` is called on (completions, per-completion kwargs): by keyword as TRL calls it, or
+    completions first where its first parameter is named after nothing passed (`def f(comps, **kw)`)."""
+    try:
+        sig = inspect.signature(r.fn)
+        sig.bind(completions=None, trainer_state=None, **kwargs)
+    except ValueError:  # no signature to check (a builtin): call it as TRL does
+        pass
+    except TypeError as e:
+        first = next(iter(sig.parameters.values()), None)
+        positional = first is not None and first.kind in (first.POSITIONAL_ONLY, first.POSITIONAL_OR_KEYWORD)
+        if positional and first.name not in {"completions", *kwargs}:
+            try:
+                sig.bind(None, trainer_state=None, **kwargs)
+                return lambda completions, kw: r.fn(completions, trainer_state=state, **kw)
+            except TypeError:
+                pass
+        columns = ", ".join(k for k in kwargs if k not in ("prompts", "completion_ids")) or "none"
+        raise RewardError(f"reward {r.name!r} cannot be called with the arguments rewards get: {e} (rewards get "
+                          f"prompts, completions, completion_ids, trainer_state and the dataset columns {columns}; "
+                          "take the ones it does not use with **kwargs)") from None
+    return lambda completions, kw: r.fn(completions=completions, trainer_state=state, **kw)
+
+
+def _failing_row(call, completions: list, kwargs: dict[str, list], sources: list[str]) -> str:
     """Call the reward one completion at a time to find the row that makes it raise."""
     for i in range(len(completions)):
         try:
-            r.fn(completions[i:i + 1], **{k: v[i:i + 1] for k, v in kwargs.items()})
+            call(completions[i:i + 1], {k: v[i:i + 1] for k, v in kwargs.items()})
         except Exception:
             return sources[i]
     return f"a batch of {sources[0]} ... {sources[-1]} (no single row raises alone)"
 
 
-def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, list], sources: list[str]) -> tuple[list[float], dict[str, list[float]]]:
-    """Run every reward over the batch; returns (weighted total per completion, per-reward values).
-
-    A value of None means the reward does not apply to that completion (TRL's convention): it
-    is left out of the weighted sum and recorded as NaN. Raises RewardError naming the reward
-    and the dataset row when a reward raises, returns the wrong number of values, or returns
-    something that is not a finite number or None (a bool or a string is refused too).
+def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, list], sources: list[str],
+                  trainer_state: TrainerState | None = None) -> tuple[list[float], dict[str, list[float]]]:
+    """Run every reward over the batch (`kwargs`: one value per completion each, passed by
+    keyword, _caller); returns (weighted total per completion, per-reward values). None (TRL's
+    "does not apply") is left out of the weighted sum and recorded as NaN. A RewardError names
+    the reward and the row when it raises, returns the wrong number of values, or a value that is
+    not a finite number or None (a bool or a string too); the argument when its signature does not fit.
     """
-    n = len(completions)
+    n, state = len(completions), trainer_state or TrainerState()
     per: dict[str, list[float]] = {}
     for r in rewards:
+        call = _caller(r, kwargs, state)
         try:
-            values = r.fn(completions, **kwargs)
+            values = call(completions, kwargs)
+        except RewardError:
+            raise
         except Exception as e:
-            raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on {_failing_row(r, completions, kwargs, sources)}") from None
+            raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on "
+                              f"{_failing_row(call, completions, kwargs, sources)}") from None
         if not isinstance(values, (list, tuple)) or len(values) != n:
             got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
             raise RewardError(f"reward {r.name!r} returned {got} for {n} completions; expected a list of {n} floats")
@@ -307,12 +383,11 @@ def _value(v, name: str, source: str) -> float:
 
 
 def score_completions(rewards: list[Reward], examples: list, completions: list[str], completion_ids: list[list[int]],
-                      group_size: int) -> tuple[list[float], dict[str, list[float]]]:
+                      group_size: int, trainer_state: TrainerState | None = None) -> tuple[list[float], dict]:
     """Score completion b of example b // group_size with every reward (the TRL calling convention).
 
-    Conversational examples get their completions as `[{"role": "assistant", "content": text}]`;
-    each keyword argument holds one value per completion: `prompts`, `completion_ids`,
-    `answer`, and every dataset column by name.
+    Conversational examples get their completions as `[{"role": "assistant", "content": text}]`; each keyword
+    holds one value per completion (`prompts`, `completion_ids`, `answer`, every column); `trainer_state` one.
     """
     rows = [examples[b // group_size] for b in range(len(completions))]
     comps = [[{"role": "assistant", "content": c}] if ex.is_chat else c for c, ex in zip(completions, rows)]
@@ -321,4 +396,4 @@ def score_completions(rewards: list[Reward], examples: list, completions: list[s
     kwargs["answer"] = [ex.answer for ex in rows]
     kwargs["prompts"] = [ex.prompt for ex in rows]
     kwargs["completion_ids"] = completion_ids
-    return apply_rewards(rewards, comps, kwargs, [ex.source for ex in rows])
+    return apply_rewards(rewards, comps, kwargs, [ex.source for ex in rows], trainer_state)

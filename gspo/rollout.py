@@ -37,7 +37,7 @@ from typing import Protocol
 import torch
 
 from gspo import parallel
-from gspo.fastdecode import decoder
+from gspo.fastdecode import decoder, describe
 
 Tensor = torch.Tensor
 
@@ -132,8 +132,10 @@ class PolicySampler:
     engine's, `--rollout-dtype`) whose weights are copied from the policy before every rollout.
 
     routing: a gspo.moe.Routing on `model` that records the experts used while sampling.
-    dist: under FSDP the sampling model's parameters are gathered for the rollout, those of
-    `root` (the FSDP root that holds `model`; default `model` itself).
+    dist: under FSDP `model` is the sharded policy itself (never a copy: that would be a full
+    model per process), its parameters gathered for the rollout, those of `root` (the FSDP root
+    that holds `model`; default `model` itself), in the root's MixedPrecisionPolicy dtype: the
+    compute --dtype, as a copy in it would sample.
     """
 
     def __init__(self, model, *, routing=None, dist=None, root=None):
@@ -148,6 +150,16 @@ class PolicySampler:
     def sample(self, prompts, params, *, generator=None, rows=None) -> "Rollout":
         with parallel.gathered(self.root or self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
             return generate(self.model, prompts, params, generator=generator, routing=self.routing, rows=rows)
+
+
+def fsdp_sampling_note(model, dtype: torch.dtype, max_len: int) -> str:
+    """What a run says at its start under FSDP: how it samples and what that costs. `model`: the
+    policy before sharding (the decode path is read from its plain parameters)."""
+    size = dtype.itemsize * sum(p.numel() for p in model.parameters())  # tied weights count once
+    size_text = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    return (f"parallel: fsdp samples with the sharded policy itself: each rollout gathers all its parameters on "
+            f"every process in {str(dtype).removeprefix('torch.')} ({size_text}, freed when the rollout ends; no "
+            f"copy is kept between rollouts) and decodes with {describe(model, max_len)}")
 
 
 def encode_prompts(tokenizer, prompts: list, max_length: int = 0, tools: list | None = None) -> list[list[int]]:

@@ -12,7 +12,7 @@ PPO's value model, the DDP/FSDP wrappers under torchrun, and the optimizers with
 learning-rate schedules. Restoring the optimizer state and the run's progress from a
 checkpoint is gspo.checkpoint's (`restore_run`).
 
-Also here: the learning-rate schedule (`lr_factor`) and the progress display.
+The optimizers and their learning-rate schedules are gspo.optim's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -38,12 +37,14 @@ from gspo.distributed import Dist
 from gspo.lifecycle import absolute_paths, check_no_writer, resume_config
 from gspo.env import episode_env, tool_schemas
 from gspo.logprobs import TokenLogprobs, supports_packing
-from gspo.models import (DTYPES, add_lora, disable_dropout, load_policy, load_tokenizer, low_precision_copy,
-                         prepare_tokenizer, unwrap)
+from gspo.models import (DTYPES, add_lora, disable_dropout, enable_checkpointing, load_policy, load_tokenizer,
+                         low_precision_copy, prepare_tokenizer, quiet_peft, unwrap)
 from gspo.moe import MoEError, Routing, is_moe
+from gspo.optim import make_optimizers
 from gspo.rewards import Reward, load_rewards
-from gspo.rollout import PolicySampler, Sampler, encode_prompts, stop_token_ids
+from gspo.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
 from gspo.tasks import build_task
+from gspo.tasks.base import SystemPrompt
 from gspo.value import Critic, ValueHead, ValueModel
 
 
@@ -157,20 +158,20 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     task = _task(cfg, inputs)
     reference = _reference(cfg, inputs, dist.device)  # the initial policy, before any weight is loaded or trained
     policy, tokenizer = _load_policy(cfg, resume_from, dist.device, inputs)
-    if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
-        raise DataError(f"{cfg.dataset or 'task ' + cfg.task}: prompts are chat messages but the tokenizer of "
-                        f"{cfg.model} has no chat template")
+    _check_chat_template(cfg, task, tokenizer)
     env, max_turns = episode_env(inputs.env or cfg.env, task, cfg.max_turns, tokenizer)
     cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
-    rewards = _rewards(cfg, task, inputs)
+    rewards = _rewards(cfg, task, inputs, dist.device)  # learned reward models load on the policy's device
     notes = list(getattr(task, "notes", [])) + notes
     disable_dropout(policy)  # training forwards compute the log-probs the no-grad passes do
     if cfg.gradient_checkpointing:
-        unwrap(policy).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(unwrap(policy))
     stop_ids = stop_token_ids(tokenizer, policy, cfg.stop_token)
     sampler, routing = _sampler_and_routing(cfg, policy, dist, inputs)
     vm = _value_model(cfg, policy, resume_from, dist.device, from_object=inputs.model_object is not None)
     mixed = DTYPES[cfg.dtype] if cfg.param_dtype != cfg.dtype else None  # FSDP gathers parameters in it
+    if isinstance(sampler, PolicySampler) and dist.enabled and dist.parallel == "fsdp":  # read before sharding
+        notes.append(fsdp_sampling_note(policy, DTYPES[cfg.dtype], cfg.max_prompt_length + cfg.max_new_tokens))
     # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
     train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=routing is not None, mixed=mixed)
     if vm is not None and not vm.shared:
@@ -184,6 +185,13 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     packed = cfg.packing and routing is None and supports_packing(policy)
     return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
                reference, vm, routing, resume_from, stop_ids, scaler, packed, restart, notes, env, max_turns)
+
+
+def _check_chat_template(cfg: TrainConfig, task, tokenizer) -> None:
+    """Chat prompts (or --system-prompt) need the tokenizer's chat template: one line if it has none."""
+    if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.seed)) and not tokenizer.chat_template:
+        why = "--system-prompt makes prompts chat messages" if cfg.system_prompt is not None else "prompts are chat messages"
+        raise DataError(f"{cfg.dataset or 'task ' + cfg.task}: {why} but the tokenizer of {cfg.model} has no chat template")
 
 
 def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainConfig, Path | None]:
@@ -208,16 +216,20 @@ def task_and_rewards(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[ob
 
 def _task(cfg: TrainConfig, inputs: Inputs):
     specs = tuple(inputs.reward_funcs or cfg.reward)
-    return build_task(task=cfg.task, dataset=inputs.train_dataset if inputs.train_dataset is not None else cfg.dataset,
+    task = build_task(task=cfg.task, dataset=inputs.train_dataset if inputs.train_dataset is not None else cfg.dataset,
                       dataset_split=cfg.dataset_split, eval_split=cfg.eval_split, prompt_column=cfg.prompt_column,
                       eval_dataset=inputs.eval_dataset if inputs.eval_dataset is not None else cfg.eval_dataset,
-                      answer_column=cfg.answer_column, eval_size=cfg.eval_size, rewards=specs)
+                      answer_column=cfg.answer_column, eval_size=cfg.eval_size, rewards=specs,
+                      dataset_config=cfg.dataset_config)
+    return task if cfg.system_prompt is None else SystemPrompt(task, cfg.system_prompt)  # training, eval, `gspo eval`
 
 
-def _rewards(cfg: TrainConfig, task, inputs: Inputs) -> list[Reward]:
+def _rewards(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:
+    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's)."""
     return load_rewards(list(inputs.reward_funcs or cfg.reward) or list(task.default_rewards),
                         list(cfg.reward_weights) or None, format_pattern=cfg.format_pattern,
-                        max_new_tokens=cfg.max_new_tokens)
+                        max_new_tokens=cfg.max_new_tokens, device=device or cfg.device,
+                        reward_model_device=cfg.reward_model_device, batch_size=cfg.reward_model_batch_size)
 
 
 def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool, env=None,
@@ -244,7 +256,8 @@ def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: b
             raise ConfigError(f"max_new_tokens: prompts of up to {longest} tokens + {cfg.max_new_tokens} new tokens "
                               f"exceed the model's max_position_embeddings ({limit}); lower --max-new-tokens or set "
                               "--max-prompt-length")
-        notes.append(f"max_new_tokens: the task's default {cfg.max_new_tokens} capped to {limit - longest}, so that "
+        whose = f"the default for a dataset ({cfg.dataset})" if cfg.dataset else f"task {cfg.task}'s default"
+        notes.append(f"max_new_tokens: {whose}, {cfg.max_new_tokens}, capped to {limit - longest}, so that "
                      f"prompts of up to {longest} tokens fit the model's {limit} positions")
         cfg = dataclasses.replace(cfg, max_new_tokens=limit - longest)
     if env is not None and limit:
@@ -263,10 +276,12 @@ def _reference(cfg: TrainConfig, inputs: Inputs, device: torch.device):
     if inputs.model_object is not None:
         reference = copy.deepcopy(inputs.model_object).to(device=device, dtype=DTYPES[cfg.dtype])
     else:
-        reference, _ = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
+        reference, _ = load_policy(cfg.model, dtype=DTYPES[cfg.dtype], device=device, revision=cfg.revision,
+                                   with_tokenizer=False)
     return reference.eval().requires_grad_(False)
 
 
+@quiet_peft()  # peft's deprecation warning when it wraps a model is not the user's
 def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.device, inputs: Inputs):
     """The policy to train and its tokenizer: the model (a directory, or the API's model
     object), or the checkpoint's weights (a LoRA checkpoint: its base plus the saved adapter)."""
@@ -275,7 +290,7 @@ def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.devic
     if resume_from is not None and cfg.lora_r > 0:
         if obj is None:
             return load_policy(str(resume_from), dtype=dtype, device=device, base_model=cfg.model,
-                               trainable_adapter=True)
+                               trainable_adapter=True, revision=cfg.revision)
         from peft import PeftModel
 
         policy = PeftModel.from_pretrained(obj.to(device=device, dtype=dtype), resume_from, is_trainable=True)
@@ -285,26 +300,30 @@ def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.devic
     if obj is not None:
         policy, tokenizer = obj.to(device=device, dtype=dtype), prepare_tokenizer(inputs.tokenizer, "tokenizer")
     else:
-        policy, tokenizer = load_policy(cfg.model, dtype=dtype, device=device)
+        policy, tokenizer = load_policy(cfg.model, dtype=dtype, device=device, revision=cfg.revision,
+                                        with_tokenizer=inputs.tokenizer is None)
         if inputs.tokenizer is not None:
             tokenizer = prepare_tokenizer(inputs.tokenizer, "tokenizer")
     if cfg.lora_r > 0:
         policy = add_lora(policy, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                          target_modules=list(cfg.lora_target_modules))
+                          target_modules=list(cfg.lora_target_modules), revision=cfg.revision)
     return policy, tokenizer
 
 
 def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) -> tuple[Sampler, Routing | None]:
     """The sampler (the policy, or a copy in the sampling precision made before any hook is
-    installed: --rollout-dtype, else the compute --dtype) and, for MoE models, the routing
-    hooks (drift is always measured)."""
+    installed: --rollout-dtype, else the compute --dtype; under FSDP always the policy, sampling
+    in --dtype) and, for MoE models, the routing hooks (drift is always measured)."""
     rollout_dtype = DTYPES[cfg.dtype] if cfg.rollout_dtype == "same" else DTYPES[cfg.rollout_dtype]
     if cfg.rollout_engine == "vllm":
         if inputs.model_object is not None:
             raise ConfigError("rollout_engine: vllm loads the model from its directory; pass model= as a path "
                               "(or save_pretrained it first)")
         return _vllm_sampler(cfg, policy, dist, rollout_dtype), (Routing(policy, cfg.model) if is_moe(policy) else None)
-    model = policy if rollout_dtype == DTYPES[cfg.param_dtype] else low_precision_copy(policy, rollout_dtype)
+    # FSDP: the policy itself (sharded next), gathered for each rollout in the compute dtype (its
+    # MixedPrecisionPolicy's param dtype), never a full copy per process; rollout_dtype == dtype there
+    fsdp = dist.enabled and dist.parallel == "fsdp"
+    model = policy if fsdp or rollout_dtype == DTYPES[cfg.param_dtype] else low_precision_copy(policy, rollout_dtype)
     sampler = PolicySampler(model, dist=dist)
     if not is_moe(policy):
         if cfg.routing_replay or cfg.router_aux_loss_coef > 0:
@@ -326,7 +345,8 @@ def _vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
 
     max_len = cfg.vllm_max_model_len or int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    return VLLMSampler(str(resolve_model_path(cfg.model)), dtype=name, seed=cfg.seed, device=dist.device,
+    path = resolve_model_path(cfg.model, revision=cfg.revision)  # a Hub id: its snapshot directory
+    return VLLMSampler(str(path), dtype=name, seed=cfg.seed, device=dist.device,
                        max_model_len=max_len, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                        kv_cache_gib=cfg.vllm_kv_cache_gib, sleep=cfg.vllm_sleep, dist=dist)
 
@@ -342,7 +362,7 @@ def _value_model(cfg: TrainConfig, policy, resume_from: Path | None, device: tor
         return ValueModel(critic=critic)
     if cfg.critic == "separate":
         src = resume_from / "critic" if resume_from is not None else cfg.model
-        critic = Critic.from_pretrained(src, dtype=DTYPES[cfg.param_dtype], device=device,
+        critic = Critic.from_pretrained(src, dtype=DTYPES[cfg.param_dtype], device=device, revision=cfg.revision,
                                         head_from=resume_from / "critic" if resume_from else None)
         disable_dropout(critic)
         return ValueModel(critic=critic)
@@ -350,35 +370,3 @@ def _value_model(cfg: TrainConfig, policy, resume_from: Path | None, device: tor
     if resume_from is not None:
         head.load(resume_from / "value_head")
     return ValueModel(head=head.to(device))
-
-
-def make_optimizers(cfg: TrainConfig, policy, vm: ValueModel | None):
-    """AdamW and its LR schedule for the policy (and a shared value head, at critic_lr); a
-    separate critic gets its own AdamW and schedule on `vm`."""
-    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
-    if vm is not None and vm.shared:  # the shared value head trains with the policy, at the critic's rate
-        groups.append({"params": list(vm.head.parameters()), "lr": cfg.critic_lr})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
-    if vm is not None and not vm.shared:
-        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr, betas=cfg.adam_betas,
-                                         weight_decay=cfg.weight_decay)
-        vm.scheduler = torch.optim.lr_scheduler.LambdaLR(vm.optimizer, lr_factor(cfg))
-    return optimizer, scheduler
-
-
-def lr_factor(cfg: TrainConfig):
-    """LR multiplier for training step k (1-based; LambdaLR's counter is k - 1). After warm-up
-    the decay starts at 1 on the first step and reaches 0 one step after the last, so the
-    last step still learns (progress (k - warmup - 1) / (steps - warmup))."""
-
-    def f(counter: int) -> float:
-        k = counter + 1
-        if cfg.warmup_steps and k <= cfg.warmup_steps:
-            return k / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (k - cfg.warmup_steps - 1) / max(1, cfg.steps - cfg.warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
-
-    return f

@@ -42,7 +42,7 @@ from gspo.logprobs import micro_batches, trim
 from gspo.metrics import Mean, combine, reduce_across, step_row
 from gspo.moe import moe_terms
 from gspo.reporting import Progress, Reporter, samples_rows, warn
-from gspo.rewards import Reward, score_completions
+from gspo.rewards import Reward, RewardError, TrainerState, score_completions
 from gspo.episodes import Episodes, run_episodes
 from gspo.rollout import Rollout, cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.lifecycle import Guard, Interrupted
@@ -57,7 +57,7 @@ Tensor = torch.Tensor
 # ----------------------------------------------------------------------------------------------
 
 
-def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=()) -> dict:
+def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=None) -> dict:
     """Train a policy; returns the summary (also written to summary.json in the run directory).
 
     resume: a run directory to continue from its newest checkpoint (or from step 0, if it was
@@ -66,7 +66,8 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=()) -> dic
     and its summary returned. Under torchrun every process calls this; rank 0 alone writes the
     run directory and logs. SIGINT/SIGTERM stop the run after the step under way with a
     checkpoint (gspo.lifecycle.Interrupted). inputs: objects in place of names (gspo.run.Inputs);
-    callbacks: `(step, metrics) -> bool`, True stops the run after that step (gspo.api.Trainer).
+    callbacks: `(step, metrics) -> bool`, True stops the run after that step (gspo.api.Trainer);
+    keep: called with the finished run (gspo.api.Trainer keeps its trained policy).
     """
     t_start = time.time()
     try:
@@ -83,10 +84,14 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=()) -> dic
         if not isinstance(e, Interrupted):
             guard.failed()
         run.dist.close(clean=False)
+        if isinstance(e, RewardError) and ckpt.latest_checkpoint(run.run_dir) is not None:  # mid-run: resumable
+            raise RewardError(f"{e}; fix it and continue with: gspo train --resume {run.run_dir}") from e
         raise
     finally:
         guard.release()
     run.dist.close()
+    if keep is not None:
+        keep(run)
     return summary
 
 
@@ -148,7 +153,8 @@ def run_eval(run: Run) -> dict:
         return evaluate(run.policy, run.tokenizer, run.task, run.rewards, n=cfg.eval_size, stop=run.stop_ids,
                         max_prompt_length=cfg.max_prompt_length, stop_strings=cfg.stop_string,
                         max_new_tokens=cfg.max_new_tokens, progress=cfg.progress and run.dist.is_main, dist=run.dist,
-                        env=run.env, max_turns=run.max_turns, max_episode_tokens=cfg.max_episode_tokens)
+                        env=run.env, max_turns=run.max_turns, max_episode_tokens=cfg.max_episode_tokens,
+                        trainer_state=TrainerState(run.steps_done, cfg.steps))
 
 
 def finish(run: Run, reporter: Reporter | None) -> dict:
@@ -200,7 +206,8 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     examples = run.task.train_batch(step, cfg.prompts_per_step, cfg.seed)[dist.rank * n:(dist.rank + 1) * n]
     ro, completions, completion_ids, episodes = rollout(run, examples, step)
     t_rollout = time.perf_counter() - t0
-    rewards, parts = score(run.rewards, examples, completions, completion_ids, cfg.group_size, episodes)  # (B,)
+    rewards, parts = score(run.rewards, examples, completions, completion_ids, cfg.group_size, episodes,
+                           TrainerState(step - 1, cfg.steps))  # (B,)
     batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=completions,
                     episodes=episodes)
     t1 = time.perf_counter()
@@ -249,10 +256,11 @@ def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], li
 
 
 def score(rewards: list[Reward], examples, completions: list[str], completion_ids, group_size: int,
-          episodes: Episodes | None = None):
+          episodes: Episodes | None = None, trainer_state: TrainerState | None = None):
     """Weighted reward of each completion (B,) and each reward's values; row b is example b // G.
-    Episodes: plus the environment's rewards over the episode (its own part, `env`)."""
-    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size)
+    Episodes: plus the environment's rewards over the episode (its own part, `env`). Rewards get
+    `trainer_state` (the steps done and the run's steps), as TRL's do."""
+    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size, trainer_state)
     total = torch.tensor(total, dtype=torch.float32)
     if episodes is not None:
         parts["env"] = episodes.env_reward.tolist()

@@ -69,13 +69,16 @@ class Critic(nn.Module):
         self.head = head
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype=torch.float32, device="cpu", head_from: Path | None = None):
-        """The trunk of the causal LM at `path`; the head zero-initialised, or loaded from `head_from`."""
+    def from_pretrained(cls, path: str | Path, *, dtype=torch.float32, device="cpu", head_from: Path | None = None,
+                        revision: str | None = None):
+        """The trunk of the causal LM at `path` (a directory, built-in name or Hub id at `revision`);
+        the head zero-initialised, or loaded from `head_from`."""
         from transformers import AutoModel
 
         from gspo.models import resolve_model_path
 
-        trunk = AutoModel.from_pretrained(resolve_model_path(str(path)), dtype=dtype, local_files_only=True)
+        trunk = AutoModel.from_pretrained(resolve_model_path(str(path), revision=revision), dtype=dtype,
+                                          local_files_only=True)
         head = ValueHead(trunk.config.hidden_size)
         if head_from is not None:
             head.load(head_from)

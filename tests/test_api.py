@@ -30,8 +30,11 @@ def test_readme_example_runs(tmp_path, monkeypatch):
     space = {}
     exec(compile(code, "README.md", "exec"), space)  # noqa: S102 (the documentation's own example)
     s = space["summary"]
-    assert s["eval_after"]["n"] == 32 and (tmp_path / "runs" / "api-example" / "summary.json").exists()
-    assert 1 <= s["steps"] <= 3
+    assert s["eval_after"]["n"] == 100 and (tmp_path / "runs" / "api-example" / "summary.json").exists()
+    assert 1 <= s["steps"] <= 10
+    # it learns: measured 0.19 -> 0.86, 0.89, 0.91, 0.92, 0.93 for seeds 0-4 (the old example: 0.0 -> 0.0)
+    before, after = s["eval_before"]["accuracy"], s["eval_after"]["accuracy"]
+    assert after >= before + 0.4, (before, after)
 
 
 @pytest.mark.slow

@@ -137,3 +137,10 @@ def test_single_row_needs_an_eval_set(tmp_path):
     with pytest.raises(DataError, match="need at least 2"):
         load_dataset_task(str(p))
     assert len(load_dataset_task(str(p), eval_path=str(p)).train) == 1
+
+
+def test_eval_size_0_holds_nothing_out(files):
+    """--eval-size 0 trains without evaluation: every row trains, none is held out (it divided
+    by the held-out count, 0, before)."""
+    task = load_dataset_task(str(files["jsonl"]), eval_size=0)
+    assert task.eval == [] and len(task.train) == 20 and task.notes == []  # the fixture's 20 rows

@@ -1,6 +1,8 @@
-"""Rewards: built-ins by table, math-verify cases, user rewards, weights, and misbehaving rewards."""
+"""Rewards: built-ins by table, math-verify cases, user rewards, weights, misbehaving rewards, TRL's
+calling convention (TRL's documented reward functions, verbatim), and rewards that score nothing."""
 
 import math
+import re
 
 import pytest
 
@@ -8,10 +10,15 @@ from gspo.data import Example
 from gspo.rewards import (Reward, RewardError, apply_rewards, exact_match, format_reward, length_penalty, load_reward,
                           load_rewards, math_verify, numeric_match, score_completions)
 
+# a GSM8K answer column: the worked solution, the final answer after "####"
+GSM8K = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+         "Natalia sold 48+24 = <<48+24=72>>72 clips altogether.\n#### 72")
+
 
 @pytest.mark.parametrize("completion,answer,expected", [
     ("Paris", "Paris", 1.0), ("  Paris\n", "Paris", 1.0), ("paris", "Paris", 0.0), ("Paris.", "Paris", 0.0),
     ("42", 42, 1.0), ("42.0", 42, 0.0), ("", "", 0.0), ("x", None, 0.0),
+    ("72", GSM8K, 0.0),  # exact_match compares the whole answer: a worked solution is not "72"
 ])
 def test_exact_match(completion, answer, expected):
     assert exact_match([completion], answer=[answer]) == [expected]
@@ -23,6 +30,8 @@ def test_exact_match(completion, answer, expected):
     ("no number", "1", 0.0), ("5", "five", 0.0),
     # relative tolerance 1e-6: 0.30000001 is 3.3e-8 away (match), 0.3001 is 3.3e-4 away (no match)
     ("0.30000001", 0.3, 1.0), ("0.3001", 0.3, 0.0),
+    # GSM8K: the gold answer is what follows the last "####" (72), not the solution's other numbers
+    ("She sold 72 clips.", GSM8K, 1.0), ("#### 72", GSM8K, 1.0), ("24", GSM8K, 0.0), ("1 #### 2 #### 3", "#### 3", 1.0),
 ])
 def test_numeric_match(completion, answer, expected):
     assert numeric_match([completion], answer=[answer]) == [expected]
@@ -38,6 +47,8 @@ MATH_CASES = [
     ("I don't know", "7", 0.0),
     (r"$\boxed{(1, 2)}$", "(1,2)", 1.0),
     (r"$x^2 + 2x + 1$", "(x+1)^2", 1.0),
+    (r"So she sold $\boxed{72}$ clips.", GSM8K, 1.0),  # the part after "####"
+    (r"$\boxed{24}$", GSM8K, 0.0),
 ]
 
 
@@ -152,3 +163,191 @@ def test_rewards_returning_bools_strings_or_nan_are_refused(value, kind):
     msg = str(e.value)
     assert msg.startswith("reward 'flaky' returned") and "data.jsonl line 3" in msg
     assert (f"({kind})" in msg) if kind else "expected a finite number" in msg
+
+
+# ----------------------------------------------------------------------------------------------
+# TRL's calling convention: rewards are called by keyword; TRL's documented functions, verbatim
+# ----------------------------------------------------------------------------------------------
+
+def reward_func(completion_ids, **kwargs):  # TRL docs, "Example 1: Reward longer completions"
+    """Reward function that assigns higher scores to longer completions (in terms of token count)."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def format_reward_func(completions, **kwargs):  # TRL docs, "Example 2" (conversational)
+    """Reward function that checks if the completion has a specific format."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def boxed_reward_func(completions, ground_truth, **kwargs):  # TRL docs, "Example 3" (named reward_func there)
+    # Regular expression to capture content inside \boxed{}
+    matches = [re.search(r"\\boxed\{(.*?)\}", completion) for completion in completions]
+    contents = [match.group(1) if match else "" for match in matches]
+    # Reward 1 if the content is the same as the ground truth, 0 otherwise
+    return [1.0 if c == gt else 0.0 for c, gt in zip(contents, ground_truth)]
+
+
+ideal_length = 50
+
+
+def reward_len(completions, **kwargs):  # TRL's GRPO + LoRA notebook
+    return [-abs(ideal_length - len(completion)) for completion in completions]
+
+
+def exact(prompts, completions, answer, **kw):  # prompts first: "got multiple values for argument 'prompts'" before
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def test_trl_reward_functions_work_unchanged():
+    ex = Example(r"Solve $2x + 3 = 7$.", "2", {"answer": "2", "ground_truth": "2"}, "d.jsonl line 1")
+    rewards = [Reward(f.__name__, f) for f in (reward_func, boxed_reward_func, reward_len, exact)]
+    comps = [r" The solution is \boxed{2}.", "2"]
+    total, per = score_completions(rewards, [ex], comps, [[6303, 13], [304, 279, 12884, 13]], group_size=2)
+    assert per["reward_func"] == [2.0, 4.0]  # token counts
+    assert per["boxed_reward_func"] == [1.0, 0.0]  # ground_truth is a column
+    assert per["reward_len"] == [-(50 - 27), -(50 - 1)]  # 27 and 1 characters
+    assert per["exact"] == [0.0, 1.0]
+    # row 1: 2 + 1 - 23 + 0 = -20; row 2: 4 + 0 - 49 + 1 = -44
+    assert total == [-20.0, -44.0]
+    chat = Example([{"role": "user", "content": "What is the result of (1 + 2) * 4?"}], "12", {}, "c.jsonl line 1")
+    texts = ["<think>The sum of 1 and 2 is 3, which we multiply by 4 to get 12.</think>"
+             "<answer>(1 + 2) * 4 = 12</answer>",
+             "The sum of 3 and 1 is 4, which we multiply by 2 to get 8. So (3 + 1) * 2 = 8."]
+    _, per = score_completions([Reward("format", format_reward_func)], [chat], texts, [[1], [2]], group_size=2)
+    assert per["format"] == [1.0, 0.0]  # completion[0]["content"]: conversational completions are messages
+
+
+def test_rewards_get_the_keywords_trl_passes():
+    seen = {}
+
+    def spy(**kw):
+        seen.update(kw)
+        return [1.0]
+
+    ex = Example("p", "a", {"answer": "a", "level": "hard"}, "d.jsonl line 1")
+    from gspo.rewards import TrainerState
+
+    score_completions([Reward("spy", spy)], [ex], ["c"], [[5]], group_size=1, trainer_state=TrainerState(3, 10))
+    assert set(seen) == {"prompts", "completions", "completion_ids", "trainer_state", "answer", "level"}
+    assert seen["trainer_state"].global_step == 3 and seen["trainer_state"].max_steps == 10
+    assert seen["prompts"] == ["p"] and seen["completions"] == ["c"] and seen["completion_ids"] == [[5]]
+
+
+def test_completions_first_under_another_name_still_works():
+    # gspo's older convention called rewards with the completions first, whatever the parameter's name
+    r = Reward("first", lambda comps, **kw: [float(len(c)) for c in comps])
+    assert apply_rewards([r], ["ab", "c"], {"prompts": ["p", "q"]}, ["r1", "r2"]) == ([2.0, 1.0], {"first": [2.0, 1.0]})
+
+
+@pytest.mark.parametrize("fn,msg", [
+    (lambda prompts, completions, ground_truth, **kw: [1.0], "missing a required argument: 'ground_truth'"),
+    (lambda completions, answer: [1.0], "got an unexpected keyword argument"),
+])
+def test_a_signature_that_does_not_fit_names_the_argument_not_a_row(fn, msg):
+    with pytest.raises(RewardError) as e:
+        apply_rewards([Reward("strict", fn)], ["x"], {"prompts": ["p"], "completion_ids": [[1]], "answer": ["1"],
+                                                      "level": ["easy"]}, ["data.jsonl line 1"])
+    text = str(e.value)
+    assert text.startswith("reward 'strict' cannot be called with the arguments rewards get: " + msg), text
+    assert "the dataset columns answer, level;" in text and "line 1" not in text and "\n" not in text
+
+
+def test_a_type_error_inside_a_reward_still_names_the_row():
+    def inside(completions, **kw):
+        return [len(c) + "!" for c in completions]  # TypeError raised by the body, not by the call
+
+    with pytest.raises(RewardError, match=r"reward 'inside' raised TypeError: .* on data.jsonl line 1"):
+        apply_rewards([Reward("inside", inside)], ["x"], {}, ["data.jsonl line 1"])
+
+
+# ----------------------------------------------------------------------------------------------
+# A first reward that scores nothing: no accuracy, never 0%
+# ----------------------------------------------------------------------------------------------
+
+def _evaluate(model, tokenizer, fn):
+    from gspo.evaluation import evaluate
+    from gspo.tasks import get_task
+
+    task = get_task("arithmetic")
+    return task.test_set(6), evaluate(model, tokenizer, task, [Reward("picky", fn)], n=6, k=2, max_new_tokens=2)
+
+
+def test_a_reward_that_returns_none_everywhere_reports_no_accuracy(tiny_random, char_tokenizer):
+    _, out = _evaluate(tiny_random, char_tokenizer, lambda completions, **kw: [None] * len(completions))
+    assert out["accuracy"] is None and out["n_scored"] == 0 and out["n"] == 6
+    assert out["sample_accuracy"] is None and out["pass@2"] == 0.0 and out["reward"] == 0.0
+
+
+def test_accuracy_is_over_the_rows_the_reward_scored(tiny_random, char_tokenizer):
+    def picky(completions, answer, **kw):  # scores even answers only: 1.0 when divisible by 4
+        return [None if int(a) % 2 else float(int(a) % 4 == 0) for a in answer]
+
+    rows, out = _evaluate(tiny_random, char_tokenizer, picky)
+    answers = [int(ex.answer) for ex in rows]
+    even, by_four = sum(a % 2 == 0 for a in answers), sum(a % 4 == 0 for a in answers)
+    assert 0 < even < 6  # the test set mixes scored and unscored rows
+    # accuracy = (rows divisible by 4) / (even rows), not / 6
+    assert out["n_scored"] == even and out["accuracy"] == pytest.approx(by_four / even, rel=1e-12)
+    assert out["sample_accuracy"] == pytest.approx(by_four / even, rel=1e-12)  # the same rows, k=2 samples each
+
+
+def test_compare_and_plot_take_an_evaluation_without_accuracy(tmp_path):
+    """A run whose reward scored no held-out completion has accuracy None: the comparison's
+    best/after and the plotted curve skip it instead of failing on None."""
+    import json
+
+    from gspo.compare import summarise
+    from gspo.plot import load_series
+
+    evals = [{"step": 0, "accuracy": 0.25, "n": 4}, {"step": 5, "accuracy": 0.75, "n": 4},
+             {"step": 10, "accuracy": None, "n": 4, "n_scored": 0}]
+    (tmp_path / "summary.json").write_text(json.dumps({"evals": evals, "eval_before": evals[0], "eval_after": evals[2],
+                                                       "wall_seconds": 1.0}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    s = summarise(tmp_path)
+    assert (s["accuracy"], s["accuracy_before"], s["accuracy_best"], s["diverged"]) == (None, 0.25, 0.75, False)
+    assert load_series(tmp_path, "eval/accuracy") == ([0, 5], [0.25, 0.75])
+
+
+def test_the_summary_line_says_n_a_not_zero(capsys):
+    from gspo.cli import _print_summary
+
+    none = {"accuracy": None, "n": 6, "n_scored": 0, "metric": "x", "binary": True}
+    base = {"algorithm": "gspo", "task": "d.jsonl", "steps": 2, "wall_seconds": 3.0, "final_checkpoint": None}
+    _print_summary({**base, "eval_before": none, "eval_after": none})
+    assert capsys.readouterr().out == ("gspo on d.jsonl: held-out greedy accuracy: n/a (the reward 'x' returned None "
+                                       "for every evaluated completion) in 3s\n")
+    _print_summary({**base, "eval_before": none, "eval_after": {**none, "accuracy": 0.25, "n_scored": 4}})
+    assert capsys.readouterr().out == ("gspo on d.jsonl: held-out greedy accuracy: n/a -> 25.0% (the reward 'x' "
+                                       "returned None for every evaluated completion before training) in 3s\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# A reward that fails mid-run says how to resume
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fail_from", [1, 0])
+def test_a_reward_failing_mid_run_says_how_to_resume(tmp_path, fail_from):
+    import gspo
+
+    def flaky(completions, trainer_state, **kw):  # a grader that breaks once `fail_from` steps are done
+        if trainer_state.global_step >= fail_from:
+            raise ConnectionError("grader down")
+        return [0.0] * len(completions)
+
+    run = tmp_path / "run"
+    cfg = gspo.TrainConfig(steps=2, save_every=1, prompts_per_step=2, group_size=2, max_new_tokens=2, eval_size=0,
+                           output_dir=str(run), progress=False)
+    with pytest.raises(RewardError) as e:
+        gspo.Trainer(cfg, reward_funcs=[flaky]).train()
+    msg = str(e.value)
+    assert msg.startswith("reward 'flaky' raised ConnectionError: grader down on ") and "\n" not in msg
+    if fail_from:  # step 1 was checkpointed: the run directory stays, and the message says how to go on
+        assert msg.endswith(f"; fix it and continue with: gspo train --resume {run}")
+        assert (run / "checkpoints" / "step-000001").is_dir()
+    else:  # a false start: nothing to resume, nothing left behind
+        assert "--resume" not in msg and not run.exists()

@@ -13,7 +13,7 @@ import torch
 from gspo import checkpoint as ckpt
 from gspo.config import TrainConfig
 from gspo.metrics import Max, Mean, Min, step_means
-from gspo.run import lr_factor
+from gspo.optim import lr_factor
 from gspo.trainer import train
 
 FAST = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "16", "--no-progress"]

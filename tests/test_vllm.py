@@ -217,6 +217,23 @@ def test_multi_turn_episodes_sample_on_vllm(tmp_path):
     assert m[0]["episode/turns"] > 1.2 and m[0]["episode/env_tokens"] > 10 and m[0]["episode/tool_calls"] > 0.2
 
 
+@pytest.mark.slow
+def test_qwen25_recipe_runs_on_its_vllm_engine(tmp_path):
+    # examples/recipes/qwen2.5-0.5b-instruct-gsm8k.yaml as written, its vLLM engine included, one
+    # step on CPU: its hub ids served offline by a tiny Qwen2 and a GSM8K-shaped dataset, and only
+    # tests/test_recipes.py's OVERRIDES changed (there, the main suite swaps the engine for hf)
+    from tests.hubcache import offline_env
+    from tests.test_recipes import ROOT, build_hub, check_run, recipe_args
+
+    recipe = ROOT / "examples" / "recipes" / "qwen2.5-0.5b-instruct-gsm8k.yaml"
+    hub = build_hub(tmp_path / "hf", tmp_path / "models")
+    run = tmp_path / "run"
+    r = gspo(*recipe_args(recipe, run, {}), env={**offline_env(hub), "OMP_NUM_THREADS": "2",
+                                                 "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    check_run(recipe, run, r.stderr, {})
+
+
 for _name in [n for n in list(globals()) if n.startswith("test_")]:
     for _mark in needs_vllm:
         globals()[_name] = _mark(globals()[_name])

@@ -5,10 +5,14 @@ A task class sets `STREAM` (the name its random streams are seeded by), has `spl
 `test_set(n)` (a fixed list of `test_size` distinct problems drawn from `split_seed`, the same
 for every run) and `train_batch(step, n, seed)` (a function of (seed, step) alone, never a
 test problem), so that a resumed run sees exactly the prompts an uninterrupted one would.
+
+Also here: `SystemPrompt(task, text)`, any task with a system message before every prompt
+(`--system-prompt`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from typing import ClassVar
@@ -52,3 +56,47 @@ class DrawnSplits:
 def _key(example: Example) -> str:
     """A problem's identity: its prompt (chat messages as JSON)."""
     return example.prompt if isinstance(example.prompt, str) else json.dumps(example.prompt)
+
+
+def with_system(prompt: str | list[dict], text: str) -> list[dict]:
+    """`prompt` as chat messages that open with the system message `text`: a string becomes the
+    user's turn after it; chat messages get it first unless their first message is a system one.
+
+    >>> with_system("2+2=", "Be brief.")
+    [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': '2+2='}]
+    >>> with_system([{"role": "system", "content": "Mine."}, {"role": "user", "content": "Hi"}], "Be brief.")[0]
+    {'role': 'system', 'content': 'Mine.'}
+    """
+    system = {"role": "system", "content": text}
+    if isinstance(prompt, str):
+        return [system, {"role": "user", "content": prompt}]
+    return list(prompt) if prompt and prompt[0].get("role") == "system" else [system, *prompt]
+
+
+class SystemPrompt:
+    """`task` with the system message `text` before every prompt (`--system-prompt`), in
+    training and evaluation alike. Each Example keeps its answer, columns and source, so the
+    rewards score it as before; every other attribute (default_rewards, default_max_new_tokens,
+    notes, name, default_model, ...) is the wrapped task's.
+
+        task = SystemPrompt(get_task("arithmetic"), "Answer with the number only.")
+        task.test_set(1)[0].prompt   # [{'role': 'system', ...}, {'role': 'user', 'content': '...'}]
+    """
+
+    def __init__(self, task, text: str):
+        self.task = task
+        self.text = text
+
+    def _rewrite(self, examples: list[Example]) -> list[Example]:
+        return [dataclasses.replace(ex, prompt=with_system(ex.prompt, self.text)) for ex in examples]
+
+    def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
+        return self._rewrite(self.task.train_batch(step, n, seed))
+
+    def test_set(self, n: int | None = None) -> list[Example]:
+        return self._rewrite(self.task.test_set(n))
+
+    def __getattr__(self, name: str):
+        if name == "task":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.task, name)

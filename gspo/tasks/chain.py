@@ -124,6 +124,7 @@ class ChainTask(DrawnSplits):
     default_rewards: tuple[str, ...] = ("gspo.tasks.chain:chain_answer",)
     # the longest reference (20 steps of 10-11 characters) is 217 characters, + EOS
     default_max_new_tokens: int = 240
+    default_model: ClassVar[str] = "tiny-long"  # warm-started on chains; tiny never saw one
 
     def _draw(self, rng: random.Random, source: str) -> Example:
         return problem(rng.randint(*START), rng.randint(*STEP), source)
