@@ -6,6 +6,7 @@
                            callbacks=[on_step])
     summary = trainer.train()           # what `gspo train` prints and writes to summary.json
     trainer.model                       # the trained policy
+    trainer.merged_model()              # ... as a plain transformers model, LoRA merged (a CPU copy)
     trainer.save_model("out/")          # what `gspo export` writes (docs/export.md)
     trainer.push_to_hub("me/model")     # ... uploaded to the Hugging Face Hub
 
@@ -109,6 +110,17 @@ class Trainer:
         if self._trained is not None:
             return self._trained.model
         return None if self._final else self.inputs.model_object
+
+    def merged_model(self, dtype: str | None = None):
+        """The trained policy as a plain transformers model on the CPU: LoRA merged into its base
+        (a copy: `trainer.model` keeps its adapters), parameters in `dtype` (default: the run's
+        --dtype), as `save_model` writes it. None where this process holds no whole policy (FSDP)."""
+        from gspo.export import plain_model
+        from gspo.models import DTYPES
+
+        if self._trained is None:
+            return None
+        return plain_model(self._trained.model, DTYPES[dtype or self._trained.cfg.dtype], copy_model=True)
 
     def save_model(self, output_dir: str | Path, merge_lora: bool = True, dtype: str | None = None) -> Path:
         """Write the trained policy as `gspo export` writes a run (gspo.export.write): a plain

@@ -93,6 +93,16 @@ def test_lora_export_is_merged_and_matches_the_peft_policy(lora_run, tmp_path):
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(token_logprobs(model, tok), token_logprobs(base, tok)))
 
 
+def test_merged_model_is_a_plain_copy_with_the_policys_logprobs(lora_run):
+    trainer, _ = lora_run
+    merged = trainer.merged_model()
+    assert not hasattr(merged, "peft_config") and hasattr(trainer.model, "peft_config")  # a copy; the policy keeps LoRA
+    tok = trainer._trained.tokenizer
+    for got, want in zip(token_logprobs(merged, tok), token_logprobs(trainer.model, tok)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert trainer.merged_model("bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
+
+
 def test_bfloat16_export_and_the_runs_dtype_by_default(full_run, tmp_path):
     _, run = full_run
     assert main(["export", str(run), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
