@@ -5,7 +5,8 @@
 
 `prepare` adds to a scored rollout the old policy's log-probs, the reference's and the
 advantages; the batch is read by gspo.trainer's `minibatch_loss`, the metrics of the step and
-samples.jsonl.
+samples.jsonl. `expert_load` counts, for an MoE balance loss split over micro-batches, the
+experts' load over the whole minibatch (a no-grad pass before the minibatch's updates).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from gspo import parallel
 from gspo.advantages import group_advantages, turn_advantages
 from gspo.corrections import rollout_is_weights
 from gspo.episodes import Episodes
-from gspo.logprobs import token_logprobs
+from gspo.logprobs import token_logprobs, trim
 from gspo.metrics import reduce_across
+from gspo.moe import expert_counts
 from gspo.rollout import Rollout
 from gspo.value import ppo_advantages
 
@@ -126,3 +128,27 @@ def _group_advantages(run, rewards: Tensor, all_rewards: Tensor, episodes: Episo
     per_turn = turn_advantages(dist.gather(to_go), cfg.group_size, scale=cfg.adv_scale)[mine]  # (B, K)
     index = episodes.turn_index.cpu()  # (B, T)
     return (per_turn.gather(1, index.clamp(min=0)) * (index >= 0)).float()  # (B, T)
+
+
+@torch.no_grad()
+def expert_load(run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
+    """Global-batch load balancing (arXiv 2501.11873): the routing slots each expert gets over
+    the global minibatch, (L, E), and its real tokens, from a no-grad pass over its micro-batches
+    (the same forwards, routing replay included), so that each micro-batch's part of the balance
+    loss uses the minibatch's f_e and the split is exact (gspo.moe.balance_loss)."""
+    cfg, routing = run.cfg, run.routing
+    counts = torch.zeros(routing.n_layers, routing.num_experts, dtype=torch.float64)  # (L, E)
+    tokens = 0.0
+    for part in parts:
+        live = 1.0 if len(part) else 0.0
+        part = part if len(part) else torch.zeros(1, dtype=torch.long)  # a stand-in: FSDP's forwards are collective
+        mb, ps, ts = trim(batch.rollout.select(part)) if cfg.micro_batch_tokens > 0 else \
+            (batch.rollout.select(part), slice(None), slice(None))
+        forced = batch.rows(part, ps, ts)["routing"] if cfg.routing_replay else None
+        with routing.capture(forced, keep_logits=True) as cap, run.autocast():
+            run.train_model(mb, temperature=cfg.temperature, packed=False)
+        tokens_mask = mb.attention_mask * live  # (b, P+T)
+        counts += expert_counts([torch.cat(x) for x in cap.logits], tokens_mask, routing.top_k).cpu().double()
+        tokens += float(tokens_mask.sum())
+    both = run.dist.all_sum(torch.cat([counts.flatten(), counts.new_tensor([tokens])]))
+    return both[:-1].view_as(counts), float(both[-1])

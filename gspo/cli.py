@@ -29,7 +29,7 @@ from gspo.argv import take as _take
 from gspo.argv import take_many as _take_many
 from gspo.config import ConfigError, TrainConfig
 from gspo.configfile import eval_names, in_memory, load_yaml
-from gspo.distributed import say_once
+from gspo.distributed import command_line, say_once
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 
@@ -314,14 +314,17 @@ def main(argv: list[str] | None = None) -> int:
         say_once(f"gspo {name}: error: {msg}")
         return 2
     except KeyboardInterrupt:
-        print(f"gspo {name}: interrupted", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process was interrupted
+            print(f"gspo {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         from gspo.lifecycle import Interrupted
 
         if not isinstance(e, Interrupted):
             raise
-        say_once(f"gspo {name}: {e}")
+        if int(os.environ.get("RANK", "0")) == 0:  # every process stopped at this step: one says so
+            resume = command_line([name, "--resume", str(e.run_dir)])  # under torchrun, the torchrun line
+            print(f"gspo {name}: {e.line(resume)}", file=sys.stderr, flush=True)
         return 128 + e.signum
 
 

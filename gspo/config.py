@@ -364,9 +364,10 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     need(not (vllm and cfg.routing_replay), "routing_replay",
          "cannot be combined with --rollout-engine vllm: this vLLM cannot return the experts it routed each token "
          "to (R3 needs its Model Runner V2); use --rollout-engine hf")
-    need(not (vllm and cfg.old_logp == "sampling" and (cfg.top_p < 1 or cfg.top_k > 0)), "old_logp",
-         "sampling with --rollout-engine vllm needs --top-p 1 and --top-k 0: vLLM renormalises its log-probs over "
-         "the tokens top-p/top-k keep, which are then not the policy's (use --old-logp recompute or auto)")
+    need(not (vllm and cfg.old_logp == "sampling" and (cfg.top_p < 1 or cfg.top_k > 0 or cfg.min_new_tokens > 0)),
+         "old_logp", "sampling with --rollout-engine vllm needs --top-p 1, --top-k 0 and --min-new-tokens 0: vLLM "
+         "renormalises its log-probs over the tokens top-p/top-k keep and without the stop tokens it bans, which are "
+         "then not the policy's (use --old-logp recompute or auto)")
     need(cfg.sapo_tau_pos > 0 and cfg.sapo_tau_neg > 0, "sapo_tau_pos" if cfg.sapo_tau_pos <= 0 else "sapo_tau_neg",
          "must be > 0")
     need(0 <= cfg.rollout_is_low <= 1, "rollout_is_low", "must be in [0, 1]")
@@ -402,7 +403,10 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
             setattr(out, key, value)
     if out.old_logp == "auto":  # in fp32 the sampling pass's log-probs are the recomputation's, to 1e-5
         same_precision = out.dtype == "float32" and out.rollout_dtype in ("same", "float32")
-        full_distribution = out.rollout_engine == "hf" or (out.top_p == 1.0 and out.top_k == 0)
+        # vLLM renormalises its log-probs over the tokens top-p/top-k keep, and over the non-stop
+        # tokens for the first min_new_tokens (it bans them first): not the policy's distribution
+        full_distribution = out.rollout_engine == "hf" or (out.top_p == 1.0 and out.top_k == 0
+                                                           and out.min_new_tokens == 0)
         out.old_logp = "sampling" if same_precision and full_distribution and not corrects_mismatch(out) else "recompute"
     if out.model is None or out.steps is None:  # the task's own (calculator: a chat model that calls tools)
         from gspo.tasks import TASKS, get_task

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
@@ -162,6 +164,36 @@ def say_once(line: str) -> None:
         time.sleep(RANK_GRACE_S)
         line = f"{line} (rank {rank})"
     print(line, file=sys.stderr, flush=True)
+
+
+def command_line(args: list[str]) -> str:
+    """The command that runs gspo with `args` the way this process was launched: `gspo ARGS`,
+    or under torchrun the torchrun line the user ran with its gspo arguments replaced by `args`
+    (read from the launcher's command line, the parent process's; where that cannot be read,
+    `torchrun --nproc-per-node N -m gspo ARGS`). What a resume hint should say.
+
+    >>> command_line(["train", "--resume", "runs/a b"])  # not under torchrun
+    "gspo train --resume 'runs/a b'"
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return shlex.join(["gspo", *args])
+    launcher, own = _launcher_argv(), sys.argv[1:]  # own: this worker's arguments, the launcher's last ones
+    head = launcher[:len(launcher) - len(own)] if own and launcher[len(launcher) - len(own):] == own else []
+    if len(head) > 1 and Path(head[0]).name == "torchrun":  # torchrun OPTIONS -m gspo
+        return shlex.join(["torchrun", *head[1:], *args])
+    if len(head) > 2 and Path(head[1]).name == "torchrun":  # python .../bin/torchrun OPTIONS -m gspo
+        return shlex.join(["torchrun", *head[2:], *args])
+    if len(head) > 3 and head[1:3] == ["-m", "torch.distributed.run"]:  # python -m torch.distributed.run ...
+        return shlex.join(["torchrun", *head[3:], *args])
+    return shlex.join(["torchrun", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1"), "-m", "gspo", *args])
+
+
+def _launcher_argv() -> list[str]:
+    """The command line of the process that started this one (torchrun's agent), [] where unknown."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except (OSError, UnicodeDecodeError):
+        return []
 
 
 def init(parallel: str, device: str) -> Dist:

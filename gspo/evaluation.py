@@ -8,7 +8,9 @@
 fraction answered correctly; `binary` says whether every value was 0 or 1, `metric` names the
 reward). Rows where it returned None (does not apply) are left out: `n_scored` counts the
 rows it scored, and where it scored none `accuracy` is None, never 0. `reward` is the mean
-weighted sum of all rewards. `pass@k` is the fraction of rows where at least one of k samples
+episode reward as training computes it (`reward/mean`): the weighted sum of all rewards, plus,
+with an environment, the sum of its turn rewards, whose own mean is `reward_env` (training's
+`reward/env/mean`). `pass@k` is the fraction of rows where at least one of k samples
 (at `temperature`) gets a first reward of 1; `sample_accuracy` the mean first reward over the
 samples it scored.
 """
@@ -36,13 +38,14 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
     ids (default: the tokenizer's EOS and the model's generation config's, `stop_token_ids`).
     The pass@k samples draw from a CPU generator whatever the model's device (the sampler
     draws its uniforms on the CPU). env: an environment class (gspo.env): each row is then an
-    episode of up to `max_turns` model turns (gspo.episodes), scored on its final model turn.
+    episode of up to `max_turns` model turns (gspo.episodes), scored on its final model turn,
+    its reward that score plus the environment's turn rewards (gspo.trainer.score).
     trainer_state: what the rewards get as `trainer_state` (a training run's progress)."""
     all_examples = task.test_set(n)
     lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
     examples = all_examples[lo:hi]
     first = rewards[0].name
-    sums = dict.fromkeys(("acc", "scored", "total", "pass_k", "sample_acc", "sample_scored", "nonbinary"), 0.0)
+    sums = dict.fromkeys(("acc", "scored", "total", "env", "pass_k", "sample_acc", "sample_scored", "nonbinary"), 0.0)
     gen = torch.Generator().manual_seed(seed)
     stop = stop or stop_token_ids(tokenizer, model)
     greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
@@ -57,15 +60,16 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
         chunk = examples[start:start + batch_size]
         episode = dict(env=env, max_turns=max_turns, max_tokens=max_episode_tokens, stop_strings=stop_strings,
                        max_prompt_length=max_prompt_length)
-        texts, ids = _complete(model, tokenizer, chunk, greedy, None, **episode)
+        texts, ids, env_reward = _complete(model, tokenizer, chunk, greedy, None, **episode)
         weighted, per = score_completions(rewards, chunk, texts, ids, 1, trainer_state)
         values = [v for v in per[first] if v == v]  # None (NaN): the reward does not apply to that row
         sums["acc"] += sum(values)
         sums["scored"] += len(values)
-        sums["total"] += sum(weighted)
+        sums["total"] += sum(weighted) + sum(env_reward)
+        sums["env"] += sum(env_reward)
         sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
-            texts, ids = _complete(model, tokenizer, chunk, sampled, gen, **episode)
+            texts, ids, _ = _complete(model, tokenizer, chunk, sampled, gen, **episode)
             _, per = score_completions(rewards, chunk, texts, ids, k, trainer_state)
             r = torch.tensor(per[first]).view(len(chunk), k)  # (rows, k); NaN where it does not apply
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
@@ -73,13 +77,15 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
             sums["sample_scored"] += float((r == r).sum())
     if dist is not None and dist.enabled:
         sums = dict(zip(sums, dist.all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
-    return _result(sums, n=len(all_examples), k=k, metric=first)
+    return _result(sums, n=len(all_examples), k=k, metric=first, env=env is not None)
 
 
-def _result(sums: dict, *, n: int, k: int, metric: str) -> dict:
+def _result(sums: dict, *, n: int, k: int, metric: str, env: bool = False) -> dict:
     """The evaluation's numbers from its sums; a mean over no scored rows is None."""
     out = {"accuracy": sums["acc"] / sums["scored"] if sums["scored"] else None, "n_scored": int(sums["scored"]),
            "reward": sums["total"] / n, "n": n, "metric": metric, "binary": sums["nonbinary"] == 0}
+    if env:
+        out["reward_env"] = sums["env"] / n
     if k > 0:
         out[f"pass@{k}"] = sums["pass_k"] / n
         out["sample_accuracy"] = sums["sample_acc"] / sums["sample_scored"] if sums["sample_scored"] else None
@@ -87,14 +93,16 @@ def _result(sums: dict, *, n: int, k: int, metric: str) -> dict:
 
 
 def _complete(model, tokenizer, examples, params, generator, *, env, max_turns: int, max_tokens: int,
-              stop_strings: tuple[str, ...], max_prompt_length: int) -> tuple[list[str], list[list[int]]]:
-    """The texts and token ids the rewards score: single-turn completions, or (env) the final
-    model turn of each episode."""
+              stop_strings: tuple[str, ...], max_prompt_length: int) -> tuple[list[str], list[list[int]], list[float]]:
+    """The texts and token ids the rewards score, and the environment's reward of each: single-turn
+    completions (no environment: 0), or (env) the final model turn of each episode and the sum of
+    its turn rewards."""
     if env is not None:
         _, ep = run_episodes(PolicySampler(model), tokenizer, examples, env, params, max_turns=max_turns,
                              max_tokens=max_tokens, generator_for=lambda turn: generator, stop_strings=stop_strings,
                              max_prompt_length=max_prompt_length)
-        return ep.final_texts, ep.final_ids
+        return ep.final_texts, ep.final_ids, ep.env_reward.tolist()
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], max_prompt_length)
     ro = cut_at_stop_strings(generate(model, prompts, params, generator=generator), tokenizer, stop_strings)
-    return decode_completions(tokenizer, ro)
+    texts, ids = decode_completions(tokenizer, ro)
+    return texts, ids, [0.0] * len(texts)

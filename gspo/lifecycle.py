@@ -11,8 +11,10 @@
 - **Signals** (Ctrl-C, a cluster's SIGTERM before preemption): the step under way finishes, a
   checkpoint is written, and `Interrupted` says how to resume (the CLI prints it and exits with
   128 + the signal's number). Under torchrun every process learns of a signal any process got
-  (the flag is all-reduced after each step), so they stop at the same step. A second Ctrl-C
-  exits at once.
+  (the flag is all-reduced after each step), so they stop at the same step; rank 0 alone says
+  so, with the torchrun line that resumes the run (docs/distributed.md). A second Ctrl-C
+  exits at once. A signal ignored when the run starts (a shell's `cmd &` ignores SIGINT) stays
+  ignored, as Python itself leaves it, and `release` puts back whatever handler was there.
 - **False starts**: a run that fails before its first step completes (a reward that raises, a
   logger that cannot start) removes the run directory it created, so the same command can
   simply be run again.
@@ -39,9 +41,13 @@ class Interrupted(Exception):
 
     def __init__(self, signum: int, step: int, run_dir: Path):
         self.signum, self.step, self.run_dir = signum, step, run_dir
-        name = signal.Signals(signum).name
-        super().__init__(f"interrupted by {name} after step {step}; checkpoint written; "
-                         f"continue with: gspo train --resume {run_dir}")
+        super().__init__(self.line(f"gspo train --resume {run_dir}"))
+
+    def line(self, resume: str) -> str:
+        """What to tell the user, `resume` the command that continues the run (the CLI's: under
+        torchrun, the torchrun line; gspo.distributed.command_line)."""
+        name = signal.Signals(self.signum).name
+        return f"interrupted by {name} after step {self.step}; checkpoint written; continue with: {resume}"
 
 
 class RunLock:
@@ -93,11 +99,14 @@ class Guard:
                                       f"(use --resume {run.run_dir} to continue it)")
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGINT, signal.SIGTERM):
-                self.saved[s] = signal.signal(s, self._handler)
+                if signal.getsignal(s) is not signal.SIG_IGN:  # ignored at entry (`cmd &`, nohup): stays ignored
+                    self.saved[s] = signal.signal(s, self._handler)
 
     def _handler(self, signum, frame) -> None:
-        if self.signum and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: at once
+        # the second Ctrl-C: at once; torchrun forwards it to its workers as SIGTERM, hence either
+        # order. Two SIGTERMs are one request (a cluster's to every process and torchrun's relay)
+        if self.signum and signal.SIGINT in (signum, self.signum):
+            raise KeyboardInterrupt
         self.signum = signum
 
     def check(self, step: int, saved: bool, stop: bool = False) -> bool:

@@ -14,10 +14,11 @@ Packing (`packed=True`): the micro-batch's sequences are laid end to end in one 
 ids restart at 0 for each, and no attention mask is passed, so transformers confines
 attention to each sequence (a block-diagonal mask built from the position ids, or sequence
 boundaries for FlashAttention): no padding token is computed. `supports_packing` checks once
-per model that a packed forward gives the padded forward's hidden states, else padding is used.
+per model that a packed forward gives the padded forward's hidden states, else padding is used
+(gspo.run decides before FSDP shards the model, and says so when it refuses).
 
 Left out: packing together with MoE routing capture (routing is recorded in the padded
-layout, so MoE models use padded micro-batches).
+layout, so MoE models use padded micro-batches; the run says so).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ _PACKING: dict[int, bool] = {}
 @torch.no_grad()
 def supports_packing(model) -> bool:
     """Whether a packed forward of `model` gives the padded forward's hidden states (to 1e-4,
-    in the model's dtype tolerance): checked once per model on two short sequences."""
+    in the model's dtype tolerance): checked once per model on two short sequences. Call it
+    on the unsharded model: under FSDP the head is a DTensor shard and the answer would be no."""
     key = id(model)
     if key not in _PACKING:
         fused = fused_head(model)

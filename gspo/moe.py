@@ -23,7 +23,10 @@ then holds 3 MiB of routing per completion.
 
 The load-balancing auxiliary loss (Switch Transformer): num_experts · Σ_e f_e · P_e, with
 f_e the share of routing slots that went to expert e and P_e the mean router probability of
-e, over real tokens, averaged over layers.
+e, over real tokens, averaged over layers. f_e and P_e are those of the whole (global)
+minibatch (global-batch balancing, arXiv 2501.11873): f_e is counted first (`expert_counts`,
+no gradient) and each micro-batch adds its tokens' share of P_e (`balance_loss`), so a
+minibatch split into micro-batches or processes gets the unsplit loss and gradient.
 
 Left out: expert parallelism, capacity factors, routers that are not modules.
 """
@@ -184,26 +187,55 @@ def drift(current: Tensor, old: Tensor, mask: Tensor) -> float:
     return float(differs.sum() / n)
 
 
-def load_balancing_loss(logits_per_layer: list[Tensor], mask: Tensor, top_k: int) -> Tensor:
-    """Switch-style auxiliary loss, averaged over layers; logits (B·S, E) per layer, mask (B, S)."""
+@torch.no_grad()
+def expert_counts(logits_per_layer: list[Tensor], mask: Tensor, top_k: int) -> Tensor:
+    """The routing slots each expert got over the real tokens, per layer: (L, E), no gradient.
+    A sum: over micro-batches (and processes) it adds up to the whole minibatch's counts."""
     flat = mask.reshape(-1).float()  # (B·S,)
-    n = flat.sum().clamp(min=1.0)
-    losses = []
+    rows = []
     for logits in logits_per_layer:
         probs = torch.softmax(logits.float(), -1)  # (B·S, E)
-        E = probs.shape[-1]
         chosen = torch.zeros_like(probs).scatter_(-1, probs.topk(top_k, -1).indices, 1.0)  # (B·S, E)
-        f = (chosen * flat[:, None]).sum(0) / (n * top_k)  # (E,) share of routing slots
-        P = (probs * flat[:, None]).sum(0) / n  # (E,) mean router probability
-        losses.append(E * (f * P).sum())
+        rows.append((chosen * flat[:, None]).sum(0))  # (E,)
+    return torch.stack(rows)  # (L, E)
+
+
+def balance_loss(logits_per_layer: list[Tensor], mask: Tensor, counts: Tensor, tokens: float, top_k: int) -> Tensor:
+    """This micro-batch's part of the minibatch's load-balancing loss, averaged over layers:
+
+        E · Σ_e f_e · (Σ_{t in this micro-batch} p_{t,e}) / n,   f_e = counts_e / (n · k)
+
+    with counts (L, E) and n = `tokens` those of the whole minibatch (global-batch balancing,
+    arXiv 2501.11873). f carries no gradient and P_e = Σ_t p_{t,e} / n is a mean over tokens, so
+    the parts of the micro-batches add up to the unsplit E · Σ_e f_e P_e, gradient included.
+    logits (B·S, E) per layer, mask (B, S)."""
+    flat = mask.reshape(-1).float()  # (B·S,)
+    n = max(float(tokens), 1.0)
+    f = counts.float() / (n * top_k)  # (L, E) share of the minibatch's routing slots
+    losses = []
+    for f_l, logits in zip(f, logits_per_layer):
+        probs = torch.softmax(logits.float(), -1)  # (B·S, E)
+        p_sum = (probs * flat[:, None]).sum(0)  # (E,) this micro-batch's router probability mass
+        losses.append(probs.shape[-1] * (f_l.to(p_sum.device) * p_sum).sum() / n)
     return torch.stack(losses).mean()
 
 
-def moe_terms(cap: Capture, old_routing: Tensor | None, tokens: Tensor, top_k: int,
-              aux_coef: float) -> tuple[Tensor | float, dict]:
+def load_balancing_loss(logits_per_layer: list[Tensor], mask: Tensor, top_k: int) -> Tensor:
+    """Switch-style auxiliary loss E · Σ_e f_e P_e over one batch, averaged over layers;
+    logits (B·S, E) per layer, mask (B, S)."""
+    return balance_loss(logits_per_layer, mask, expert_counts(logits_per_layer, mask, top_k), float(mask.sum()), top_k)
+
+
+def moe_terms(cap: Capture, old_routing: Tensor | None, tokens: Tensor, top_k: int, aux_coef: float, *,
+              load: tuple[Tensor, float] | None = None, all_sum=None, world: int = 1) -> tuple[Tensor | float, dict]:
     """What an update adds on an MoE model: expert drift of this forward against the old
     policy's routing (when it is known: not for an inference engine's sampling pass), and
-    (aux_coef > 0) the weighted load-balancing loss. tokens: (b, P+T) attention mask."""
+    (aux_coef > 0) the weighted load-balancing loss. tokens: (b, P+T) attention mask.
+
+    The balance loss is this micro-batch's part of the global minibatch's (`balance_loss`):
+    `load` = the minibatch's (expert counts (L, E), real tokens) over every process; None: this
+    forward is the whole minibatch on this process, its counts are summed over processes with
+    `all_sum` (None: one process). `world` undoes the gradient average over processes."""
     b, S = tokens.shape
     n = float(tokens.sum())
     metrics = {}
@@ -212,6 +244,13 @@ def moe_terms(cap: Capture, old_routing: Tensor | None, tokens: Tensor, top_k: i
                    "moe/drift_in_ratio": Mean(drift(cap.indices(b, S), old_routing, tokens), n)}  # what experts got
     if aux_coef == 0:
         return 0.0, metrics
-    aux = load_balancing_loss([torch.cat(x) for x in cap.logits], tokens, top_k)
-    metrics["moe/aux_loss"] = Mean(aux.detach(), n)
-    return aux_coef * aux, metrics
+    logits = [torch.cat(x) for x in cap.logits]  # (b·S, E) per layer
+    if load is None:
+        counts = expert_counts(logits, tokens, top_k)  # (L, E)
+        both = torch.cat([counts.flatten(), counts.new_tensor([n])])
+        both = all_sum(both) if all_sum is not None else both
+        load = (both[:-1].view_as(counts), float(both[-1]))
+    aux = balance_loss(logits, tokens, load[0], load[1], top_k)
+    # logged as the global minibatch's loss: each micro-batch reports E·Σ f_e^minibatch·P_e^its own
+    metrics["moe/aux_loss"] = Mean(aux.detach() * max(load[1], 1.0) / max(n, 1.0), n)
+    return aux_coef * world * aux, metrics

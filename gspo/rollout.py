@@ -124,7 +124,11 @@ class Sampler(Protocol):
 
     def sample(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
                rows: tuple[int, int] | None = None) -> "Rollout":
-        """G completions per prompt (see `generate` for `generator` and `rows`)."""
+        """G completions per prompt (see `generate` for `generator` and `rows`); may be called
+        several times per rollout (once per turn of multi-turn episodes)."""
+
+    def end_rollout(self) -> None:
+        """The rollout's last `sample` is done (an engine may sleep until the next `sync`)."""
 
 
 class PolicySampler:
@@ -140,6 +144,9 @@ class PolicySampler:
 
     def __init__(self, model, *, routing=None, dist=None, root=None):
         self.model, self.routing, self.dist, self.root = model, routing, dist, root
+
+    def end_rollout(self) -> None:
+        """Nothing to release: the sampler is the policy (or a copy kept between rollouts)."""
 
     def sync(self, policy) -> None:
         if self.model is not policy:

@@ -172,6 +172,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     mixed = DTYPES[cfg.dtype] if cfg.param_dtype != cfg.dtype else None  # FSDP gathers parameters in it
     if isinstance(sampler, PolicySampler) and dist.enabled and dist.parallel == "fsdp":  # read before sharding
         notes.append(fsdp_sampling_note(policy, DTYPES[cfg.dtype], cfg.max_prompt_length + cfg.max_new_tokens))
+    packed = _packing(cfg, policy, routing, notes)  # decided before sharding: an FSDP model has DTensor weights
     # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
     train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=routing is not None, mixed=mixed)
     if vm is not None and not vm.shared:
@@ -182,9 +183,23 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
         sampler.root = train_model  # under FSDP, gathering the root gathers every parameter
     optimizer, scheduler = make_optimizers(cfg, policy, vm)
     scaler = torch.amp.GradScaler(dist.device.type) if cfg.dtype == "float16" and mixed is not None else None
-    packed = cfg.packing and routing is None and supports_packing(policy)
     return Run(cfg, run_dir, task, rewards, policy, tokenizer, sampler, dist, train_model, optimizer, scheduler,
                reference, vm, routing, resume_from, stop_ids, scaler, packed, restart, notes, env, max_turns)
+
+
+def _packing(cfg: TrainConfig, policy, routing: Routing | None, notes: list[str]) -> bool:
+    """Whether training forwards pack (--packing, where the model can); a refusal is said once."""
+    if not cfg.packing:
+        return False
+    if routing is not None:
+        notes.append("--packing: off for this MoE model (its routing is recorded in the padded layout); "
+                     "micro-batches are padded")
+        return False
+    if not supports_packing(policy):
+        notes.append(f"--packing: off for {cfg.model} (a packed forward does not give the padded forward's hidden "
+                     "states, or the model has no plain linear LM head); micro-batches are padded")
+        return False
+    return True
 
 
 def _check_chat_template(cfg: TrainConfig, task, tokenizer) -> None:

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from gspo import checkpoint as ckpt
-from gspo import parallel
-from gspo.batch import Batch, prepare
+from gspo import distributed, parallel
+from gspo.batch import Batch, expert_load, prepare
 from gspo.config import to_dict
 from gspo.evaluation import evaluate
 from gspo.losses import agg_count, policy_loss
@@ -85,7 +85,8 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
             guard.failed()
         run.dist.close(clean=False)
         if isinstance(e, RewardError) and ckpt.latest_checkpoint(run.run_dir) is not None:  # mid-run: resumable
-            raise RewardError(f"{e}; fix it and continue with: gspo train --resume {run.run_dir}") from e
+            raise RewardError(f"{e}; fix it and continue with: "
+                              f"{distributed.command_line(['train', '--resume', str(run.run_dir)])}") from e
         raise
     finally:
         guard.release()
@@ -247,9 +248,11 @@ def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], li
                               max_prompt_length=cfg.max_prompt_length, dist=dist,
                               generator_for=lambda turn: step_generator(cfg.seed, step, f"sample-turn-{turn}"
                                                                         if turn else "sample"))
+        run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep
     prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.max_prompt_length)
     ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.seed, step, "sample"), rows=rows)
+    run.sampler.end_rollout()  # vLLM: sleeps after the last sample
     ro = cut_at_stop_strings(ro, run.tokenizer, cfg.stop_string)
     texts, ids = decode_completions(run.tokenizer, ro)
     return ro, texts, ids, None
@@ -311,13 +314,16 @@ def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
     parts = micro_batches(batch.rollout, idx, cfg.micro_batch_tokens, run.packed) if len(idx) else [idx]
     n = dist.max_int(len(parts))
     parts += [idx[:0]] * (n - len(parts))  # empty: a zero-weight stand-in row
+    # the balance loss's f_e is the minibatch's: counted first when it runs in several passes
+    load = expert_load(run, batch, parts) if run.routing is not None and cfg.router_aux_loss_coef > 0 and n > 1 \
+        else None
     metrics = []
     for j, part in enumerate(parts):
         last = j == n - 1
         critic = run.value_model.critic_train if run.value_model is not None and not run.value_model.shared else None
         with parallel.no_sync(run.train_model, dist, not last), \
                 parallel.no_sync(critic, dist, not last and critic is not None):
-            loss, critic_loss, m = minibatch_loss(run, batch, part, total)
+            loss, critic_loss, m = minibatch_loss(run, batch, part, total, load)
             for term in (loss, critic_loss):
                 if term is not None:
                     (run.scaler.scale(term) if run.scaler is not None else term).backward()
@@ -325,14 +331,16 @@ def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
     return combine(metrics)
 
 
-def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> tuple[Tensor, Tensor | None, dict]:
+def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float],
+                   load: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor | None, dict]:
     """The loss of rows `idx` of the batch (one micro-batch), scaled to its part of the global
     minibatch's loss (total: the global minibatch's (aggregation count, token count)):
     (policy loss, separate critic's loss or None, metrics).
 
     An empty `idx` runs one row with zero weight (every process must join every gradient
     reduction). MoE: the forward records the experts the current router picks (`moe/drift`);
-    with --routing-replay the old experts are forced for the ratio.
+    with --routing-replay the old experts are forced for the ratio; `load`: the minibatch's
+    expert counts for the balance loss (`expert_load`; None: this pass is the whole minibatch).
     """
     cfg, routing, vm = run.cfg, run.routing, run.value_model
     live = 1.0 if len(idx) else 0.0
@@ -361,7 +369,8 @@ def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> t
     loss = loss * agg_scale
     if routing is not None:
         aux, moe_metrics = moe_terms(cap, rows["routing"], mb.attention_mask * live, routing.top_k,
-                                     cfg.router_aux_loss_coef)
+                                     cfg.router_aux_loss_coef, load=load, all_sum=run.dist.all_sum,
+                                     world=run.dist.world)
         loss = loss + aux * live
         metrics.update(moe_metrics)
     if vm is None:

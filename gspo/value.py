@@ -123,7 +123,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     Returns the loss and `value/loss`, `value/clip_frac` (fraction of tokens where the clipped
     term is the larger and V is outside the clip range, i.e. the gradient is cut).
     """
-    mask = mask.to(values.dtype)
+    # at least float32 whatever the head's dtype: in bf16 (autocast) 1001 tokens sum to 1000
+    dt = torch.promote_types(values.dtype, torch.float32)
+    values, old_values, returns, mask = (x.to(dt) for x in (values, old_values, returns, mask))  # (B, T)
     n = mask.sum().clamp(min=1.0)
     err = (values - returns).square()  # (B, T)
     if clip_range > 0:

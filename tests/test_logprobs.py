@@ -154,3 +154,21 @@ def test_micro_batches_and_packing_equal_one_pass(algorithm, agg, tmp_path):
         for n in g0:
             torch.testing.assert_close(g[n], g0[n], rtol=1e-6, atol=1e-10, msg=f"{n} {budget} {packed}")
     assert base["clip/frac"] > 0  # the clipped branch is exercised too
+
+
+def test_packing_refused_is_said_and_granted_is_not(tmp_path, monkeypatch):
+    # a model whose packed forward does not match its padded one trains padded, and the run says so
+    import gspo.run
+
+    def run_with(**kw):
+        return build_run(TrainConfig(packing=True, micro_batch_tokens=40, output_dir=str(tmp_path / "r"),
+                                     progress=False, **kw))
+
+    run = run_with()
+    assert run.packed and not [n for n in run.notes if "--packing" in n]
+    monkeypatch.setattr(gspo.run, "supports_packing", lambda model: False)
+    run = run_with()
+    assert not run.packed
+    assert [n for n in run.notes if "--packing" in n] == [
+        "--packing: off for tiny (a packed forward does not give the padded forward's hidden states, or the model "
+        "has no plain linear LM head); micro-batches are padded"]

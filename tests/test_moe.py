@@ -167,3 +167,105 @@ def test_sampling_routing_matches_teacher_forced_routing(arch, char_tokenizer):
     real[:, -1] = False
     assert drift(full, ro.routing, real) == 0.0
     torch.testing.assert_close(lp, ro.logp, rtol=1e-5, atol=1e-5)
+
+
+def test_balance_loss_by_hand_with_the_minibatch_f():
+    # two micro-batches of one token each, E = 2 experts, top-1, one layer.
+    # token a: p = (0.8, 0.2) -> expert 0;  token b: p = (0.4, 0.6) -> expert 1
+    # unsplit: f = (1/2, 1/2), P = ((0.8+0.4)/2, (0.2+0.6)/2) = (0.6, 0.4)
+    #   loss = E · Σ f P = 2 · (0.5·0.6 + 0.5·0.4) = 1.0
+    # each micro-batch alone (the old rule, added once per micro-batch): f = (1, 0), P = (0.8, 0.2)
+    #   -> 2·0.8 = 1.6, and f = (0, 1), P = (0.4, 0.6) -> 2·0.6 = 1.2: 2.8 in all, not 1.0.
+    # with the minibatch's f (counts (1, 1) over n = 2 tokens): a's part is 2·(0.5·0.8 + 0.5·0.2)/2
+    #   = 0.5, b's is 2·(0.5·0.4 + 0.5·0.6)/2 = 0.5: they add up to the unsplit 1.0
+    from gspo.moe import balance_loss, expert_counts
+
+    a = torch.log(torch.tensor([[0.8, 0.2]], dtype=torch.float64))  # (1, E) logits
+    b = torch.log(torch.tensor([[0.4, 0.6]], dtype=torch.float64))
+    one = torch.ones(1, 1)
+    assert load_balancing_loss([torch.cat([a, b])], torch.ones(1, 2), 1).item() == pytest.approx(1.0, rel=1e-12)
+    counts = expert_counts([a], one, 1) + expert_counts([b], one, 1)  # (L, E) summed over micro-batches
+    assert counts.tolist() == [[1.0, 1.0]]
+    parts = [balance_loss([x], one, counts, 2.0, 1).item() for x in (a, b)]
+    assert parts == pytest.approx([0.5, 0.5], rel=1e-12)
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, replay):
+    # the built-in tiny MoE: one minibatch's accumulated gradient (policy loss + 0.5 ×
+    # balance loss) in >= 3 micro-batches of <= 40 tokens equals the unsplit one, router weights
+    # included, with and without routing replay. The balance loss is not a sum over tokens
+    # (f_e · P_e), so adding it in full per micro-batch nearly doubled the router's gradient
+    # (norm 0.720 -> 1.415 here, before the fix).
+    # float32 (its grouped expert matmul has no float64): each tensor's gradient within 1e-5 of
+    # its norm (rounding leaves <= 7e-6), metrics within 1e-5.
+    import dataclasses
+
+    from gspo.config import TrainConfig, resolve
+    from gspo.logprobs import micro_batches
+    from gspo.losses import agg_count
+    from gspo.run import build_run
+    from gspo.trainer import accumulate, prepare, rollout, score
+
+    cfg = resolve(TrainConfig(model="tiny-moe", prompts_per_step=4, group_size=4, max_new_tokens=6,
+                              num_minibatches=1, router_aux_loss_coef=0.5, output_dir=str(tmp_path / "run"),
+                              progress=False, routing_replay=replay))
+    run = build_run(cfg)
+    examples = run.task.train_batch(1, cfg.prompts_per_step, cfg.seed)
+    ro, texts, ids, _ = rollout(run, examples, step=1)
+    rewards, parts = score(run.rewards, examples, texts, ids, cfg.group_size)
+    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts)
+    mask = batch.rollout.completion_mask  # (B, T)
+    idx = torch.arange(mask.shape[0])
+    total = [float(agg_count(mask, cfg.loss_agg)), float(mask.sum())]
+
+    def one_minibatch(budget):
+        run.cfg = dataclasses.replace(cfg, micro_batch_tokens=budget)
+        m = accumulate(run, batch, idx, total)
+        g = {n: p.grad.clone() for n, p in run.policy.named_parameters() if p.grad is not None}
+        run.optimizer.zero_grad(set_to_none=True)
+        return m, g
+
+    base, g0 = one_minibatch(0)
+    assert len(micro_batches(ro, idx, 40)) >= 3
+    m, g = one_minibatch(40)
+    routers = [n for n in g0 if "router" in n or "gate.weight" in n]
+    assert routers and base["moe/aux_loss"] >= 1.0 - 1e-6
+    norm = [float(torch.stack([x[n].norm() for n in routers]).norm()) for x in (g0, g)]
+    assert norm[1] == pytest.approx(norm[0], rel=1e-5)  # 0.720 both (1.415 split, before)
+    for k in base:
+        assert m[k] == pytest.approx(base[k], rel=1e-5, abs=1e-7), k
+    assert g.keys() == g0.keys()
+    for n in g0:
+        assert float((g[n] - g0[n]).norm()) <= 1e-5 * float(g0[n].norm()), n  # float32 rounding: <= 7e-6
+
+
+def test_packing_refused_for_moe_says_so_once(tmp_path):
+    # routing is recorded in the padded layout: an MoE model trains padded, and the run says so
+    from gspo.config import TrainConfig, resolve
+    from gspo.run import build_run
+
+    run = build_run(resolve(TrainConfig(model="tiny-moe", packing=True, micro_batch_tokens=40,
+                                        output_dir=str(tmp_path / "run"), progress=False)))
+    assert not run.packed
+    assert [n for n in run.notes if "--packing" in n] == [
+        "--packing: off for this MoE model (its routing is recorded in the padded layout); micro-batches are padded"]
+
+
+@pytest.mark.slow
+def test_balance_loss_over_processes_and_micro_batches_matches_one_process(tmp_path):
+    # 2 processes (DDP) in micro-batches of <= 40 tokens vs 1 process unsplit, tiny MoE with the
+    # balance loss: the expert counts are summed over micro-batches and processes, so every
+    # metric and weight agree (before: per-process, per-micro-batch f made step 1's grad_norm
+    # 0.89 against 0.49, moe/aux_loss 2.300 against 2.234)
+    from tests.test_distributed import (ARGS, assert_same_metrics, assert_same_weights, metrics, one_process,
+                                        torchrun, weights)
+
+    args = [*ARGS, "--model", "tiny-moe", "--steps", "2", "--old-logp", "recompute", "--save-every", "0",
+            "--router-aux-loss-coef", "0.5"]
+    r1 = one_process(*args, "--output-dir", str(tmp_path / "one"))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = torchrun(*args, "--micro-batch-tokens", "40", "--parallel", "ddp", "--output-dir", str(tmp_path / "two"))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert_same_metrics(metrics(tmp_path / "one"), metrics(tmp_path / "two"))
+    assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "two"))

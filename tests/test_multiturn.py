@@ -21,7 +21,7 @@ from gspo.episodes import run_episodes
 from gspo.logprobs import token_logprobs
 from gspo.metrics import episode_metrics
 from gspo.models import build_chat_tokenizer, load_policy
-from gspo.rollout import PolicySampler, Rollout, left_pad, sampling_params
+from gspo.rollout import PolicySampler, Rollout, left_pad, sampling_params, stop_token_ids
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37*48+12"}}</tool_call>'
@@ -228,6 +228,49 @@ def test_calculator_tool_and_task():
     assert {e.columns["form"] for e in test} == {"a*b", "a*b+c", "a*b-c", "(a+b)*c"}
     for e in test[:50]:
         assert calculator(e.prompt[0]["content"][:-1]) == e.answer
+
+
+class Guess(Environment):
+    """docs/multiturn.md's Guess, its target fixed at 34: -0.1 a wrong guess, 1 and done when right."""
+
+    def reset(self, example):
+        self.target = 34
+
+    def step(self, text):
+        guess = int(text) if text.strip().isdigit() else -1
+        if guess == self.target:
+            return Step(reward=1.0, done=True)
+        return Step([{"role": "user", "content": "higher" if guess < self.target else "lower"}], reward=-0.1)
+
+
+def test_evaluation_reward_adds_the_environments_turn_rewards(tok, monkeypatch):
+    # two episodes, each guessing 12, 20 (wrong: -0.1 each), then 34 (right: +1, done):
+    #   environment's reward  -0.1 - 0.1 + 1.0        = 0.8
+    #   final turn "34": is_34 = 1 (weight 1), length = len("34") / 10 = 0.2 (weight 0.5)
+    #   episode reward        1 * 1 + 0.5 * 0.2 + 0.8 = 1.9, as training's score gives it
+    from gspo import evaluation
+    from gspo.rewards import Reward, per_completion
+    from gspo.trainer import score
+
+    rewards = [Reward("is_34", per_completion(lambda c, **_: float(c == "34"))),
+               Reward("length", per_completion(lambda c, **_: len(c) / 10), weight=0.5)]
+    turns = ["12<|im_end|>", "20<|im_end|>", "34<|im_end|>"]
+    monkeypatch.setattr(evaluation, "PolicySampler", lambda model: ScriptedSampler(tok, turns))
+    res = evaluation.evaluate(None, tok, CalculatorTask(), rewards, n=2, max_new_tokens=16, stop=stop_token_ids(tok),
+                              env=Guess, max_turns=3)
+    assert res["accuracy"] == 1.0 and res["n_scored"] == 2  # the first reward's verdict on the final turn
+    assert res["reward_env"] == pytest.approx(0.8, rel=1e-6)
+    assert res["reward"] == pytest.approx(1.9, rel=1e-6)
+    # the same episodes scored as a training step scores them
+    examples = CalculatorTask().test_set(2)
+    _, ep = run_episodes(ScriptedSampler(tok, turns), tok, examples, Guess,
+                         sampling_params(tok, group_size=1, max_new_tokens=16), max_turns=3)
+    total, parts = score(rewards, examples, ep.final_texts, ep.final_ids, 1, ep)
+    assert res["reward"] == pytest.approx(total.mean().item(), rel=1e-6)
+    assert res["reward_env"] == pytest.approx(sum(parts["env"]) / 2, rel=1e-6)
+    # without an environment there is no reward_env
+    assert "reward_env" not in evaluation._result(dict.fromkeys(("acc", "scored", "total", "env", "nonbinary"), 0.0),
+                                                  n=1, k=0, metric="is_34")
 
 
 def test_turn_advantages_by_hand():

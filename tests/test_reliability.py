@@ -130,15 +130,55 @@ def test_a_second_ctrl_c_exits_at_once():
     from gspo.lifecycle import Guard
 
     run = SimpleNamespace(run_dir=Path("/nonexistent/x"), dist=SimpleNamespace(is_main=False, max_int=lambda n: n))
-    guard = Guard(run)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground shell, whatever runs pytest
     try:
-        guard._handler(signal.SIGINT, None)  # the first: noted, the step finishes
-        assert guard.signum == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
-            guard._handler(signal.SIGINT, None)  # the second: now
+        guard = Guard(run)
+        assert signal.getsignal(signal.SIGINT) == guard._handler
+        try:
+            guard._handler(signal.SIGINT, None)  # the first: noted, the step finishes
+            assert guard.signum == signal.SIGINT
+            with pytest.raises(KeyboardInterrupt):
+                guard._handler(signal.SIGINT, None)  # the second: now
+        finally:
+            guard.release()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler that was there
     finally:
+        signal.signal(signal.SIGINT, before)
+    # torchrun relays a second Ctrl-C to its workers as SIGTERM: at once too; two SIGTERMs (a
+    # cluster's to every process, and torchrun's relay of it) are one request to stop
+    for first, second, at_once in [(signal.SIGINT, signal.SIGTERM, True), (signal.SIGTERM, signal.SIGINT, True),
+                                   (signal.SIGTERM, signal.SIGTERM, False)]:
+        guard = Guard(run)
+        try:
+            guard._handler(first, None)
+            if at_once:
+                with pytest.raises(KeyboardInterrupt):
+                    guard._handler(second, None)
+            else:
+                guard._handler(second, None)
+                assert guard.signum == signal.SIGTERM
+        finally:
+            guard.release()
+
+
+def test_a_signal_ignored_at_entry_stays_ignored():
+    # a shell's `cmd &` starts cmd with SIGINT ignored, so a Ctrl-C meant for the foreground
+    # job does not stop it; the run keeps it so, as Python does, and gives back SIG_IGN
+    from types import SimpleNamespace
+
+    from gspo.lifecycle import Guard
+
+    run = SimpleNamespace(run_dir=Path("/nonexistent/x"), dist=SimpleNamespace(is_main=False, max_int=lambda n: n))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        guard = Guard(run)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == guard._handler  # SIGTERM was not ignored: caught
         guard.release()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_one_writer_per_run_directory(tmp_path):

@@ -120,3 +120,22 @@ def test_ppo_run_and_checkpoint(tmp_path, critic):
     optimizers = torch.load(last / "optimizer.pt", weights_only=False)
     assert ("critic_optimizer" in optimizers) == (critic == "separate") and "optimizer" in optimizers
     assert summary["algorithm"] == "ppo"
+
+
+def test_value_loss_counts_tokens_exactly_under_bf16_autocast():
+    # 1001 completion tokens; the head (a Linear, zero weights) runs under bf16 autocast, so its
+    # values come out in bf16. Values 0, returns 1 at the first token and 0 elsewhere:
+    # ½·(0 - 1)² = 0.5 at one token, 0 at the other 1000 -> loss = 0.5 / 1001 = 4.995e-4.
+    # bf16 has 8 significant bits: between 512 and 1024 it steps by 4, so a mask summed in bf16
+    # counts 1000 tokens (loss 5.0e-4, 0.1% off) and the token count the metrics weigh by is 1000.
+    head = torch.nn.Linear(4, 1)
+    torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)
+    mask = torch.ones(1, 1001)  # (B, T)
+    returns = torch.zeros(1, 1001)
+    returns[0, 0] = 1.0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        values = head(torch.ones(1, 1001, 4)).squeeze(-1)  # (B, T) bf16
+        assert values.dtype == torch.bfloat16 and float(mask.to(torch.bfloat16).sum()) == 1000.0
+        loss, m = value_loss(values, values.detach(), returns, mask, clip_range=0.2)
+    assert m["value/loss"].count == 1001.0
+    assert loss.item() == pytest.approx(0.5 / 1001, rel=1e-6)

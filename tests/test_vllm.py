@@ -105,6 +105,53 @@ def test_stop_tokens_and_min_new_tokens(engine):
         assert not any(t in stops for t in row[: n - 1].tolist())  # a stop token ends the completion
 
 
+def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(engine):
+    # vLLM bans the stop tokens for the first N tokens before it takes the log-probs: there, the
+    # engine records log p(y_t) - log(1 - p(stops)), renormalised without them; after N, log p(y_t).
+    # So `--old-logp auto` recomputes pi_old (the policy's full-distribution log-probs) on vLLM.
+    from gspo.config import TrainConfig, resolve
+    from gspo.rollout import sampling_params
+
+    sampler, policy, tok = engine
+    sampler.sync(policy)
+    N, stops = 3, (tok.eos_token_id, tok.convert_tokens_to_ids("+"), tok.convert_tokens_to_ids("1"))
+    params = sampling_params(tok, stop=stops, group_size=16, max_new_tokens=6, min_new_tokens=N)
+    ro = sampler.sample(_prompts(tok, 1), params, generator=torch.Generator().manual_seed(5))  # one prompt: no padding
+    P = ro.prompt_ids.shape[1]
+    with torch.no_grad():
+        logits = policy(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, P - 1:-1].float()  # (B, T, V)
+    lp = torch.log_softmax(logits, -1)  # (B, T, V)
+    full = lp.gather(-1, ro.completion_ids[..., None])[..., 0]  # (B, T) the policy's
+    stop = torch.logsumexp(lp[..., list(stops)], -1)  # (B, T) log p(stops)
+    m = ro.completion_mask.bool()
+    first, rest = m[:, :N], m[:, N:]
+    renormalised = full[:, :N] - torch.log1p(-stop[:, :N].exp())  # (B, N)
+    assert (ro.logp[:, :N] - renormalised)[first].abs().max() < 1e-4
+    assert (ro.logp[:, :N] - full[:, :N])[first].min() > 1e-3  # the stop mass is not small here
+    assert (ro.logp[:, N:] - full[:, N:])[rest].abs().max() < 1e-4
+    cfg = resolve(TrainConfig(rollout_engine="vllm", min_new_tokens=N, output_dir="x"))
+    assert cfg.old_logp == "recompute"  # pi_old = the policy's full-distribution log-probs (`full`)
+
+
+def test_a_batch_that_chunks_its_prefill_samples_on_cpu(engine):
+    # more prompt tokens in one step's requests (vLLM's max_num_seqs, 128) than its token budget
+    # (2048): with chunked prefill, vLLM prefilled the last in chunks and rewound their seeded
+    # CPU generators ("CPU Generator does not use offset"), as `gspo train --task calculator
+    # --rollout-engine vllm` did at its default sizes
+    from gspo.rollout import sampling_params
+
+    sampler, policy, tok = engine
+    sampler.sync(policy)
+    prompts = [tok(f"{a}*{b}+{a * b}-{b}*{a}+{a + b}*{b + 7}-{a * 3}=")["input_ids"]
+               for a in range(10, 50) for b in (12, 34)]  # 80 prompts of 25-27 tokens
+    params = sampling_params(tok, group_size=4, max_new_tokens=2)
+    assert 128 * min(map(len, prompts)) > 2048
+    ro = sampler.sample(prompts, params, generator=torch.Generator().manual_seed(6))
+    assert ro.completion_ids.shape[0] == 320
+    again = sampler.sample(prompts, params, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(again.completion_ids, ro.completion_ids)  # still one seed per prompt: reproducible
+
+
 def test_weight_sync_is_what_makes_the_engine_sample_the_current_policy(engine):
     from gspo.logprobs import completion_logprobs
     from gspo.rollout import sampling_params

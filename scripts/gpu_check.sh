@@ -1,0 +1,278 @@
+#!/usr/bin/env bash
+# Check a release on a GPU machine, in one command; the Markdown table it ends with goes into docs/gpu.md.
+#
+#   bash scripts/gpu_check.sh                       # on a CUDA machine, from anywhere in the clone
+#   bash scripts/gpu_check.sh --cpu                 # the same pipeline on CPU, tiny: how tests/test_gpu_check.py runs it
+#   bash scripts/gpu_check.sh --out DIR --steps 20 --stages tests,single,torchrun -- --micro-batch-tokens 8192
+#
+# Stages (each one says "ok", "FAILED" or "SKIPPED (why)"; the script exits 1 if any failed):
+#   env       $GSPO_PY (default .venv/bin/python) imports torch and gspo, else `bash scripts/setup.sh`
+#             is tried (pip with a 10 s timeout: on a machine without PyPI it fails fast); CUDA is
+#             there; vLLM imports in $GSPO_VLLM_PY (default .venv-vllm/bin/python), else the vLLM
+#             parts are skipped and the runs use gspo's own sampler (GSPO_GPU_CHECK_SETUP_VLLM=1
+#             tries `GSPO_EXTRAS=vllm scripts/setup.sh` first).
+#   tests     `pytest -m gpu tests/` in $GSPO_PY; `pytest -m vllm tests/test_vllm.py tests/test_export.py`
+#             in $GSPO_VLLM_PY.
+#   model     scripts/make_qwen_shaped.py: random weights with Qwen2.5-0.5B's shapes (no download).
+#   single    `gspo train` for --steps steps on the arithmetic task, one process: --rollout-engine vllm
+#             --dtype bfloat16 --param-dtype float32 --device cuda (reward: the share of even token
+#             ids, which varies between samples of a random model; see make_qwen_shaped.py).
+#   torchrun  the same run under torchrun on every local GPU with --parallel fsdp.
+#   summary   per run: the resolved config that matters, first and median step time, rollout and
+#             update time, peak GPU memory (torch's max_memory_allocated per process, through a
+#             wrapper around gspo.cli.main, and nvidia-smi's memory.used, which counts vLLM's pools),
+#             and the sampler/trainer log-prob gap; printed, and written to OUT/gpu_check.md.
+#
+# --cpu (or GSPO_GPU_CHECK_CPU=1): no GPU tests; a tiny Qwen-shaped model (2 layers, hidden 64),
+# 2 steps, --rollout-engine hf --device cpu, torchrun with 2 processes.
+# Environment: GSPO_PY, GSPO_VLLM_PY, GSPO_GPU_CHECK_OUT (default runs/gpu-check),
+# GSPO_GPU_CHECK_TORCHRUN_ENGINE (hf or vllm: the engine of the torchrun run; default the single run's).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+cpu="${GSPO_GPU_CHECK_CPU:-0}"
+out="${GSPO_GPU_CHECK_OUT:-runs/gpu-check}"
+steps=""
+stages="env,tests,model,single,torchrun,summary"
+extra=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --cpu) cpu=1 ;;
+        --out) out="$2"; shift ;;
+        --steps) steps="$2"; shift ;;
+        --stages) stages="env,$2,summary"; shift ;;
+        --) shift; extra=("$@"); break ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+[ "$cpu" = "1" ] && steps="${steps:-2}" || steps="${steps:-20}"
+py="${GSPO_PY:-.venv/bin/python}"
+vllm_py="${GSPO_VLLM_PY:-.venv-vllm/bin/python}"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+status_file="$out/stages.txt"
+: > "$status_file"
+failed=()
+
+say() { echo "gpu_check: $*"; }
+record() { echo "$1|$2" >> "$status_file"; say "stage $1: $2"; }
+want() { [[ ",$stages," == *",$1,"* ]]; }
+run_stage() {  # run_stage NAME COMMAND...: record ok or FAILED (exit code)
+    local name="$1"; shift
+    say "== stage $name: $*"
+    "$@"
+    local rc=$?
+    if [ $rc -eq 0 ]; then record "$name" "ok"; else record "$name" "FAILED (exit $rc)"; failed+=("$name"); fi
+    return $rc
+}
+
+# --- env ------------------------------------------------------------------------------------
+export PIP_DEFAULT_TIMEOUT=10 PIP_RETRIES=0  # no PyPI on the machine: fail in seconds, not minutes
+if ! "$py" -c "import torch, gspo" 2>/dev/null; then
+    if [ -z "${GSPO_PY:-}" ]; then
+        say "$py cannot import torch and gspo: trying bash scripts/setup.sh"
+        bash scripts/setup.sh || true
+    fi
+    if ! "$py" -c "import torch, gspo" 2>/dev/null; then
+        record env "FAILED ($py cannot import torch and gspo; set GSPO_PY to a Python with a CUDA torch and gspo installed: pip install -e '.[dev]')"
+        say "FAILED stages: env"; exit 1
+    fi
+fi
+if [ "$cpu" = "1" ]; then
+    device=cpu; nproc=2; have_vllm=0
+    say "CPU dry run: GPU tests, vLLM and GPU memory skipped"
+else
+    if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        record env "FAILED (no CUDA device visible to $py's torch; --cpu runs the CPU dry run)"
+        say "FAILED stages: env"; exit 1
+    fi
+    device=cuda
+    # every local GPU (torch's count: nvidia-smi -L's, less any hidden by CUDA_VISIBLE_DEVICES)
+    nproc="$("$py" -c "import torch; print(torch.cuda.device_count())")"
+    if ! "$vllm_py" -c "import vllm, gspo" 2>/dev/null && [ "${GSPO_GPU_CHECK_SETUP_VLLM:-0}" = "1" ]; then
+        say "vLLM missing in $vllm_py: trying GSPO_VENV=${vllm_py%/bin/python} GSPO_EXTRAS=vllm bash scripts/setup.sh"
+        GSPO_VENV="${vllm_py%/bin/python}" GSPO_EXTRAS=vllm bash scripts/setup.sh || true
+    fi
+    if "$vllm_py" -c "import torch, vllm, gspo, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        have_vllm=1
+    else
+        have_vllm=0
+        say "SKIPPED: vLLM does not import with CUDA in $vllm_py (set GSPO_VLLM_PY, or GSPO_GPU_CHECK_SETUP_VLLM=1): no vLLM tests, runs use --rollout-engine hf"
+    fi
+fi
+train_py="$py"; engine=hf
+[ "$have_vllm" = "1" ] && { train_py="$vllm_py"; engine=vllm; }
+tr_engine="${GSPO_GPU_CHECK_TORCHRUN_ENGINE:-$engine}"
+"$train_py" - > "$out/machine.txt" <<'PY'
+import platform, torch
+gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+try:
+    import vllm
+    v = vllm.__version__
+except Exception:
+    v = "not importable"
+import gspo, transformers
+print(f"machine: {platform.node()}, {len(gpus)} x {gpus[0] if gpus else 'no GPU'}, torch {torch.__version__}"
+      f" (CUDA {torch.version.cuda}), transformers {transformers.__version__}, vLLM {v}, gspo {gspo.__version__}")
+PY
+cat "$out/machine.txt"
+record env "ok (train with $train_py, engine $engine; torchrun: $nproc processes, engine $tr_engine)"
+
+# --- tests ----------------------------------------------------------------------------------
+if want tests; then
+    if [ "$cpu" = "1" ]; then
+        record tests "SKIPPED (CPU dry run)"
+    else
+        run_stage tests-gpu "$py" -m pytest -m gpu -q tests/
+        if [ "$have_vllm" = "1" ]; then
+            run_stage tests-vllm "$vllm_py" -m pytest -m vllm -q tests/test_vllm.py tests/test_export.py
+        else
+            record tests-vllm "SKIPPED (vLLM not importable)"
+        fi
+    fi
+fi
+
+# --- model ----------------------------------------------------------------------------------
+model="$out/qwen-shaped"
+if [ "$cpu" = "1" ]; then
+    shape=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --vocab 1024 --max-positions 512)
+    batch=(--prompts-per-step 4 --group-size 4 --max-new-tokens 16)
+else
+    shape=()
+    batch=(--prompts-per-step 32 --group-size 8 --max-new-tokens 256)
+fi
+if want model || [ ! -f "$model/config.json" ]; then
+    run_stage model "$train_py" scripts/make_qwen_shaped.py "$model" "${shape[@]}"
+fi
+
+# --- the training runs ----------------------------------------------------------------------
+# gspo.cli.main, then each process's peak of torch's allocator (what vLLM's own pools hold is
+# in nvidia-smi's figure instead)
+cat > "$out/train_peak.py" <<'PY'
+"""gspo.cli.main, then write this process's torch.cuda.max_memory_allocated to $GSPO_PEAK_DIR."""
+import json, os, sys
+import torch
+from gspo.cli import main
+
+rc = main(sys.argv[1:])
+if torch.cuda.is_available() and os.environ.get("GSPO_PEAK_DIR"):
+    rank = int(os.environ.get("RANK", 0))
+    peak = {"rank": rank, "max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved()}
+    with open(os.path.join(os.environ["GSPO_PEAK_DIR"], f"peak-rank{rank}.json"), "w") as f:
+        json.dump(peak, f)
+sys.exit(rc)
+PY
+common=(--model "$model" --task arithmetic --reward "$PWD/scripts/make_qwen_shaped.py:even_token_share"
+        --steps "$steps" "${batch[@]}" --eval-size 0 --dtype bfloat16 --param-dtype float32 --device "$device"
+        --vllm-max-model-len 1024 --no-progress)
+
+train_run() {  # train_run NAME ENGINE LAUNCHER... [-- GSPO ARGS]: one run in $out/NAME, its wall time and peak memory beside it
+    local name="$1" eng="$2"; shift 2
+    local launcher=() args=()
+    while [ $# -gt 0 ] && [ "$1" != "--" ]; do launcher+=("$1"); shift; done
+    [ $# -gt 0 ] && { shift; args=("$@"); }
+    local dir="$out/$name"
+    rm -rf "$dir"; mkdir -p "$dir/peak"
+    local smi_pid=""
+    if [ "$device" = "cuda" ] && command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 > "$dir/peak/nvidia-smi.txt" 2>/dev/null &
+        smi_pid=$!
+    fi
+    local t0=$SECONDS rc
+    GSPO_PEAK_DIR="$dir/peak" "${launcher[@]}" "$out/train_peak.py" train "${common[@]}" "${args[@]}" \
+        --rollout-engine "$eng" --output-dir "$dir/run" "${extra[@]}" 2>&1 | tee "$dir/log.txt"
+    rc=${PIPESTATUS[0]}
+    echo $((SECONDS - t0)) > "$dir/wall_seconds.txt"
+    [ -n "$smi_pid" ] && kill "$smi_pid" 2>/dev/null
+    echo "${launcher[*]} ${args[*]}" > "$dir/launcher.txt"
+    return $rc
+}
+
+if want single; then
+    run_stage single train_run single "$engine" "$train_py"
+fi
+if want torchrun; then
+    tr_args=(--parallel fsdp)
+    [ "$cpu" = "1" ] && tr_args+=(--threads 1)  # two processes on two cores
+    run_stage torchrun train_run torchrun "$tr_engine" "$train_py" -m torch.distributed.run --standalone \
+        --nproc-per-node "$nproc" -- "${tr_args[@]}"
+fi
+
+# --- summary --------------------------------------------------------------------------------
+"$train_py" - "$out" <<'PY'
+"""The summary table of gpu_check.sh, from each run's config.yaml, metrics.jsonl and peak memory files."""
+import datetime, json, statistics, sys
+from pathlib import Path
+
+import yaml
+
+out = Path(sys.argv[1])
+stages = [line.split("|", 1) for line in (out / "stages.txt").read_text().splitlines() if line]
+rows = []
+for name in ("single", "torchrun"):
+    d = out / name
+    if name not in dict(stages):  # not run by this invocation (--stages): an older run's files are not reported
+        continue
+    cfg_path, metrics_path = d / "run" / "config.yaml", d / "run" / "metrics.jsonl"
+    if not cfg_path.is_file() or not metrics_path.is_file():
+        continue
+    cfg = yaml.safe_load(cfg_path.read_text())
+    m = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    launcher = (d / "launcher.txt").read_text().split()
+    procs = int(launcher[launcher.index("--nproc-per-node") + 1]) if "--nproc-per-node" in launcher else 1
+
+    def med(key, skip_first=True):
+        xs = [r[key] for r in m if key in r]
+        xs = xs[1:] if skip_first and len(xs) > 1 else xs  # the first step pays for warm-up (allocations, compiles)
+        return statistics.median(xs) if xs else None
+
+    peaks = [json.loads(p.read_text()) for p in sorted((d / "peak").glob("peak-rank*.json"))]
+    smi = [float(x) for x in (d / "peak" / "nvidia-smi.txt").read_text().split()] if (d / "peak" / "nvidia-smi.txt").is_file() else []
+    cuda = str(cfg.get("device", "cpu")).startswith("cuda")
+    gib = lambda b: f"{b / 2**30:.2f} GiB"
+    rows.append({
+        "run": name, "processes": f"{procs} ({cfg['parallel']})" if "--nproc-per-node" in launcher else "1",
+        "engine": cfg["rollout_engine"], "dtype / params": f"{cfg['dtype']} / {cfg['param_dtype']}",
+        "old_logp": cfg["old_logp"], "packing": str(cfg["packing"]).lower(),
+        "micro-batch tokens": str(cfg["micro_batch_tokens"] or "0 (whole minibatch)"),
+        "batch": f"{cfg['prompts_per_step']}x{cfg['group_size']}x{cfg['max_new_tokens']}",
+        "steps": str(len(m)),
+        "first step": f"{m[0]['time/step_seconds']:.2f} s" if m else "n/a",
+        "median step": f"{med('time/step_seconds'):.2f} s" if m else "n/a",
+        "median rollout / update": f"{med('time/rollout_seconds'):.2f} / {med('time/update_seconds'):.2f} s" if m else "n/a",
+        "peak allocated (torch)": (gib(max(p["max_allocated"] for p in peaks)) if peaks else "n/a") if cuda else "n/a on CPU",
+        "peak used (nvidia-smi)": (f"{max(smi) / 1024:.2f} GiB" if smi else "n/a") if cuda else "n/a on CPU",
+        "mismatch/token_abs": f"{med('mismatch/token_abs', False):.2e}" if med("mismatch/token_abs", False) is not None else "n/a (not recomputed)",
+        "mismatch/seq_log_ratio": f"{med('mismatch/seq_log_ratio', False):.2e}" if med("mismatch/seq_log_ratio", False) is not None else "n/a",
+        "wall": f"{int((d / 'wall_seconds.txt').read_text())} s",
+    })
+
+model_info = out / "qwen-shaped" / "qwen_shaped.json"
+info = json.loads(model_info.read_text()) if model_info.is_file() else {}
+lines = [f"gpu_check.sh, {datetime.date.today().isoformat()}; " + (out / "machine.txt").read_text().strip(),
+         f"model: Qwen-shaped, random weights, {info.get('parameters', 0) / 1e6:.1f}M parameters "
+         f"({info.get('layers')} layers, hidden {info.get('hidden')}, vocab {info.get('vocab')}); task arithmetic, "
+         "reward even_token_share", "",
+         "stages: " + "; ".join(f"{n}: {s}" for n, s in stages), ""]
+if rows:
+    cols = list(rows[0])
+    lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
+else:
+    lines.append("(no training run finished in this invocation: no table)")
+lines += ["", "median step, rollout, update: over steps 2.. (the first pays for warm-up); mismatch: median over steps;",
+          "peak allocated: torch.cuda.max_memory_allocated, max over processes (vLLM's pools not included);",
+          "peak used: nvidia-smi memory.used, max over GPUs and 200 ms samples (every process on the GPU)."]
+text = "\n".join(lines) + "\n"
+(out / "gpu_check.md").write_text(text)
+print("\n" + text)
+PY
+[ $? -eq 0 ] || failed+=("summary")
+say "summary written to $out/gpu_check.md"
+if [ ${#failed[@]} -gt 0 ]; then
+    say "FAILED stages: ${failed[*]}"
+    exit 1
+fi
+say "all stages passed"
