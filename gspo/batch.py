@@ -86,10 +86,11 @@ def prepare(run, ro: Rollout, *, rewards: Tensor, parts: dict, examples: list, c
             old_logp, old_routing = token_logprobs(run.policy, ro, routing=run.routing, **passes)  # (B, T)
     ref_logp = None
     if cfg.beta > 0 or cfg.reward_kl_coef > 0:
-        # a frozen copy, or (LoRA) the base model with the adapters switched off
-        model, ctx = (run.reference, parallel.gathered(run.reference, dist)) if run.reference is not None \
-            else (run.policy, run.policy.disable_adapter())
-        with run.autocast(), ctx:
+        # a frozen copy, or (LoRA) the base model with the adapters switched off; under FSDP its
+        # parameters gathered (LoRA: through the policy's root, which holds the embeddings)
+        model, root = (run.reference, run.reference) if run.reference is not None else (run.policy, run.train_model)
+        off = run.policy.disable_adapter() if run.reference is None else torch.no_grad()  # no_grad: nothing to switch
+        with run.autocast(), parallel.gathered(root, dist), off:
             ref_logp, _ = token_logprobs(model, ro, **passes)  # (B, T)
     old_values = returns = None
     if vm is not None:  # PPO: GAE over the critic's values

@@ -253,7 +253,8 @@ def save_run(run, step: int) -> None:
              "wall_seconds": time.time() - run.t_start}
     if run.scaler is not None:
         state["scaler"] = run.scaler.state_dict()
-    state_dicts = {"": parallel.full_state_dict(run.policy, dist)}
+    # LoRA: the adapter alone is written (PEFT's save_pretrained), so only it is gathered
+    state_dicts = {"": parallel.full_state_dict(run.policy, dist, trainable_only=run.cfg.lora_r > 0)}
     extra = {}
     if vm is not None:
         extra = {"value_head": vm.head} if vm.shared else {"critic": vm.critic}

@@ -345,14 +345,10 @@ def _validate_combinations(cfg: TrainConfig) -> None:
     need(0 <= cfg.gae_lambda <= 1, "gae_lambda", "must be in [0, 1]")
     need(not (cfg.routing_replay and cfg.gradient_checkpointing), "routing_replay",
          "cannot be combined with --gradient-checkpointing (the recomputed forward would route freely)")
-    need(not (cfg.parallel == "fsdp" and cfg.lora_r > 0), "parallel",
-         "fsdp cannot be combined with --lora-r (use --parallel ddp: the adapters are small)")
     need(not (cfg.parallel == "fsdp" and cfg.rollout_dtype not in ("same", cfg.dtype)), "parallel",
          f"fsdp samples with the sharded policy itself, in --dtype {cfg.dtype}: a --rollout-dtype of "
          f"{cfg.rollout_dtype} would need a second full copy of the weights on every process; drop --rollout-dtype "
          f"(or set --dtype {cfg.rollout_dtype}), or use --parallel ddp")
-    need(not (cfg.algorithm == "ppo" and cfg.critic == "separate" and cfg.lora_r > 0), "critic",
-         "separate needs full weights; with --lora-r use --critic shared (a value head on the LoRA policy)")
     need(cfg.param_dtype in ("float32", cfg.dtype), "param_dtype",
          f"must be float32 (mixed precision) or the compute --dtype {cfg.dtype} (pure low precision)")
     need(cfg.param_dtype != "float16", "param_dtype",

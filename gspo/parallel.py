@@ -3,6 +3,7 @@
     train_model = parallel.wrap(policy, dist)            # what training forwards call
     with parallel.gathered(policy, dist): sample(...)    # full parameters for a block (FSDP)
     sd = parallel.full_state_dict(policy, dist)          # for a checkpoint (FSDP: rank 0 only)
+    w = parallel.full_tensor(p, torch.bfloat16)          # one parameter whole (FSDP: gathered), for a weight sync
 
 Every function is the identity (or the module's own state) in one process or under DDP where
 nothing is sharded, so callers have one code path; `dist` is a gspo.distributed.Dist.
@@ -19,6 +20,10 @@ nothing is sharded, so callers have one code path; `dist` is a gspo.distributed.
   weights, and the gathered parameters are freed when it ends.
 - A shared value head (`--critic shared`) is small and replicated; its gradients are
   all-reduced by hand (`Dist.average_grads`).
+- LoRA under `fsdp`: the PEFT-wrapped policy is sharded the same way (as torchtune does), each
+  decoder layer's frozen base weights and trainable adapters in one FSDP2 unit (FSDP2 shards
+  per parameter, so frozen and trainable ones may share a unit); gradients and AdamW state
+  exist for the adapters alone, and a checkpoint gathers only them (`trainable_only`).
 """
 
 from __future__ import annotations
@@ -113,14 +118,16 @@ def no_sync(model, dist, skip: bool):
         model.set_requires_gradient_sync(True)
 
 
-def full_state_dict(model, dist) -> dict | None:
+def full_state_dict(model, dist, *, trainable_only: bool = False) -> dict | None:
     """FSDP: the gathered state dict on rank 0 (None elsewhere); otherwise None (the
-    module's own state dict is complete)."""
+    module's own state dict is complete). trainable_only: the parameters that train, alone
+    (LoRA: the adapters; the frozen base is never gathered)."""
     if dist.parallel != "fsdp":
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                              ignore_frozen_params=trainable_only))
     if not dist.is_main:
         return None
     seen, tied = set(), set()  # tied weights (embeddings = LM head) are written once, as save_pretrained does
@@ -166,3 +173,13 @@ def clip_grad_norm(params: list, max_norm: float) -> float:
     for group in (sharded, plain):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return float(total)
+
+
+def full_tensor(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One parameter whole: FSDP (a DTensor) all-gathers its shards, so every process must call
+    this for the same parameter in the same order; a plain tensor is returned as it is. With
+    `dtype`, cast first (the shard: for bf16, half the traffic and the memory of the gather;
+    the cast is elementwise, so the result is the same as casting the gathered tensor)."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -41,6 +41,7 @@ from gspo.losses import agg_count, policy_loss
 from gspo.logprobs import micro_batches, trim
 from gspo.metrics import Mean, combine, reduce_across, step_row
 from gspo.moe import moe_terms
+from gspo.plan import describe, plan
 from gspo.reporting import Progress, Reporter, samples_rows, warn
 from gspo.rewards import Reward, RewardError, TrainerState, score_completions
 from gspo.episodes import Episodes, run_episodes
@@ -100,6 +101,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     cfg, dist, main = run.cfg, run.dist, run.dist.is_main
     for note in run.notes:
         warn(note)
+    log(describe(plan(run), warnings=False))  # the resolved plan, once (its warnings are the notes above)
     dist.barrier()  # every process has checked the run directory before rank 0 writes to it
     if run.resume_from is not None:
         ckpt.restore_run(run)
@@ -178,6 +180,7 @@ def finish(run: Run, reporter: Reporter | None) -> dict:
         "wall_seconds": time.time() - run.t_start,
         "final_checkpoint": str(last) if last else None,
         **({"world_size": dist.world, "parallel": dist.parallel} if dist.enabled else {}),
+        "plan": plan(run),
     }
     if dist.is_main:
         ckpt.atomic_write_text(run.run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")

@@ -8,7 +8,8 @@ Two layouts (`--critic`):
 - `separate` (default, the seeds' PPO): a second model with the policy's architecture,
   initialised from the policy's weights (its transformer trunk, without the LM head), plus a
   linear value head on the final hidden state of each position. Its own optimizer and
-  learning rate. About twice the policy's memory for weights, gradients and Adam state:
+  learning rate; with LoRA (`--lora-r`) the critic is the base model's trunk, trained in
+  full weights while the policy trains its adapters (as TRL's PPOTrainer with a PEFT policy). About twice the policy's memory for weights, gradients and Adam state:
   the cost GRPO and GSPO remove.
 - `shared`: a value head on the policy's own trunk (`ValueHead`), trained through the same
   backward pass with `vf_coef` weighting; cheaper, but policy and value gradients interfere.
@@ -86,10 +87,18 @@ class Critic(nn.Module):
 
     @classmethod
     def from_model(cls, model):
-        """A copy of a causal LM's trunk (its backbone, without the LM head) and a fresh head."""
+        """A copy of a causal LM's trunk (its backbone, without the LM head) and a fresh head.
+        The base model under a LoRA policy (gspo.models.unwrap) holds PEFT's adapter layers in
+        place of its linears: the copy takes the base layers back out (the adapters are the
+        policy's, not the critic's) and trains every weight."""
         import copy
 
         trunk = copy.deepcopy(getattr(model, model.base_model_prefix))
+        for name, m in list(trunk.named_modules()):
+            if name and hasattr(m, "get_base_layer") and hasattr(m, "base_layer"):  # a PEFT LoRA layer
+                parent, _, child = name.rpartition(".")
+                setattr(trunk.get_submodule(parent) if parent else trunk, child, m.get_base_layer())
+        trunk.requires_grad_(True)  # PEFT froze the base
         head = ValueHead(trunk.config.hidden_size)
         return cls(trunk, head.to(next(trunk.parameters()).device))
 

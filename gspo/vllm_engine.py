@@ -11,11 +11,13 @@ the trainer's device (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one per process under
 (tensor parallel 1). It implements the `gspo.rollout.Sampler` interface:
 
 - `sync(policy)` loads the policy's current weights into the engine before every rollout
-  (`reload_weights` with a state dict in checkpoint names: LoRA adapters merged into their
-  base weights out of place, MoE experts unfused with transformers' own conversion, FSDP
-  shards gathered one parameter at a time), then resets the prefix cache, whose blocks hold
-  the old weights' keys and values. On CPU, vLLM 0.32 skips repacking MoE expert weights on
-  an update; gspo repacks them (without it the engine silently samples from stale experts).
+  (`reload_weights` with a generator of (name, tensor) pairs in checkpoint names, made one at
+  a time in the engine's dtype: FSDP shards gathered per parameter, LoRA adapters merged per
+  module out of place, MoE experts unfused with transformers' own conversion; the extra
+  memory is bounded by the largest parameter, not the model), then resets the prefix cache,
+  whose blocks hold the old weights' keys and values. On CPU, vLLM 0.32 skips repacking MoE
+  expert weights on an update; gspo repacks them (without it the engine silently samples from
+  stale experts).
 - `sample(...)` maps the sampling parameters one to one (temperature, top-p, top-k, max and
   min new tokens, the stop-token set, `n` = the group size with the prompt prefix shared) and
   draws one seed per prompt from the step's generator, so a completion does not depend on how
@@ -27,9 +29,10 @@ the trainer's device (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), one per process under
   recomputes them with `--min-new-tokens` N > 0 too: vLLM bans the stop tokens for the first N
   tokens before it takes the log-probs, which are then renormalised without them.
 - `end_rollout()` after the rollout's last `sample` (gspo.trainer `rollout`): with sleep mode
-  (CUDA), the engine sleeps (weights offloaded, KV cache freed) through the update phase; the
-  next `sync` or `sample` wakes it. A multi-turn rollout (gspo.episodes) samples once per turn,
-  every turn on an awake engine.
+  (CUDA), the engine sleeps (KV cache freed; weights discarded at level 2 once a sync has
+  put the policy's there, since the next sync overwrites them all) through the update
+  phase; the next `sync` or `sample` wakes it. A multi-turn rollout (gspo.episodes) samples
+  once per turn, every turn on an awake engine.
 
 Built for vLLM >= VLLM_FLOOR, the first release with every call made here (`reload_weights`
 with a `weights_iterator`, in-place layerwise reload: vLLM 0.16); an older one is refused. On
@@ -112,6 +115,9 @@ class VLLMSampler:
         self.device, self.dist, self.root = device, dist, root
         self.sleep = sleep and vllm.platforms.current_platform.is_sleep_mode_available()
         self.asleep = False
+        self.dtype = getattr(torch, dtype)  # what the engine computes in: each synced weight is cast to it
+        self.synced = None  # the policy of the last sync: its weights replace discarded ones (sleep level 2)
+        self.discarded = False  # asleep at level 2: the engine's weights are gone until the next sync
         kw = dict(model=model_dir, dtype=dtype, seed=seed, max_model_len=max_model_len,
                   logprobs_mode="processed_logprobs", skip_tokenizer_init=True, enable_prefix_caching=True)
         if self.sleep:
@@ -142,9 +148,12 @@ class VLLMSampler:
     # --- the Sampler interface ------------------------------------------------------------
 
     def sync(self, policy) -> None:
-        """Load the policy's current weights (merged LoRA, unfused experts, gathered shards)."""
+        """Load the policy's current weights (merged LoRA, unfused experts, gathered shards),
+        streamed one tensor at a time in the engine's dtype: vLLM's `reload_weights` pulls each
+        from the generator as it loads it."""
         self._wake()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_weights(policy)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": checkpoint_weights(policy, self.dtype)})
+        self.synced, self.discarded = policy, False
         if self.moe_repack:
             self.llm.apply_model(_repack_cpu_moe)
         self.llm.reset_prefix_cache()
@@ -157,15 +166,21 @@ class VLLMSampler:
         seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[mine]
         requests = [self._params(params, int(s)) for s in seeds.tolist()]
         self._wake()  # a multi-turn rollout samples once per turn: each on an awake engine
+        if self.discarded:  # sampled after end_rollout without a sync: the last synced policy's weights back
+            self.sync(self.synced)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], requests, use_tqdm=False)
         return _to_rollout(prompts, outs, params, self.device)
 
     def end_rollout(self) -> None:
-        """The rollout's last `sample` is done: sleep (weights offloaded, KV cache freed) through
-        the update phase; the next `sync` or `sample` wakes the engine."""
+        """The rollout's last `sample` is done: sleep (KV cache freed) through the update phase;
+        the next `sync` or `sample` wakes the engine. Once the engine holds synced weights, at
+        level 2: they are discarded, not copied to the CPU and back, since the next sync
+        overwrites every one (vLLM keeps the buffers, e.g. the rotary tables, on the CPU and puts
+        them back on waking). Before the first sync (the checkpoint's weights), at level 1."""
         if self.sleep and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            level = 2 if self.synced is not None else 1
+            self.llm.sleep(level=level)
+            self.asleep, self.discarded = True, level == 2
 
     def _wake(self) -> None:
         if self.asleep:
@@ -233,33 +248,75 @@ def _to_rollout(prompts: list[list[int]], outs, params: SamplingParams, device: 
                    mask.to(device), logp.to(device), lengths.to(device), torch.tensor(truncated, device=device), G)
 
 
-def checkpoint_weights(policy):
-    """(name, tensor) pairs of the policy's current weights as its checkpoint names them: LoRA
-    adapters merged into their base weights (out of place; the base stays as it is), FSDP
-    shards gathered, transformers' in-memory fused MoE experts converted back. Plain weights
-    are the parameters themselves (no copy)."""
+def checkpoint_weights(policy, dtype: torch.dtype | None = None):
+    """(name, tensor) pairs of the policy's current weights as its checkpoint names them, made
+    one at a time (a generator: each tensor is built when the consumer asks for the next one and
+    dropped here once handed over), in `dtype` (None: each parameter's own):
+
+    - FSDP: each parameter gathered in turn (`parallel.full_tensor`, cast before the gather);
+      every process must consume the pairs in the same order, as every engine does.
+    - LoRA: each adapted weight merged on its own, W + scale · B A in float32, then cast; the
+      base weights stay as they are (out of place).
+    - transformers' in-memory fused MoE experts converted back to per-expert checkpoint names,
+      one fused parameter at a time (views of it).
+    - tied weights under each name (an LM head that is the embedding: twice, one after the
+      other): vLLM's CPU backend keeps a packed copy of the LM head that only a load of
+      `lm_head.weight` refreshes.
+
+    The extra memory at any moment is the tensor being made plus the one the consumer still
+    holds: at most twice the largest parameter, where building the whole state dict held every
+    gathered (FSDP) or merged (LoRA) copy at once. Plain weights already in `dtype` are the
+    parameters themselves (no copy)."""
     from gspo.models import unwrap
+    from gspo.parallel import full_tensor
 
     model = unwrap(policy)
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
-    out = {}
+    revert = _reverter(model)
     for name, value in model.state_dict().items():
         if "lora_" in name:
             continue
-        if hasattr(value, "full_tensor"):
-            value = value.full_tensor()  # FSDP: every process gathers the same parameter in turn
-        module = name.rsplit(".", 1)[0].removesuffix(".base_layer")
-        if name.endswith(".base_layer.weight") and module in lora:
-            with torch.no_grad():
-                value = value + lora[module].get_delta_weight("default").to(value.dtype)
-        out[re.sub(r"\.base_layer(?=\.)", "", name)] = value.detach()
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
+        module, out = name.rsplit(".", 1)[0].removesuffix(".base_layer"), dtype or value.dtype
+        with torch.no_grad():
+            if name.endswith(".base_layer.weight") and module in lora:
+                value = full_tensor(value, torch.float32) + _lora_delta(lora[module])  # W + scale · B A, float32
+            else:
+                value = full_tensor(value, dtype)
+            value = value.detach().to(out)
+        name = re.sub(r"\.base_layer(?=\.)", "", name)
+        pairs = revert(name, value) if revert else [(name, value)]
+        del value
+        while pairs:
+            yield pairs.pop(0)  # no reference kept here: the consumer's is the only one while the next is made
 
-        out = revert_weight_conversion(model, out)  # fused experts -> per-expert checkpoint names
+
+def _lora_delta(module) -> Tensor:
+    """A LoRA module's scale · B A (peft's `get_delta_weight`), in float32; under FSDP from its
+    gathered A and B (small: rank r)."""
+    A, B = module.lora_A["default"].weight, module.lora_B["default"].weight
+    if not hasattr(A, "full_tensor"):
+        return module.get_delta_weight("default").float()
+    from gspo.parallel import full_tensor
+
+    delta = full_tensor(B, torch.float32) @ full_tensor(A, torch.float32)  # (out, r) @ (r, in)
+    delta = delta.T if getattr(module, "fan_in_fan_out", False) else delta
+    return delta * module.scaling["default"]
+
+
+def _reverter(model):
+    """transformers' conversion of one in-memory parameter back to its checkpoint names (fused
+    MoE experts -> per-expert weights), or None where the model has no conversion."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import revert_weight_conversion
     except ImportError:
-        pass
-    return iter(out.items())
+        return None
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    if not conversions:
+        return None
+    return lambda name, value: list(revert_weight_conversion(model, {name: value}).items())
 
 
 def _repack_cpu_moe(model) -> int:

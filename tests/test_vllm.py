@@ -205,6 +205,30 @@ def test_lora_adapters_are_merged_for_the_engine(engine):
     lora.unload()
 
 
+def test_the_engine_pulls_the_weights_one_at_a_time(engine, monkeypatch):
+    # vLLM's reload_weights consumes the generator lazily: it holds a layer's weights until the
+    # layer has all of them (q, k and v together), never the whole model's. Every tensor here
+    # is a copy, tracked through a weak reference: at most a layer's few are alive at once
+    import weakref
+
+    from gspo import vllm_engine
+
+    sampler, policy, tok = engine
+    real, refs, most = vllm_engine.checkpoint_weights, [], [0]
+
+    def copies(policy, dtype=None):
+        for name, t in real(policy, dtype):
+            refs.append(weakref.ref(t := t.clone()))
+            most[0] = max(most[0], sum(r() is not None for r in refs))
+            yield name, t
+            del t
+
+    monkeypatch.setattr(vllm_engine, "checkpoint_weights", copies)
+    sampler.sync(policy)
+    assert len(refs) == len(dict(real(policy))) > 30 and 1 <= most[0] <= 4, (len(refs), most[0])
+    assert all(r() is None for r in refs)  # nothing kept after the sync
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
 def test_every_rollout_samples_the_current_policy_in_training(tmp_path, model):
@@ -279,6 +303,35 @@ def test_qwen25_recipe_runs_on_its_vllm_engine(tmp_path):
                                                  "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     check_run(recipe, run, r.stderr, {})
+
+
+# The vLLM sub-matrix (docs/matrix.md): engine vllm × single/multi-turn × fp32/bf16 × LoRA off/on,
+# every pair of levels in 4 one-step runs (the orthogonal array of three two-level factors).
+VLLM_CELLS = [("single", "fp32", "off"), ("single", "bf16", "on"), ("calculator", "fp32", "on"),
+              ("calculator", "bf16", "off")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("turns,precision,lora", VLLM_CELLS, ids=["-".join(c) for c in VLLM_CELLS])
+def test_vllm_matrix_cell_runs_with_the_plan_it_asked_for(tmp_path, turns, precision, lora):
+    import math
+
+    run = tmp_path / "run"
+    args = ["train", "--rollout-engine", "vllm", "--steps", "1", "--prompts-per-step", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--eval-size", "0", "--no-progress", "--output-dir", str(run)]
+    args += ["--task", "calculator", "--max-turns", "2"] if turns == "calculator" else []
+    args += ["--dtype", "bfloat16"] if precision == "bf16" else []
+    args += ["--lora-r", "4"] if lora == "on" else []
+    r = gspo(*args)
+    assert r.returncode == 0, f"gspo {' '.join(args)}\n{r.stderr[-3000:]}"
+    assert (run / "checkpoints" / "step-000001").is_dir()
+    m = rows(run)
+    assert len(m) == 1 and m[0]["loss/policy"] is not None and math.isfinite(m[0]["loss/policy"])
+    plan = json.loads((run / "summary.json").read_text()).get("plan")
+    if plan is not None:  # gspo.plan: the run is what it asked for
+        dtype = "bfloat16" if precision == "bf16" else "float32"
+        assert (plan["engine"], plan["sampler_dtype"], plan["compute_dtype"]) == ("vllm", dtype, dtype), plan
+        assert (plan["lora"] is not None) == (lora == "on") and (plan["env"] is not None) == (turns == "calculator")
 
 
 for _name in [n for n in list(globals()) if n.startswith("test_")]:

@@ -1,0 +1,197 @@
+"""The run's resolved plan: what was asked is what runs, said once at the start and kept in summary.json.
+
+    from gspo.plan import plan, describe
+    p = plan(build_run(TrainConfig(dtype="bfloat16")))   # plain JSON values
+    p["sampler"], p["old_logp"]   # 'a bfloat16 copy of the policy', 'recompute'
+    print(describe(p))            # a few lines; `gspo train` prints them before the first step
+
+`plan(run)` reads the built run (gspo.run.Run) where each fact was decided: the sampler it
+holds (gspo.rollout, gspo.vllm_engine), whether training forwards pack (`run.packed`, decided
+by gspo.run._packing: a refusal is a note), the decode path (gspo.fastdecode.unsupported), the
+chunked LM head (gspo.lmhead.fused_head), the resolved configuration (--old-logp auto is
+resolved by then) and the process layout (gspo.distributed.Dist). It only reads: no forward
+pass, no collective, cheap enough to call at the start and again for the summary.
+
+Keys (stable; another test checks each configuration's plan against its request):
+
+| key | value |
+| --- | --- |
+| `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
+| `processes` | number of processes (torchrun's world size; 1 without torchrun) |
+| `parallel` | `"none"` (one process), `"ddp"` or `"fsdp"` |
+| `weights_dtype` | the trained weights' dtype (`--param-dtype`), read from the policy |
+| `compute_dtype` | forwards' dtype (`--dtype`) |
+| `autocast` | forwards run under autocast (mixed precision: compute dtype != weights dtype) |
+| `sampler` | who samples, in words: "the policy itself", "a bfloat16 copy of the policy", "the sharded policy gathered in bfloat16" (FSDP), "vLLM bfloat16" |
+| `sampler_dtype` | the dtype rollouts are sampled in |
+| `old_logp` | where π_old comes from: `"sampling"` (the sampler's own log-probs) or `"recompute"` (a training forward before the updates) |
+| `packing` | training forwards pack their sequences (bool) |
+| `packing_why` | `"not asked"`, `"asked"` (and on), or `"asked, but ..."` (off) with the reason (MoE routing, or the model cannot pack) |
+| `micro_batch_tokens` | token budget of a forward/backward pass; 0: a whole minibatch per pass |
+| `lm_head` | `"chunked"` (gspo.lmhead: no (N, V) logits) or `"full"` (the model's own head) |
+| `lm_head_chunk` | tokens per chunk of the chunked head (None with the full head) |
+| `decode` | `"fast"` (gspo.fastdecode's compact decode step), `"hf"` (Hugging Face's forward) or `"vllm"` |
+| `decode_why` | why Hugging Face's forward decodes (None otherwise) |
+| `gradient_checkpointing` | bool |
+| `lora` | None, or `{"r", "alpha", "dropout", "target_modules"}` |
+| `moe` | the policy is a Mixture-of-Experts model whose routers are hooked (bool) |
+| `routing_replay` | Routing Replay forces the old experts in the ratio's forward (bool) |
+| `env` | the multi-turn environment's class name, or None (single-turn completions) |
+| `max_turns` | model turns per episode at most (1 without an environment) |
+| `warnings` | the run's start-up notes (`run.notes`: every fallback from what was asked), plus any the plan finds |
+
+Left out: facts decided during the run (the compact decode step's first-step check can still
+fall back to Hugging Face's forward; that is said in its own warning when it happens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo import fastdecode
+from gspo.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
+from gspo.rollout import PolicySampler
+
+
+def plan(run) -> dict:
+    """The resolved plan of a built run (gspo.run.Run) as plain JSON values; see the module docstring."""
+    cfg, dist = run.cfg, run.dist
+    fsdp = dist.enabled and dist.parallel == "fsdp"
+    engine = "hf" if isinstance(run.sampler, PolicySampler) else cfg.rollout_engine
+    weights = _dtype(run.policy) or cfg.param_dtype
+    sampler, sampler_dtype = _sampler(run, engine, fsdp, weights)
+    decode, decode_why = _decode(run, engine, fsdp)
+    chunked = _chunked_head(run.policy, fsdp)
+    vocab = _base(run.policy).get_output_embeddings().weight.shape[0] if chunked else None
+    warnings = list(run.notes)
+    old_logp = cfg.old_logp
+    if old_logp == "sampling" and run.env is not None and cfg.routing_replay:  # gspo.batch.prepare
+        old_logp = "recompute"
+        warnings.append("old_logp: sampling, but multi-turn episodes record no experts while sampling: Routing "
+                        "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
+    return {
+        "engine": engine,
+        "processes": dist.world,
+        "parallel": dist.parallel if dist.enabled else "none",
+        "weights_dtype": weights,
+        "compute_dtype": cfg.dtype,
+        "autocast": cfg.dtype != cfg.param_dtype,
+        "sampler": sampler,
+        "sampler_dtype": sampler_dtype,
+        "old_logp": old_logp,
+        "packing": bool(run.packed),
+        "packing_why": _packing_why(run),
+        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "lm_head": "chunked" if chunked else "full",
+        "lm_head_chunk": chunk_tokens(vocab) if chunked else None,
+        "decode": decode,
+        "decode_why": decode_why,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
+                 "target_modules": list(cfg.lora_target_modules)} if cfg.lora_r > 0 else None,
+        "moe": run.routing is not None,
+        "routing_replay": bool(cfg.routing_replay and run.routing is not None),
+        "env": run.env.__name__ if run.env is not None else None,
+        "max_turns": run.max_turns,
+        "warnings": warnings,
+    }
+
+
+def describe(p: dict, warnings: bool = True) -> str:
+    """The plan in a few lines (what `gspo train` prints once at the start; `warnings=False`
+    leaves out the warnings, which the trainer says on stderr)."""
+    layout = "1 process" if p["processes"] == 1 else f"{p['parallel'].upper()} over {p['processes']} processes"
+    compute = f"compute {p['compute_dtype']}" + (" (autocast)" if p["autocast"] else "")
+    decode = {"fast": "the compact decode step (gspo.fastdecode)", "vllm": "vLLM's",
+              "hf": f"Hugging Face's forward ({p['decode_why']})"}[p["decode"]]
+    old = {"sampling": "the sampler's own log-probs", "recompute": "a training forward before the updates"}
+    packing = f"{'on' if p['packing'] else 'off'} ({p['packing_why']})"
+    micro = f"{p['micro_batch_tokens']} tokens" if p["micro_batch_tokens"] else "the whole minibatch"
+    head = f"chunked ({p['lm_head_chunk']} tokens a chunk)" if p["lm_head"] == "chunked" else \
+        "the model's own (full logits)"
+    lora = p["lora"]
+    lora = (f"LoRA r={lora['r']} (alpha {lora['alpha']:g}, {', '.join(lora['target_modules'])})" if lora
+            else "LoRA off (all weights train)")
+    moe = ("MoE, Routing Replay " + ("on" if p["routing_replay"] else "off")) if p["moe"] else "dense"
+    env = f"env {p['env']} (up to {p['max_turns']} turns)" if p["env"] else "single-turn"
+    lines = [
+        f"plan: engine {p['engine']}, {layout}; weights {p['weights_dtype']}, {compute}; sampler: {p['sampler']}",
+        f"  decode: {decode}; pi_old ({p['old_logp']}): {old[p['old_logp']]}",
+        f"  packing: {packing}; micro-batches: {micro}; LM head: {head}"
+        + ("; gradient checkpointing" if p["gradient_checkpointing"] else ""),
+        f"  {lora}; {moe}; {env}",
+    ]
+    if warnings:
+        lines += [f"  warning: {' '.join(w.split())}" for w in p["warnings"]]
+    return "\n".join(lines)
+
+
+def _dtype(model) -> str | None:
+    param = next(iter(model.parameters()), None)
+    return None if param is None else str(param.dtype).removeprefix("torch.")
+
+
+def _sampler(run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
+    """Who samples, in words, and in which dtype."""
+    cfg = run.cfg
+    if engine != "hf":
+        dtype = cfg.dtype if cfg.rollout_dtype == "same" else cfg.rollout_dtype
+        sleeps = " (sleeps between rollouts)" if getattr(run.sampler, "sleep", False) else ""
+        return f"vLLM {dtype}{sleeps}", dtype
+    if fsdp:  # the sharded policy itself, gathered in its MixedPrecisionPolicy's dtype: the compute dtype
+        return f"the sharded policy gathered in {cfg.dtype}", cfg.dtype
+    if run.sampler.model is run.policy:
+        return "the policy itself", weights
+    dtype = _dtype(run.sampler.model) or cfg.dtype
+    return f"a {dtype} copy of the policy (synced before every rollout)", dtype
+
+
+def _packing_why(run) -> str:
+    """Why training forwards pack or not: gspo.run._packing's decision, in words."""
+    if not run.cfg.packing:
+        return "not asked"
+    if run.packed:
+        return "asked"
+    if run.routing is not None:
+        return "asked, but MoE routing is recorded in the padded layout"
+    return ("asked, but the model cannot pack (a packed forward does not give the padded forward's hidden states, "
+            "or its LM head is not a plain linear map)")
+
+
+def _decode(run, engine: str, fsdp: bool) -> tuple[str, str | None]:
+    """The decode path of gspo's sampler: fastdecode's answer. Under FSDP it was decided before
+    sharding (a shard's head is no plain tensor) and said in gspo.rollout.fsdp_sampling_note."""
+    if engine != "hf":
+        return "vllm", None
+    cfg = run.cfg
+    if fsdp:
+        said = [n.rpartition("decodes with ")[2] for n in run.notes if n.startswith("parallel: fsdp samples")]
+        if said:
+            if said[0].startswith("the compact decode step"):
+                return "fast", None
+            return "hf", said[0].removeprefix("Hugging Face's forward (").removesuffix(")")
+    why = fastdecode.unsupported(run.sampler.model, cfg.max_prompt_length + cfg.max_new_tokens)
+    return ("fast", None) if why is None else ("hf", why)
+
+
+def _chunked_head(policy, fsdp: bool) -> bool:
+    """Whether training forwards use gspo.lmhead's chunked head (`fused_head`). Under FSDP the
+    head's weight is a DTensor shard between forwards, so fused_head says no there; inside the
+    root's forward, where it runs, the weight is whole: the other conditions decide."""
+    if fused_head(policy) is not None:
+        return True
+    if not fsdp:
+        return False
+    base = _base(policy)
+    prefix = getattr(base, "base_model_prefix", None)
+    if not prefix or getattr(base, prefix, None) is None:
+        return False
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or not hasattr(head.weight, "placements"):
+        return False
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    return all(getattr(text, attr, None) in (None, 1.0, 0.0) for attr in _SPECIAL_HEAD_ATTRS)  # as fused_head
+
+
+def _base(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
