@@ -1,5 +1,3 @@
-import sys
+from gspo.cli import entry
 
-from gspo.cli import main
-
-sys.exit(main())
+entry()

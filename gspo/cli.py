@@ -328,5 +328,12 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + e.signum
 
 
+def entry() -> None:
+    """The `gspo` command (and `python -m gspo`, `python -m gspo.cli`): main's status as the exit code."""
+    from gspo.distributed import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

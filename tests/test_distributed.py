@@ -325,3 +325,13 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, s
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_metrics(metrics(single), metrics(run))
     assert_same_weights(weights(single), weights(run))
+
+
+def test_a_torchrun_worker_exits_with_its_status_and_its_output_flushed():
+    # under torchrun a worker ends with os._exit (no interpreter finalization, where gloo's
+    # threads could abort a run that succeeded): the status and buffered output must survive
+    code = ("import sys; from gspo.distributed import exit_process; print('out', end=''); "
+            "print('err', end='', file=sys.stderr); exit_process(3)")
+    for env in ({**ENV, "TORCHELASTIC_RUN_ID": "x"}, ENV):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+        assert (r.returncode, r.stdout, r.stderr) == (3, "out", "err")
