@@ -271,6 +271,20 @@ def test_two_process_cell(cell, tmp_path):
     expect(cell, res.returncode, res.stderr, run)
 
 
+GPU = [pytest.param(c, id=f"cell{i:02d}-cuda", marks=[pytest.mark.gpu, *marks(i)])
+       for i, c in enumerate(CELLS) if c["layout"] == "1"]
+
+
+@pytest.mark.parametrize("cell", GPU)
+def test_one_process_cell_on_cuda(cell, tmp_path, capsys):
+    """The same cells on a CUDA device (skipped without one; scripts/gpu_check.sh runs them):
+    CUDA autocast, the compact decode step and bf16 kernels are what only a GPU shows."""
+    run = tmp_path / "run"
+    rc, err = run_in_process(cell, run, capsys, ["--device", "cuda"])
+    expect(cell, rc, err, run)
+    assert yaml.safe_load((run / "config.yaml").read_text())["device"] == "cuda"
+
+
 if __name__ == "__main__":  # print the array: python tests/test_matrix.py
     print(f"{len(CELLS)} cells cover {len(required_pairs())} pairs ({len(TWO)} with 2 processes); "
           f"{len(REFUSALS)} refusal cells")
