@@ -23,7 +23,7 @@ import time
 import common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-from gspo.episodes import run_episodes
+from gspo.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.models import load_policy
 from gspo.rollout import PolicySampler, sampling_params
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
@@ -69,8 +69,8 @@ def main() -> None:
     sampler = PolicySampler(model)
 
     def rollout(env_cls):
-        return run_episodes(sampler, tok, examples, env_cls, params, max_turns=3,
-                            generator_for=lambda turn: torch.Generator().manual_seed(turn))
+        return run_episodes(sampler, tok, examples, EpisodeSpec(env_cls, max_turns=3), params,
+                            Draws(generator_for=lambda turn: torch.Generator().manual_seed(turn)))
 
     rollout(slow_env(0.0, 1))  # warm-up
     floor = statistics.median(_timed(rollout, slow_env(0.0, 1))[0] for _ in range(args.repeats))

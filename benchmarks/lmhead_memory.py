@@ -32,6 +32,7 @@ def worker(args) -> None:
 
     from gspo.lmhead import chunked_logprobs
     from gspo.losses import policy_loss
+    from gspo.config import Loss
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -50,7 +51,7 @@ def worker(args) -> None:
     else:
         logp = chunked_logprobs(hidden, weight, targets)  # (N,)
     logp = logp.view(N // T, T)
-    loss, _ = policy_loss("gspo", logp, logp.detach() - 1e-4, adv, mask, clip_low=3e-4, clip_high=4e-4)
+    loss, _ = policy_loss(logp, logp.detach() - 1e-4, adv, mask, Loss(algorithm="gspo", clip_low=3e-4, clip_high=4e-4))
     loss.backward()
     seconds = time.perf_counter() - t
     print("RESULT " + json.dumps({"growth_mb": peak_rss_mb() - base, "seconds": seconds,

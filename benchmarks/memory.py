@@ -96,16 +96,15 @@ def child(args) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if args.src:
         sys.path.insert(0, args.src)
-    import dataclasses
 
     import torch
 
-    from gspo.config import TrainConfig
+    from gspo.config import SECTION_OF, TrainConfig
     from gspo.run import build_run
     from gspo.trainer import update
 
     torch.set_num_threads(args.threads)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = set(SECTION_OF)
     want = dict(model=model_dir(args.layers), num_minibatches=1, prompts_per_step=1, group_size=args.rows,
                 output_dir="/dev/null/unused", progress=False, lr=1e-6, max_new_tokens=args.length)
     if "micro_batch_tokens" in known:  # this checkout: mixed precision and a token budget

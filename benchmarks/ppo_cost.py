@@ -28,7 +28,8 @@ def worker(args) -> None:
     import torch
     import transformers  # noqa: F401  (imported before the baseline: libraries are not the run's memory)
 
-    from gspo.config import TrainConfig, resolve
+    from gspo.config import TrainConfig
+    from gspo.resolve import resolve
     from gspo.run import build_run
     from gspo.trainer import train_step
 
@@ -40,7 +41,6 @@ def worker(args) -> None:
                               max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
                               output_dir="/dev/null/unused", progress=False, **extra))
     run = build_run(cfg)
-    vm = run.value_model
     times = []
     for step in range(1, cfg.steps + 1):
         with Timer() as t:
@@ -48,7 +48,8 @@ def worker(args) -> None:
         if step > 1:  # the first step warms up allocators and kernels
             times.append(t.seconds)
     print(json.dumps({"step_seconds": median(times), "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
-                      "params": n_params(run.policy) + (n_params(vm.head if vm.shared else vm.critic) if vm else 0)}))
+                      "params": n_params(run.policy) + sum(n_params(t.model) for t in run.trainables[1:])  # a separate critic
+                      + (n_params(run.critic.head) if hasattr(run.critic, "head") else 0)}))
 
 
 def main() -> None:

@@ -42,10 +42,11 @@ def vllm_side(model, tok, prompts, G: int, L: int):
     import torch
 
     from gspo.rollout import sampling_params
+    from gspo.config import VLLM
     from gspo.vllm_engine import VLLMSampler
 
-    engine = VLLMSampler(model.name_or_path, dtype="float32", seed=0, device=torch.device("cpu"),
-                         max_model_len=int(model.config.max_position_embeddings))
+    engine = VLLMSampler(model.name_or_path, VLLM(vllm_max_model_len=int(model.config.max_position_embeddings)),
+                         dtype="float32", seed=0)
     params = sampling_params(tok, group_size=G, max_new_tokens=L, min_new_tokens=L)
     g = torch.Generator().manual_seed(0)
 

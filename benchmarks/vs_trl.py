@@ -64,7 +64,8 @@ def exact(completions, answer, **kw):
 def run_gspo(args) -> dict:
     import torch
 
-    from gspo.config import TrainConfig, resolve
+    from gspo.config import TrainConfig
+    from gspo.resolve import resolve
     from gspo.run import build_run
     from gspo.trainer import train_step
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gspo.config import ConfigError, TrainConfig
+from gspo.checks import check_value, did_you_mean as near, yaml_value
+from gspo.config import SECTION_OF, ConfigError, TrainConfig, set_from_trl
 
 SKIP = object()  # a TRL value that changes nothing in gspo (bf16: false)
 
@@ -89,7 +90,7 @@ def is_trl(name: str) -> bool:
 
 
 def fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainConfig)]
+    return list(SECTION_OF)
 
 
 def suggested() -> list[str]:
@@ -99,8 +100,6 @@ def suggested() -> list[str]:
 
 def did_you_mean(name: str, shown=str) -> str:
     """'; did you mean steps?' for a near miss among gspo's options and TRL's names, else ''."""
-    from gspo.configfile import did_you_mean as near
-
     return near(name, [*fields(), *suggested()], shown)
 
 
@@ -108,8 +107,6 @@ def to_gspo(values: dict, shown=str) -> dict:
     """gspo field -> value, from a mapping of gspo's and TRL's option names (hyphens or
     underscores) to values; each value checked against its field's type. `shown(name)` is how
     an option is named in errors (`--num-generations` on the CLI)."""
-    from gspo.configfile import check_value
-
     out, source = {}, {}
     for key, value in values.items():
         name = str(key).replace("-", "_")
@@ -154,11 +151,12 @@ def from_trl(**kwargs) -> TrainConfig:
     return TrainConfig(**to_gspo(kwargs))
 
 
+set_from_trl(from_trl)  # TrainConfig.from_trl
+
+
 def split_args(args: list[str]) -> tuple[dict, list[str]]:
     """TRL's flags taken out of a command line: ({name: value}, the other arguments). A value
     is read as YAML (`8`, `1e-5`, `true`); a flag without a value is true (`--bf16`)."""
-    from gspo.configfile import yaml_value
-
     trl, rest, i = {}, [], 0
     while i < len(args):
         flag, _, inline = args[i].partition("=")

@@ -44,8 +44,9 @@ from pathlib import Path
 
 import torch
 
-from gspo.config import ConfigError, TrainConfig
-from gspo.configfile import check_value, in_memory, load_yaml
+from gspo.config import ConfigError, TrainConfig, options
+from gspo.checks import check_value
+from gspo.configfile import in_memory, load_yaml
 from gspo.run import Inputs
 
 
@@ -74,7 +75,7 @@ class Trainer:
             reward_funcs = funcs
         if env is not None:
             changes["env"] = env if isinstance(env, str) else f"<{getattr(env, '__name__', 'env')}>"
-        checked = {f.name: check_value(f.name, getattr(cfg, f.name), f.name) for f in dataclasses.fields(cfg)}
+        checked = {f.name: check_value(f.name, getattr(cfg, f.name), f.name) for f in options()}
         self.config = dataclasses.replace(cfg, **{**checked, **changes})  # TrainConfig(steps="2") fails here
         self._given, self._changes, self._start = config is not None, changes, dataclasses.replace(self.config)
         self.inputs = Inputs(model=model if isinstance(model, torch.nn.Module) else None, tokenizer=tokenizer,
@@ -171,7 +172,7 @@ def _either(value, trl_value, name: str, trl_name: str):
 
 def _edits(start: TrainConfig, now: TrainConfig) -> dict:
     """The options changed on `trainer.config` since the trainer was made."""
-    return {f.name: getattr(now, f.name) for f in dataclasses.fields(now)
+    return {f.name: getattr(now, f.name) for f in options()
             if getattr(now, f.name) != getattr(start, f.name)}
 
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import typing
 
 import tyro
 
 from gspo import aliases
-from gspo.config import TrainConfig
+from gspo.checks import check_value
+from gspo.config import TrainConfig, option_types
 from gspo.configfile import flag_value_error, unknown_flag
 
 
@@ -32,21 +34,24 @@ def parse(fn_or_cls, args: list[str], prog: str, default=None):
     """Run tyro; turn its boxed parse errors into one line (an unknown flag gets a did-you-mean,
     a value that is not a number names the flag). --help still prints in full. TrainConfig also
     takes TRL's names for its options (gspo.aliases: --num-generations 8)."""
+    target = tyro.conf.OmitArgPrefixes[TrainConfig] if fn_or_cls is TrainConfig else fn_or_cls  # flat flags
     if any(a in ("-h", "--help") for a in args):
-        return tyro.cli(fn_or_cls, args=args, prog=prog, default=default)
+        return tyro.cli(target, args=args, prog=prog, default=default)
     trl, args = aliases.split_args(args) if fn_or_cls is TrainConfig else ({}, args)
     if unknown := unknown_flag(fn_or_cls, args, extra=aliases.suggested() if fn_or_cls is TrainConfig else ()):
         raise UsageError(unknown)
     buf = io.StringIO()
     try:
         with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
-            parsed = tyro.cli(fn_or_cls, args=args, prog=prog, default=default)
+            parsed = tyro.cli(target, args=args, prog=prog, default=default)
     except SystemExit as e:
         if e.code in (0, None):
             raise
         bad = re.search(r"Error parsing (--[\w-]+)", buf.getvalue())
         raise UsageError((bad and flag_value_error(fn_or_cls, bad[1], args)) or first_error_line(buf.getvalue())) \
             from None
+    if fn_or_cls is TrainConfig:  # a registered loss's name (tyro takes any string)
+        check_value("algorithm", parsed.algorithm, "--algorithm")
     return aliases.apply_args(parsed, trl, args) if trl else parsed
 
 
@@ -95,15 +100,12 @@ def take(args: list[str], flag: str) -> tuple[str | None, list[str]]:
 
 def list_flags(cls) -> set[str]:
     """Flags of tuple[X, ...] fields: they take several values."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
+    hints = option_types() if cls is TrainConfig else typing.get_type_hints(cls)
     out = set()
-    for f in dataclasses.fields(cls):
-        args = typing.get_args(hints[f.name])
-        if typing.get_origin(hints[f.name]) is tuple and len(args) == 2 and args[1] is Ellipsis:
-            out.add("--" + f.name.replace("_", "-"))
+    for name, hint in hints.items():
+        args = typing.get_args(hint)
+        if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+            out.add("--" + name.replace("_", "-"))
     return out
 
 

@@ -22,12 +22,12 @@ resumed run appends exactly what an uninterrupted run would have written.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,72 +35,11 @@ import torch
 import yaml
 
 from gspo import parallel
+from gspo.config import to_dict
+from gspo.files import _fsync_dir, append_jsonl, atomic_write_text, json_clean, read_jsonl, trim_jsonl  # noqa: F401
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK = ".lock"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def json_clean(obj):
-    """NaN and inf are not JSON: write them as null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: json_clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_clean(v) for v in obj]
-    return obj
-
-
-def append_jsonl(path: Path, rows: list[dict]) -> None:
-    if not rows:
-        return
-    with open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(json_clean(row)) + "\n")
-        f.flush()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut short by a kill: everything from here on is discarded
-    return rows
-
-
-def trim_jsonl(path: Path, max_step: int) -> None:
-    """Keep only rows with step <= max_step (rewritten atomically)."""
-    if not path.exists():
-        return
-    rows = [r for r in read_jsonl(path) if r.get("step", 0) <= max_step]
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -120,22 +59,33 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return dirs[-1][1] if dirs else None
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, config_yaml: str, keep: int,
-                    extra_models: dict | None = None, state_dicts: dict | None = None,
-                    optimizers: dict | None = None) -> Path:
+@dataclass
+class Content:
+    """What a checkpoint holds: the model (written with save_pretrained, loads with Hugging Face)
+    and its tokenizer, the trainer state, the configuration, the optimizer states, and extra
+    models in sub-directories (name -> (module, full state dict or None))."""
+
+    model: object
+    tokenizer: object
+    state: dict  # trainer_state.pt
+    config_yaml: str
+    optimizers: dict | None = None  # optimizer.pt
+    model_state_dict: dict | None = None  # the full state dict to write in place of the module's own (FSDP)
+    extra_models: dict = field(default_factory=dict)  # e.g. "critic" -> (Critic, its full state dict or None)
+
+
+def save_checkpoint(run_dir: Path, step: int, content: Content, *, keep: int) -> Path:
     """Write checkpoint `step` atomically; delete all but the newest `keep` checkpoints.
 
-    extra_models: name -> model saved with save_pretrained into a sub-directory (e.g. a critic).
-    state_dicts: "" (the model) or an extra model's name -> the full state dict to write in
-    place of the module's own (FSDP: the gathered one; None: use the module's).
+    A state dict of None (the model's, an extra model's) means the module's own; FSDP passes
+    the gathered one.
     """
     root = run_dir / "checkpoints"
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}"
     previous = latest_checkpoint(run_dir)
     try:
-        _write_checkpoint(tmp, model, tokenizer, state=state, config_yaml=config_yaml, extra_models=extra_models,
-                          state_dicts=state_dicts or {}, optimizers=optimizers)
+        _write_checkpoint(tmp, content)
         if final.exists():  # same step written again (e.g. re-run of the final save)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -149,27 +99,27 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, *, state: dict, 
     return final
 
 
-def _write_checkpoint(tmp: Path, model, tokenizer, *, state: dict, config_yaml: str, extra_models: dict | None,
-                      state_dicts: dict, optimizers: dict | None) -> None:
+def _save_pretrained(model, directory: Path, state_dict: dict | None) -> None:
+    if state_dict is not None:
+        model.save_pretrained(directory, state_dict=state_dict)
+    else:
+        model.save_pretrained(directory)
+
+
+def _write_checkpoint(tmp: Path, content: Content) -> None:
     """Everything of a checkpoint into `tmp`, flushed to disk."""
     tmp.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    if state_dicts.get("") is not None:
-        model.save_pretrained(tmp, state_dict=state_dicts[""])
-    else:
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    for name, extra in (extra_models or {}).items():
-        if state_dicts.get(name) is not None:
-            extra.save_pretrained(tmp / name, state_dict=state_dicts[name])
-        else:
-            extra.save_pretrained(tmp / name)
-    (tmp / "config.yaml").write_text(config_yaml)
-    torch.save(state, tmp / "trainer_state.pt")
-    if optimizers is not None:  # apart, so that a resuming process that does not need it never loads it
-        torch.save(optimizers, tmp / "optimizer.pt")
+    _save_pretrained(content.model, tmp, content.model_state_dict)
+    content.tokenizer.save_pretrained(tmp)
+    for name, (extra, state_dict) in content.extra_models.items():
+        _save_pretrained(extra, tmp / name, state_dict)
+    (tmp / "config.yaml").write_text(content.config_yaml)
+    torch.save(content.state, tmp / "trainer_state.pt")
+    if content.optimizers is not None:  # apart, so that a resuming process that does not need it never loads it
+        torch.save(content.optimizers, tmp / "optimizer.pt")
     for f in tmp.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
@@ -236,36 +186,29 @@ def set_rng_state(state: dict) -> None:
 
 
 def config_yaml(cfg) -> str:
-    from gspo.config import to_dict
-
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
 def save_run(run, step: int) -> None:
-    """Checkpoint `step` of a gspo.run.Run: weights, optimizer, scheduler, loss-scaler and RNG
-    states, and where the run stands. Under FSDP the gathers are collectives: every process
-    takes part, rank 0 writes."""
-    dist, vm = run.dist, run.value_model
+    """Checkpoint `step` of a gspo.run.Run: weights (and the critic's: gspo.critic), each
+    trainable's optimizer and scheduler states, loss-scaler and RNG states, and where the run
+    stands. Under FSDP the gathers are collectives: every process takes part, rank 0 writes."""
+    dist = run.dist
     rngs = dist.gather_objects(rng_state())  # every process's, in rank order
-    optimizers = {"optimizer": parallel.optimizer_state(run.optimized, run.optimizer, dist)}
-    state = {"step": step, "scheduler": run.scheduler.state_dict(), "rng": rngs[dist.rank], "rng_per_rank": rngs,
-             "world_size": dist.world, "eval_before": run.eval_before, "evals": run.evals,
-             "wall_seconds": time.time() - run.t_start}
+    state = {"step": step, "rng": rngs[dist.rank], "rng_per_rank": rngs, "world_size": dist.world,
+             "eval_before": run.eval_before, "evals": run.evals, "wall_seconds": time.time() - run.t_start}
+    optimizers = {}
+    for t in run.trainables:  # "optimizer"/"scheduler", and a separate critic's "critic_optimizer"/...
+        optimizers[t.keys[0]] = parallel.optimizer_state(t.model, t.optimizer, dist)
+        state[t.keys[1]] = t.scheduler.state_dict()
     if run.scaler is not None:
         state["scaler"] = run.scaler.state_dict()
     # LoRA: the adapter alone is written (PEFT's save_pretrained), so only it is gathered
-    state_dicts = {"": parallel.full_state_dict(run.policy, dist, trainable_only=run.cfg.lora_r > 0)}
-    extra = {}
-    if vm is not None:
-        extra = {"value_head": vm.head} if vm.shared else {"critic": vm.critic}
-        if not vm.shared:
-            optimizers["critic_optimizer"] = parallel.optimizer_state(vm.critic, vm.optimizer, dist)
-            state["critic_scheduler"] = vm.scheduler.state_dict()
-            state_dicts["critic"] = parallel.full_state_dict(vm.critic, dist)
+    content = Content(run.policy, run.tokenizer, state, config_yaml(run.cfg), optimizers,
+                      parallel.full_state_dict(run.policy, dist, trainable_only=run.cfg.lora.lora_r > 0),
+                      run.critic.saved(dist))  # "value_head" or "critic"
     if dist.is_main:
-        save_checkpoint(run.run_dir, step, run.policy, run.tokenizer, state=state, config_yaml=config_yaml(run.cfg),
-                        keep=run.cfg.keep_checkpoints, extra_models=extra, state_dicts=state_dicts,
-                        optimizers=optimizers)
+        save_checkpoint(run.run_dir, step, content, keep=run.cfg.run.keep_checkpoints)
     dist.barrier()
 
 
@@ -284,19 +227,17 @@ def restore_run(run) -> None:
     optimizer, scheduler, loss-scaler and RNG states, and where the run stood; the logs are
     trimmed back to the checkpoint's step so the resumed run appends what an uninterrupted one
     would. Under FSDP only rank 0 reads the optimizer states and sends each process its shard."""
-    dist, vm = run.dist, run.value_model
+    dist = run.dist
     if dist.is_main:
         clean_partial(run.run_dir)
     state = load_trainer_state(run.resume_from)
     sharded = dist.enabled and dist.parallel == "fsdp"
     optimizers = load_optimizers(run.resume_from, state) if dist.is_main or not sharded else {}
-    parallel.load_optimizer_state(run.optimized, run.optimizer, optimizers.get("optimizer", {}), dist)
-    run.scheduler.load_state_dict(state["scheduler"])
+    for t in run.trainables:  # the policy's, and a separate critic's
+        parallel.load_optimizer_state(t.model, t.optimizer, optimizers.get(t.keys[0], {}), dist)
+        t.scheduler.load_state_dict(state[t.keys[1]])
     if run.scaler is not None:
         run.scaler.load_state_dict(state["scaler"])
-    if vm is not None and not vm.shared:
-        parallel.load_optimizer_state(vm.critic, vm.optimizer, optimizers.get("critic_optimizer", {}), dist)
-        vm.scheduler.load_state_dict(state["critic_scheduler"])
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
     run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])

@@ -166,7 +166,7 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
         model = str(ckpt.latest_checkpoint(path))
         path = Path(model)
     base = load_yaml(path / "config.yaml") if (path / "config.yaml").exists() else TrainConfig()
-    keep = {"dtype": "float32", "param_dtype": "float32"} if base.dtype != "float32" else {}
+    keep = {"dtype": "float32", "param_dtype": "float32"} if base.policy.dtype != "float32" else {}
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(a)
              if f.name not in ("model", "k") and getattr(a, f.name) is not None}
     if "dtype" in given:
@@ -177,9 +177,10 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
 
 def cmd_eval(args: list[str]) -> int:
     """Evaluate a model, checkpoint or run on its task's evaluation rows with its rewards."""
-    from gspo.config import resolve
+    from gspo.resolve import resolve
     from gspo.env import episode_env
-    from gspo.evaluation import evaluate
+    from gspo.episodes import EpisodeSpec
+    from gspo.evaluation import EvalOptions, evaluate
     from gspo.models import DTYPES, load_policy, resolve_device
     from gspo.rollout import stop_token_ids
     from gspo.models import quiet_peft
@@ -192,15 +193,17 @@ def cmd_eval(args: list[str]) -> int:
     cfg = resolve(cfg)
     task, rewards = task_and_rewards(cfg)
     with quiet_peft():  # a LoRA checkpoint: peft's deprecation warning is not the user's
-        model, tok = load_policy(model_path, dtype=DTYPES[cfg.dtype], device=resolve_device(cfg.device),
-                                 revision=cfg.revision)
-    env, max_turns = episode_env(cfg.env, task, cfg.max_turns, tok)
-    res = evaluate(model, tok, task, rewards, n=cfg.eval_size, k=a.k, temperature=cfg.temperature,
-                   max_new_tokens=cfg.max_new_tokens, seed=a.seed, progress=cfg.progress,
-                   stop=stop_token_ids(tok, model, cfg.stop_token), max_prompt_length=cfg.max_prompt_length,
-                   stop_strings=cfg.stop_string, env=env, max_turns=max_turns,
-                   max_episode_tokens=cfg.max_episode_tokens)
-    print(json.dumps({"model": model_path, "task": cfg.dataset or cfg.task, "max_new_tokens": cfg.max_new_tokens, **res}))
+        model, tok = load_policy(model_path, dtype=DTYPES[cfg.policy.dtype], device=resolve_device(cfg.run.device),
+                                 revision=cfg.policy.revision)
+    env, max_turns = episode_env(cfg.episodes.env, task, cfg.episodes.max_turns, tok)
+    sampling = cfg.sampling
+    options = EvalOptions(n=cfg.eval.eval_size, k=a.k, temperature=sampling.temperature,
+                          max_new_tokens=sampling.max_new_tokens, seed=a.seed, progress=cfg.run.progress,
+                          stop=stop_token_ids(tok, model, sampling.stop_token),
+                          episode=EpisodeSpec.from_config(cfg, env, max_turns))
+    res = evaluate(model, tok, task, rewards, options)
+    print(json.dumps({"model": model_path, "task": cfg.data.dataset or cfg.data.task,
+                      "max_new_tokens": sampling.max_new_tokens, **res}))
     return 0
 
 
@@ -235,7 +238,7 @@ def cmd_compare(args: list[str]) -> int:
     import dataclasses
     import time
 
-    from gspo.compare import COMPARE_PRESETS, compare, compare_help
+    from gspo.compare import COMPARE_PRESETS, VarianceRun, compare, compare_help
 
     configs, args = _take_many(args, "--configs")
     seeds_arg, args = _take_many(args, "--seeds")
@@ -255,10 +258,9 @@ def cmd_compare(args: list[str]) -> int:
         print(compare_help())
     base = load_yaml(config_file) if config_file else TrainConfig(**preset.base)
     cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo compare", default=base)
-    out = cfg.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = cfg.run.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
     report = compare(dataclasses.replace(cfg, output_dir=None), list(configs or preset.configs), seeds=seeds,
-                     out_dir=out, variance_models=preset.variance_models,
-                     variance_responses=int(responses or 512))
+                     out_dir=out, variance=VarianceRun(preset.variance_models, int(responses or 512)))
     for name, r in report.items():
         drift = "" if r["drift_mean"] is None else f"  moe/drift {r['drift_mean']:.4f}"
         print(f"{name:>20}: accuracy {100 * r['accuracy']:.1f}%  clip/frac {r['clip_frac_mean']:.4g}{drift}"
@@ -272,14 +274,17 @@ COMPARE_SEEDS = (0, 1, 2)
 
 def cmd_export(args: list[str]) -> int:
     """A run (its newest checkpoint) or a checkpoint as a Hugging Face model directory; uploaded with --push-to-hub."""
-    from gspo.export import ExportArgs, check_push, export, push_to_hub
+    from pathlib import Path
+
+    from gspo.export import ExportArgs, check_push, export, find_checkpoint, push_to_hub
 
     a = _parse(ExportArgs, args, "gspo export")
     if a.private and not a.push_to_hub:
         raise UsageError("--private applies to the repository --push-to-hub creates; give --push-to-hub ORG/NAME")
     if a.push_to_hub:
         check_push(a.push_to_hub)  # before the export's work
-    out = export(a.source, a.out, step=a.step, dtype=a.dtype, base_model=a.base_model, repo_id=a.push_to_hub)
+    checkpoint = find_checkpoint(Path(a.source), a.step)  # the run's newest, or --step's
+    out = export(checkpoint, a.out, dtype=a.dtype, base_model=a.base_model, repo_id=a.push_to_hub)
     print(f"wrote {out}")
     if a.push_to_hub:
         print(f"pushed to {push_to_hub(out, a.push_to_hub, private=a.private)}")

@@ -33,11 +33,13 @@ import json
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
-from gspo.config import ConfigError, TrainConfig, resolve
-from gspo.configfile import check_value, yaml_value
+from gspo.checks import check_value, yaml_value
+from gspo.config import SECTION_OF, ConfigError, TrainConfig
+from gspo.resolve import resolve
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -117,7 +119,7 @@ def parse_config(spec: str) -> tuple[str, dict]:
                               "or name:key=value,key=value")
         return spec, dict(PRESETS[spec])
     name, _, body = spec.partition(":")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = set(SECTION_OF)
     out = {}
     for item in filter(None, body.split(",")):
         key, eq, raw = item.partition("=")
@@ -171,11 +173,21 @@ def summarise(run_dir: Path) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class VarianceRun:
+    """The ratio-variance measurement a comparison adds (gspo.variance): the ratio variance by
+    response length of each of `models` under the base configuration, from `responses` sampled
+    responses per model."""
+
+    models: tuple[str, ...] = ()
+    responses: int = 512
+
+
 def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir: str | Path, log=print,
-            variance_models: tuple[str, ...] = (), variance_responses: int = 512) -> dict:
+            variance: VarianceRun = VarianceRun()) -> dict:
     """Train every configuration for every seed; write compare.json, report.md and the plots.
-    variance_models: also measure the ratio variance by response length for each of these
-    models under the base configuration (gspo.variance; variance.md, .json, .png)."""
+    variance: with models, also measure the ratio variance by response length (variance.md,
+    .json, .png)."""
     from gspo.trainer import train
 
     out = Path(out_dir)
@@ -197,11 +209,11 @@ def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir:
     t0 = time.time()
     results: dict[str, dict] = {}
     for (name, seed), cfg in cfgs.items():
-        run = Path(cfg.output_dir)
+        run = Path(cfg.run.output_dir)
         if (run / "summary.json").exists():
             log(f"[compare] {name} seed {seed}: already done, reusing {run}")
         else:
-            log(f"[compare] {name} seed {seed}: training ({cfg.algorithm}, {cfg.steps} steps)")
+            log(f"[compare] {name} seed {seed}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
             resume = run if ckpt.latest_checkpoint(run) is not None else None
             train(cfg, resume=resume, log=log)
         results.setdefault(name, {})[seed] = summarise(run)
@@ -213,12 +225,12 @@ def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir:
                for k in keys}
         report[name] = {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
-    if variance_models and not (out / "variance.json").exists():
+    if variance.models and not (out / "variance.json").exists():
         from gspo.variance import ratio_variance, write_variance
 
-        log(f"[compare] ratio variance by response length: {', '.join(variance_models)}")
-        write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=variance_responses, log=log)
-                        for m in variance_models], out)
+        log(f"[compare] ratio variance by response length: {', '.join(variance.models)}")
+        write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=variance.responses, log=log)
+                        for m in variance.models], out)
     _plots(out, names, seeds)
     _report_md(out, base, report, seeds, time.time() - t0)
     return report
@@ -267,8 +279,8 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
     lines = [
         "# gspo compare",
         "",
-        f"Model `{base.model or 'the task default'}`, task `{base.dataset or base.task}`, {base.steps} steps of {base.prompts_per_step} "
-        f"prompts x {base.group_size} completions, {base.num_minibatches} minibatches per rollout, seeds "
+        f"Model `{base.policy.model or 'the task default'}`, task `{base.data.dataset or base.data.task}`, "
+        f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, {base.loss.num_minibatches} minibatches per rollout, seeds "
         f"{', '.join(map(str, seeds))}; {seconds / 60:.1f} minutes in all.",
         "",
         "| configuration | held-out accuracy (before -> best -> after) | mean clip/frac | mean moe/drift | "

@@ -1,95 +1,29 @@
-"""Configuration values as they arrive: type checks (pydantic) and YAML files.
+"""Configuration files and flags as they arrive: YAML files, unknown flags, flag values.
 
-    from gspo.configfile import check_value, load_yaml
-    check_value("steps", "2", "steps")        # ConfigError: steps: expected an integer, got '2'
-    cfg = load_yaml("run.yaml")               # a TrainConfig; keys are field names
+    from gspo.configfile import load_yaml
+    cfg = load_yaml("run.yaml")               # a TrainConfig; keys are option names
 
-Every value is checked against its TrainConfig field's annotation by pydantic, strictly
-(`steps="2"` is an error, not 2): lists become tuples, a single value for a list option a
-1-tuple, an int for a float field a float. YAML is read with YAML 1.2's numbers (`1e-5` is a
-float; YAML 1.1 reads it as a string). The CLI's flags are tyro's; this is what YAML files
-and the Python API go through (gspo.config.resolve). A YAML key may be TRL's name for an
-option (`num_generations: 8`, gspo.aliases); an unknown one gets a did-you-mean, as an unknown
-flag does (`unknown_flag`), and a flag whose value is not a number names the flag
-(`flag_value_error`). `in_memory` / `eval_names`: the placeholders a run trained from Python
-on objects records (`<train_dataset>`), and what `gspo eval` of it needs instead.
+A YAML key may be TRL's name for an option (`num_generations: 8`, gspo.aliases); an unknown
+one gets a did-you-mean, as an unknown flag does (`unknown_flag`), and a flag whose value is
+not a number names the flag (`flag_value_error`). Values are checked by gspo.checks.
+`in_memory` / `eval_names`: the placeholders a run trained from Python on objects records
+(`<train_dataset>`), and what `gspo eval` of it needs instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import re
 import typing
 from pathlib import Path
 
 import yaml
 
-from gspo import config as _config
-
-ConfigError = _config.ConfigError
-
-
-@functools.cache
-def _hint(name: str):
-    return typing.get_type_hints(_config.TrainConfig)[name]
+from gspo.aliases import did_you_mean as trl_did_you_mean, is_trl, to_gspo
+from gspo.checks import did_you_mean, yaml_value
+from gspo.config import SECTION_OF, ConfigError, TrainConfig, option_types
 
 
-@functools.cache
-def _adapter(name: str):
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(_hint(name))
-
-
-_PHRASES = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true or false",
-            "string_type": "expected a string", "tuple_type": "expected a list"}
-
-
-def check_value(name: str, value, where: str):
-    """`value` checked against field `name`'s type (pydantic, strict) and returned converted:
-    a list for a tuple field becomes a tuple (a single value, a 1-tuple), an int for a float
-    field a float. Raises ConfigError naming `where`."""
-    from pydantic import ValidationError
-
-    hint = _hint(name)
-    if "tuple" in str(hint):
-        if isinstance(value, list):
-            value = tuple(value)
-        elif "..." in str(hint) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            value = (value,)  # one value for a list option
-    try:
-        return _adapter(name).validate_python(value, strict=True)
-    except ValidationError as e:
-        err = e.errors()[0]
-        if err["type"] == "literal_error":
-            choices = re.findall(r"'([^']*)'", err["ctx"]["expected"])  # "'gspo', 'grpo' or 'ppo'"
-            msg = f"expected one of {', '.join(choices)}"
-        elif typing.get_origin(hint) is tuple and Ellipsis not in typing.get_args(hint) and \
-                len(value if isinstance(value, tuple) else ()) != len(typing.get_args(hint)):
-            msg = f"expected a list of {len(typing.get_args(hint))} values"
-        else:
-            msg = _PHRASES.get(err["type"], err["msg"])
-        raise ConfigError(f"{where}: {msg}, got {value!r}") from None
-
-
-def yaml_value(text: str):
-    """A value written in YAML (`3e-4`, `true`, `[a, b]`), as a config file would give it."""
-    return yaml.load(text, Loader=_Loader)
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML with 1.2's numbers: `1e-5` is a float (YAML 1.1 reads it as a string)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"))
-
-
-def load_yaml(path: str | Path, base: _config.TrainConfig | None = None) -> _config.TrainConfig:
+def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
     """A TrainConfig from a YAML mapping of field names to values, over `base` (or the defaults)."""
     path = Path(path)
     if not path.is_file():
@@ -104,39 +38,31 @@ def load_yaml(path: str | Path, base: _config.TrainConfig | None = None) -> _con
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of option names to values, got {type(data).__name__}")
-    from gspo.aliases import did_you_mean, is_trl, to_gspo
-
-    fields = {f.name for f in dataclasses.fields(_config.TrainConfig)}
     for key in data:
         name = str(key).replace("-", "_")
-        if name not in fields and not is_trl(name):
-            raise ConfigError(f"{path}: unknown option {key!r}{did_you_mean(name)}")
+        if name not in SECTION_OF and not is_trl(name):
+            raise ConfigError(f"{path}: unknown option {key!r}{trl_did_you_mean(name)}")
     try:
         values = to_gspo(data)  # TRL's names (num_generations: 8) mapped to gspo's (gspo.aliases)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
-    return dataclasses.replace(base or _config.TrainConfig(), **values)
-
-
-def did_you_mean(name: str, candidates, shown=str) -> str:
-    """'; did you mean steps?' when `name` is close to one of `candidates`, else ''.
-
-    >>> did_you_mean("step", ["steps", "seed"]), did_you_mean("xyz", ["steps"])
-    ('; did you mean steps?', '')
-    """
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {shown(close[0])}?" if close else ""
+    return dataclasses.replace(base or TrainConfig(), **values)
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _hints(cls) -> dict:
+    """Option name -> type of a command's dataclass (TrainConfig: its options, across sections)."""
+    return option_types() if cls is TrainConfig else typing.get_type_hints(cls)
+
+
 def unknown_flag(cls, args: list[str], extra=()) -> str | None:
     """'unknown option --step; did you mean --steps?' for the first flag in `args` that is no
     field of the dataclass `cls` (nor `--no-FIELD` of a bool field), else None. `extra`: more
     names to suggest (TRL's)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     known = set(hints) | {"no_" + n for n, h in hints.items() if h is bool}
     for a in args:
         if a.startswith("--") and len(a) > 2:
@@ -149,7 +75,7 @@ def unknown_flag(cls, args: list[str], extra=()) -> str | None:
 def flag_value_error(cls, flag: str, args: list[str]) -> str | None:
     """"--steps: expected an integer, got 'five'" for a value tyro could not parse as the
     number (or numbers) that field `flag` of dataclass `cls` holds; None for other types."""
-    expected = _expected(typing.get_type_hints(cls).get(flag[2:].replace("-", "_")))
+    expected = _expected(_hints(cls).get(flag[2:].replace("-", "_")))
     at = [i for i, a in enumerate(args) if a.partition("=")[0].replace("_", "-") == flag]
     if expected is None or not at:
         return None
@@ -180,8 +106,8 @@ def in_memory(cfg) -> dict[str, str]:
         return isinstance(v, str) and v.startswith("<") and v.endswith(">")
 
     out = {name: getattr(cfg, name) for name in ("model", "dataset", "eval_dataset", "env") if held(getattr(cfg, name))}
-    if any(held(r) for r in cfg.reward):
-        out["reward"] = ", ".join(r for r in cfg.reward if held(r))
+    if any(held(r) for r in cfg.rewards.reward):
+        out["reward"] = ", ".join(r for r in cfg.rewards.reward if held(r))
     return out
 
 

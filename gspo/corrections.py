@@ -3,10 +3,12 @@
 An inference engine (vLLM, a bf16 copy of the policy, a stale policy) samples from π_rollout,
 not from the π_θold the trainer recomputes; the ratio r_t = π_θ/π_θold then corrects for the
 updates but not for that gap. These weights do, per token or per response, before the loss is
-aggregated (`gspo.losses.policy_loss(..., is_weights=w)`):
+aggregated (`gspo.losses.policy_loss(..., is_weights=w)`); the options are the Corrections
+section's (`cfg.corrections`):
 
     from gspo.losses import rollout_is_weights
-    w, metrics = rollout_is_weights(old_logp, rollout_logp, mask, level="token", mode="truncate", high=2.0)
+    from gspo.config import Corrections
+    w, metrics = rollout_is_weights(old_logp, rollout_logp, mask, Corrections(rollout_is="token", rollout_is_high=2.0))
 
 With d_t = old_logp_t - rollout_logp_t (the log of π_θold/π_rollout per token):
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from gspo.metrics import Max, Mean
+from gspo.config import Corrections
 
 Tensor = torch.Tensor
 
@@ -54,15 +57,20 @@ def _response_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, *, level: str, mode: str,
-                       low: float = 0.5, high: float = 2.0) -> tuple[Tensor, dict[str, float]]:
+def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
+                       corrections: Corrections) -> tuple[Tensor, dict[str, float]]:
     """Detached importance weights π_θold/π_rollout, truncated or masked, `(B, T)` with 0 on padding.
+
+    The section's options: `rollout_is` is the level (token, sequence or geometric; "off" is
+    refused), `rollout_is_mode` the mode, `rollout_is_low`/`rollout_is_high` the bounds.
 
     Metrics (each says how it averages, gspo.metrics): `is/truncated_frac` (truncate) or
     `is/masked_frac` (mask), the fraction of tokens (token level) or responses (sequence and
     geometric levels) the bound changed; `is/weight_mean` over completion tokens and
     `is/weight_max`, of the weights applied.
     """
+    level, mode = corrections.rollout_is, corrections.rollout_is_mode
+    low, high = corrections.rollout_is_low, corrections.rollout_is_high
     _check(level, mode, low, high, [tuple(old_logp.shape), tuple(rollout_logp.shape), tuple(mask.shape)])
     mask = mask.to(old_logp.dtype)
     d = (old_logp - rollout_logp) * mask  # (B, T) log π_old/π_rollout, 0 on padding

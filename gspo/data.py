@@ -1,8 +1,9 @@
 """Your own data: prompts (and reference answers) from files or the Hugging Face Hub, validated row by row.
 
     from gspo.data import load_dataset_task
-    task = load_dataset_task("train.jsonl", prompt_column="question", answer_column="solution")
-    task = load_dataset_task("openai/gsm8k", config="main", prompt_column="question", eval_split="test")
+    from gspo.config import Data
+    task = load_dataset_task("train.jsonl", Data(prompt_column="question", answer_column="solution"))
+    task = load_dataset_task("openai/gsm8k", Data(dataset_config="main", prompt_column="question", eval_split="test"))
 
 Formats, chosen by the path:
 
@@ -40,6 +41,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gspo.config import Data
 
 
 class DataError(ValueError):
@@ -327,14 +330,19 @@ def _records(data, split: str, config: str | None, name: str) -> list[tuple[str,
     return read_records(data, split if has_splits(data) else None, config)
 
 
-def load_dataset_task(path, *, prompt_column: str = "prompt", answer_column: str = "answer",
-                      split: str = "train", eval_path=None, eval_split: str | None = None,
-                      eval_size: int = 500, require_answer: bool = True, config: str | None = None) -> DatasetTask:
+def load_dataset_task(path, data: Data | None = None, *, eval_path=None, eval_size: int = 500,
+                      require_answer: bool = True) -> DatasetTask:
     """Read, validate and split a dataset; raises DataError on the first bad row.
 
-    path / eval_path: a file, a dataset directory, a Hub dataset id (with `config`), or in-memory
-    rows (a list of dicts, a datasets.Dataset, or a DatasetDict whose `split` / `eval_split` are used)."""
-    kw = dict(prompt_column=prompt_column, answer_column=answer_column, require_answer=require_answer)
+    path / eval_path: a file, a dataset directory, a Hub dataset id (with `data.dataset_config`),
+    or in-memory rows (a list of dicts, a datasets.Dataset, or a DatasetDict whose
+    `data.dataset_split` / `data.eval_split` are used). data (gspo.config.sections.Data, default Data()):
+    the columns, splits and Hub config; its `dataset` and `eval_dataset` are not read (`path`,
+    `eval_path` are). eval_size: the most rows held out for evaluation when there is no eval_path
+    or eval_split. require_answer: every row needs the answer column."""
+    data = data or Data()
+    split, eval_split, config = data.dataset_split, data.eval_split, data.dataset_config
+    kw = dict(prompt_column=data.prompt_column, answer_column=data.answer_column, require_answer=require_answer)
     notes: list[str] = []  # warnings, said once the run starts (not before an error)
     name = _name(path, config, "train_dataset")
     train = to_examples(_records(path, split, config, name), name, **kw)

@@ -1,7 +1,7 @@
 """Multi-turn episodes: the model and an environment take turns, token in, token out.
 
-    from gspo.episodes import run_episodes
-    ro, ep = run_episodes(sampler, tokenizer, examples, CalculatorEnv, params, max_turns=3)
+    from gspo.episodes import EpisodeSpec, run_episodes
+    ro, ep = run_episodes(sampler, tokenizer, examples, EpisodeSpec(CalculatorEnv, max_turns=3), params)
 
 `ro` is a gspo.rollout.Rollout whose completion is the whole episode after the prompt: the
 model's turns (completion_mask 1, the log-probs recorded while sampling) and, between them,
@@ -20,14 +20,14 @@ special tokens skipped, goes to its environment's `step`; the messages that come
 rendered by the chat template (gspo.env.observation_text) and appended as tokens, and the
 next turn starts after them. An episode ends when the environment says done, after
 `max_turns` model turns, or when its turn was cut by max_new_tokens or the episode's token
-budget (`max_tokens`, model and environment tokens after the prompt): then it is flagged
+budget (the spec's `max_tokens`, model and environment tokens after the prompt): then it is flagged
 truncated. One ended by `max_turns` (the environment not done) is not truncated, its last turn
 having ended, but is flagged `turn_limit`.
 
-Randomness: turn k of the step draws from its own generator (`generator_for(k)`) and each
-episode from its global row index (`rows`), so a run split across processes samples exactly
-what one process does. Every process samples the same number of turns (a process whose
-episodes have all ended samples a stand-in row): under FSDP, sampling gathers parameters
+Randomness (`Draws`): turn k of the step draws from its own generator (`generator_for(k)`) and
+each episode from its global row index (`rows`), so a run split across processes samples exactly
+what one process does. Every process samples the same number of turns (with `dist`, a process
+whose episodes have all ended samples a stand-in row): under FSDP, sampling gathers parameters
 collectively.
 
 The environments' steps of a turn run one after another, or up to the class's `concurrency`
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,51 @@ from gspo.env import EnvError, Step, observation_text, tool_schemas
 from gspo.rollout import Rollout, SamplingParams, cut_at_stop_strings, encode_prompts
 
 Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What an episode is: its environment and its limits (evaluation's single-turn rows use the
+    same prompt limit and stop strings, with `env` None).
+
+    env: the environment class (gspo.env); None: single-turn. max_turns: model turns at most.
+    max_tokens: the episode's token budget after the prompt, model and environment tokens
+    together (0: none). stop_strings: a model turn is cut after the first. max_prompt_length:
+    prompts keep their last this many tokens (0: no limit)."""
+
+    env: type | None = None
+    max_turns: int = 1
+    max_tokens: int = 0
+    stop_strings: tuple[str, ...] = ()
+    max_prompt_length: int = 0
+
+    @classmethod
+    def from_config(cls, cfg, env, max_turns: int) -> EpisodeSpec:
+        """A run's spec: `env` and `max_turns` as resolved (gspo.run.episode_env), the limits from
+        the config's sections (episodes.max_episode_tokens, sampling.stop_string, data.max_prompt_length)."""
+        return cls(env, max_turns, cfg.episodes.max_episode_tokens, cfg.sampling.stop_string,
+                   cfg.data.max_prompt_length)
+
+
+@dataclass(frozen=True)
+class Draws:
+    """How this process draws its episodes (module docstring, Randomness): `generator_for(turn)`
+    the generator of each turn; `rows` (offset, total): these are rows offset... of `total` across
+    processes (None: all of them); `dist` (gspo.distributed.Dist): every process samples every turn."""
+
+    generator_for: Callable[[int], torch.Generator | None] = lambda turn: None
+    rows: tuple[int, int] | None = None
+    dist: object = None
+
+
+@dataclass(frozen=True)
+class _Turns:
+    """What every turn of a run_episodes call reads."""
+
+    spec: EpisodeSpec
+    params: SamplingParams
+    tokenizer: object
+    tools: list
 
 
 @dataclass
@@ -92,41 +138,40 @@ class _Row:
         return [t for seg in self.segments for t in seg[0]]
 
 
-def run_episodes(sampler, tokenizer, examples: list, env_cls, params: SamplingParams, *, max_turns: int,
-                 max_tokens: int = 0, generator_for=lambda turn: None, rows: tuple[int, int] | None = None,
-                 stop_strings: tuple[str, ...] = (), max_prompt_length: int = 0, dist=None) -> tuple[Rollout, Episodes]:
-    """`params.group_size` episodes of up to `max_turns` model turns per example (module
-    docstring); rows (offset, total): these are rows offset... of `total` across processes."""
-    G = params.group_size
+def run_episodes(sampler, tokenizer, examples: list, spec: EpisodeSpec, params: SamplingParams,
+                 draws: Draws = Draws()) -> tuple[Rollout, Episodes]:
+    """`params.group_size` episodes of up to `spec.max_turns` model turns per example with an
+    environment `spec.env` (module docstring); `draws`: this process's generators and rows."""
+    G, env_cls = params.group_size, spec.env
     B = len(examples) * G
-    offset, total = rows or (0, B)
+    offset, total = draws.rows or (0, B)
     envs = [start_env(env_cls, examples[b // G]) for b in range(B)]
     tools = tool_schemas(list(getattr(env_cls, "tools", None) or []))
-    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], max_prompt_length, tools)
+    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], spec.max_prompt_length, tools)
     state = [_Row() for _ in range(B)]
+    at = _Turns(spec, params, tokenizer, tools)
     first = None
-    for turn in range(max_turns):
+    for turn in range(spec.max_turns):
         active = [b for b in range(B) if not state[b].done]
-        if (dist.max_int(len(active)) if dist is not None else len(active)) == 0:
+        if (draws.dist.max_int(len(active)) if draws.dist is not None else len(active)) == 0:
             break
         if turn == 0:
-            ro = first = sampler.sample(prompts, params, generator=generator_for(0), rows=(offset, total))
+            ro = first = sampler.sample(prompts, params, generator=draws.generator_for(0), rows=(offset, total))
             live = list(range(B))
         else:
             live = active or [0]  # a stand-in row (its result unused): every process samples every turn
-            room = max(1, *(_room(state[b], params.max_new_tokens, max_tokens) for b in live))
+            room = max(1, *(_room(state[b], params.max_new_tokens, spec.max_tokens) for b in live))
             ro = sampler.sample([prompts[b // G] + state[b].ids() for b in live],
                                 dataclasses.replace(params, group_size=1, max_new_tokens=room),
-                                generator=generator_for(turn), rows=(torch.tensor([offset + b for b in live]), total))
-        ro = cut_at_stop_strings(ro, tokenizer, stop_strings)
-        texts = {b: _model_turn(state[b], ro, j, turn, params, max_tokens, tokenizer)
-                 for j, b in enumerate(live) if not state[b].done}
+                                generator=draws.generator_for(turn),
+                                rows=(torch.tensor([offset + b for b in live]), total))
+        ro = cut_at_stop_strings(ro, tokenizer, spec.stop_strings)
+        texts = {b: _model_turn(state[b], ro, j, turn, at) for j, b in enumerate(live) if not state[b].done}
         asked = [b for b, text in texts.items() if text is not None]  # the turns that ended reach the env
         steps = run_steps([envs[b] for b in asked], [texts[b] for b in asked],
                           [examples[b // G].source for b in asked], getattr(env_cls, "concurrency", 1))
         for b, step in zip(asked, steps):
-            _env_turn(state[b], step, turn, tokenizer=tokenizer, tools=tools, params=params, max_turns=max_turns,
-                      max_tokens=max_tokens)
+            _env_turn(state[b], step, turn, at)
     return _assemble(first, state, tokenizer, G)
 
 
@@ -145,11 +190,10 @@ def _room(row: _Row, max_new_tokens: int, max_tokens: int) -> int:
     return min(max_new_tokens, max_tokens - row.used) if max_tokens > 0 else max_new_tokens
 
 
-def _model_turn(row: _Row, ro: Rollout, j: int, turn: int, params: SamplingParams, max_tokens: int,
-                tokenizer) -> str | None:
+def _model_turn(row: _Row, ro: Rollout, j: int, turn: int, at: _Turns) -> str | None:
     """Row j of this turn's rollout becomes the episode's next model turn: its text for the
     environment, or None when the turn did not end (cut by a budget: the episode is truncated)."""
-    n = min(int(ro.lengths[j]), _room(row, params.max_new_tokens, max_tokens))
+    n = min(int(ro.lengths[j]), _room(row, at.params.max_new_tokens, at.spec.max_tokens))
     ids, logp = ro.completion_ids[j, :n].tolist(), ro.logp[j, :n].tolist()
     row.segments.append((ids, logp, turn))
     row.used += n
@@ -158,20 +202,20 @@ def _model_turn(row: _Row, ro: Rollout, j: int, turn: int, params: SamplingParam
         row.rewards.append(0.0)
         row.done = row.truncated = True
         return None
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return at.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _env_turn(row: _Row, step: Step, turn: int, *, tokenizer, tools, params: SamplingParams, max_turns: int,
-              max_tokens: int) -> None:
+def _env_turn(row: _Row, step: Step, turn: int, at: _Turns) -> None:
     """The environment's answer to the episode's last model turn, appended as its tokens."""
     row.rewards.append(float(step.reward))
     row.calls, row.errors = row.calls + step.tool_calls, row.errors + step.tool_errors
-    if step.done or turn == max_turns - 1:
+    if step.done or turn == at.spec.max_turns - 1:
         row.done, row.turn_limit = True, not step.done
         return
-    ids = row.final
-    stopped = tokenizer.decode(ids[-1:]) if ids and ids[-1] in params.stop_token_ids else None
-    obs = tokenizer(observation_text(tokenizer, step.messages, tools, stopped), add_special_tokens=False)["input_ids"]
+    ids, tokenizer, max_tokens = row.final, at.tokenizer, at.spec.max_tokens
+    stopped = tokenizer.decode(ids[-1:]) if ids and ids[-1] in at.params.stop_token_ids else None
+    text = observation_text(tokenizer, step.messages, at.tools, stopped)
+    obs = tokenizer(text, add_special_tokens=False)["input_ids"]
     if max_tokens > 0 and row.used + len(obs) >= max_tokens:  # no room left for the next turn
         row.done = row.truncated = True
         return

@@ -1,8 +1,9 @@
 """Held-out evaluation: greedy accuracy (and pass@k) on a task's evaluation rows.
 
-    from gspo.evaluation import evaluate
-    evaluate(model, tokenizer, task, rewards, n=500)        # {"accuracy": 0.62, "reward": 0.62, "n": 500}
-    evaluate(model, tokenizer, task, rewards, n=500, k=8)   # adds "pass@8" and "sample_accuracy"
+    from gspo.evaluation import EvalOptions, evaluate
+    evaluate(model, tokenizer, task, rewards, EvalOptions(n=500))        # {"accuracy": 0.62, "reward": 0.62, "n": 500}
+    evaluate(model, tokenizer, task, rewards, EvalOptions(n=500, k=8))   # adds "pass@8" and "sample_accuracy"
+    evaluate(model, tokenizer, task, rewards, EvalOptions(episode=EpisodeSpec(CalculatorEnv, max_turns=3)))
 
 `accuracy` is the mean of the *first* reward over greedy completions (for a 0/1 verifier, the
 fraction answered correctly; `binary` says whether every value was 0 or 1, `metric` names the
@@ -18,49 +19,69 @@ samples it scored.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from gspo.episodes import run_episodes
+from gspo.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.rewards import Reward, TrainerState, score_completions
 from gspo.rollout import (PolicySampler, cut_at_stop_strings, decode_completions, encode_prompts, generate,
                           sampling_params, stop_token_ids)
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """How an evaluation runs.
+
+    n: evaluation rows (the task's first n). k: pass@k samples per row (0: greedy only), drawn at
+    `temperature` from a CPU generator seeded with `seed` whatever the model's device (the
+    sampler draws its uniforms on the CPU). max_new_tokens: longest completion (of each model
+    turn). batch_size: rows per generation. progress: a progress bar on a terminal. stop: the
+    stop token ids (default: the tokenizer's EOS and the model's generation config's,
+    `stop_token_ids`). episode (gspo.episodes.EpisodeSpec): the prompt limit and stop strings,
+    and with its `env` (an environment class, gspo.env) each row is an episode of up to
+    `max_turns` model turns, scored on its final model turn, its reward that score plus the
+    environment's turn rewards (gspo.trainer.score). trainer_state: what the rewards get as
+    `trainer_state` (a training run's progress)."""
+
+    n: int = 500
+    k: int = 0
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    batch_size: int = 128
+    seed: int = 0
+    progress: bool = False
+    stop: tuple[int, ...] | None = None
+    episode: EpisodeSpec = EpisodeSpec()
+    trainer_state: TrainerState | None = None
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: int = 0, temperature: float = 1.0,
-             max_new_tokens: int = 8, batch_size: int = 128, seed: int = 0, progress: bool = False,
-             dist=None, stop: tuple[int, ...] | None = None, max_prompt_length: int = 0,
-             stop_strings: tuple[str, ...] = (), env=None, max_turns: int = 1, max_episode_tokens: int = 0,
-             trainer_state: TrainerState | None = None) -> dict:
-    """dist (gspo.distributed.Dist): each process evaluates its contiguous share of the rows
-    and the sums are added up; every process returns the same result. stop: the stop token
-    ids (default: the tokenizer's EOS and the model's generation config's, `stop_token_ids`).
-    The pass@k samples draw from a CPU generator whatever the model's device (the sampler
-    draws its uniforms on the CPU). env: an environment class (gspo.env): each row is then an
-    episode of up to `max_turns` model turns (gspo.episodes), scored on its final model turn,
-    its reward that score plus the environment's turn rewards (gspo.trainer.score).
-    trainer_state: what the rewards get as `trainer_state` (a training run's progress)."""
+def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions = EvalOptions(),
+             dist=None) -> dict:
+    """Evaluate on the task's first `options.n` evaluation rows (module docstring; EvalOptions).
+    dist (gspo.distributed.Dist): each process evaluates its contiguous share of the rows and
+    the sums are added up; every process returns the same result."""
+    o = options
+    n, k, batch_size, trainer_state, episode = o.n, o.k, o.batch_size, o.trainer_state, o.episode
     all_examples = task.test_set(n)
     lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
     examples = all_examples[lo:hi]
     first = rewards[0].name
     sums = dict.fromkeys(("acc", "scored", "total", "env", "pass_k", "sample_acc", "sample_scored", "nonbinary"), 0.0)
-    gen = torch.Generator().manual_seed(seed)
-    stop = stop or stop_token_ids(tokenizer, model)
-    greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=max_new_tokens, temperature=0.0)
-    sampled = sampling_params(tokenizer, stop=stop, group_size=k, max_new_tokens=max_new_tokens,
-                              temperature=temperature)
+    gen = torch.Generator().manual_seed(o.seed)
+    stop = o.stop or stop_token_ids(tokenizer, model)
+    greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=o.max_new_tokens, temperature=0.0)
+    sampled = sampling_params(tokenizer, stop=stop, group_size=k, max_new_tokens=o.max_new_tokens,
+                              temperature=o.temperature)
     starts = range(0, len(examples), batch_size)
-    if progress and len(starts) > 1 and sys.stderr.isatty():
+    if o.progress and len(starts) > 1 and sys.stderr.isatty():
         from tqdm import tqdm
 
         starts = tqdm(starts, desc="gspo eval", unit="batch", leave=False)
     for start in starts:
         chunk = examples[start:start + batch_size]
-        episode = dict(env=env, max_turns=max_turns, max_tokens=max_episode_tokens, stop_strings=stop_strings,
-                       max_prompt_length=max_prompt_length)
-        texts, ids, env_reward = _complete(model, tokenizer, chunk, greedy, None, **episode)
+        texts, ids, env_reward = _complete(model, tokenizer, chunk, greedy, None, episode)
         weighted, per = score_completions(rewards, chunk, texts, ids, 1, trainer_state)
         values = [v for v in per[first] if v == v]  # None (NaN): the reward does not apply to that row
         sums["acc"] += sum(values)
@@ -69,7 +90,7 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
         sums["env"] += sum(env_reward)
         sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
-            texts, ids, _ = _complete(model, tokenizer, chunk, sampled, gen, **episode)
+            texts, ids, _ = _complete(model, tokenizer, chunk, sampled, gen, episode)
             _, per = score_completions(rewards, chunk, texts, ids, k, trainer_state)
             r = torch.tensor(per[first]).view(len(chunk), k)  # (rows, k); NaN where it does not apply
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
@@ -77,7 +98,7 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], *, n: int = 500, k: 
             sums["sample_scored"] += float((r == r).sum())
     if dist is not None and dist.enabled:
         sums = dict(zip(sums, dist.all_sum(torch.tensor(list(sums.values()), dtype=torch.float64)).tolist()))
-    return _result(sums, n=len(all_examples), k=k, metric=first, env=env is not None)
+    return _result(sums, n=len(all_examples), k=k, metric=first, env=episode.env is not None)
 
 
 def _result(sums: dict, *, n: int, k: int, metric: str, env: bool = False) -> dict:
@@ -92,17 +113,16 @@ def _result(sums: dict, *, n: int, k: int, metric: str, env: bool = False) -> di
     return out
 
 
-def _complete(model, tokenizer, examples, params, generator, *, env, max_turns: int, max_tokens: int,
-              stop_strings: tuple[str, ...], max_prompt_length: int) -> tuple[list[str], list[list[int]], list[float]]:
+def _complete(model, tokenizer, examples, params, generator,
+              episode: EpisodeSpec) -> tuple[list[str], list[list[int]], list[float]]:
     """The texts and token ids the rewards score, and the environment's reward of each: single-turn
-    completions (no environment: 0), or (env) the final model turn of each episode and the sum of
-    its turn rewards."""
-    if env is not None:
-        _, ep = run_episodes(PolicySampler(model), tokenizer, examples, env, params, max_turns=max_turns,
-                             max_tokens=max_tokens, generator_for=lambda turn: generator, stop_strings=stop_strings,
-                             max_prompt_length=max_prompt_length)
+    completions (no environment: 0), or (episode.env) the final model turn of each episode and
+    the sum of its turn rewards."""
+    if episode.env is not None:
+        _, ep = run_episodes(PolicySampler(model), tokenizer, examples, episode, params,
+                             Draws(generator_for=lambda turn: generator))
         return ep.final_texts, ep.final_ids, ep.env_reward.tolist()
-    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], max_prompt_length)
-    ro = cut_at_stop_strings(generate(model, prompts, params, generator=generator), tokenizer, stop_strings)
+    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], episode.max_prompt_length)
+    ro = cut_at_stop_strings(generate(model, prompts, params, generator=generator), tokenizer, episode.stop_strings)
     texts, ids = decode_completions(tokenizer, ro)
     return texts, ids, [0.0] * len(texts)

@@ -30,7 +30,7 @@ import os
 import re
 import shlex
 import shutil
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -39,7 +39,7 @@ import tyro
 import yaml
 
 from gspo import checkpoint as ckpt
-from gspo.config import TrainConfig, to_dict
+from gspo.config import TrainConfig, options, to_dict
 from gspo.configfile import load_yaml
 from gspo.models import BUILTIN_MODELS, DTYPES, unwrap
 
@@ -79,7 +79,7 @@ class Trained:
     stop_ids: tuple[int, ...]  # the run's stop tokens (gspo.rollout.stop_token_ids)
     evals: list[dict] = field(default_factory=list)  # held-out evaluations, {"step", "accuracy", "n", ...}
     run_dir: Path | None = None  # for an example prompt (samples.jsonl)
-    base_model: str | None = None  # the LoRA base, when it is not cfg.model (--base-model)
+    base_model: str | None = None  # the LoRA base, when it is not cfg.policy.model (--base-model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,12 +87,12 @@ class Trained:
 # ----------------------------------------------------------------------------------------------
 
 
-def export(source: str | Path, out: str | Path, *, step: int | None = None, dtype: str | None = None,
-           base_model: str | None = None, merge_lora: bool = True, repo_id: str | None = None) -> Path:
-    """Export a run directory's newest checkpoint (or `step`'s), or a checkpoint, to `out`
-    (see `write`). repo_id: the hub repository it is meant for (the model card names it)."""
-    path = find_checkpoint(Path(source), step)
-    target = dtype or load_yaml(path / "config.yaml").dtype
+def export(source: str | Path, out: str | Path, *, dtype: str | None = None, base_model: str | None = None,
+           merge_lora: bool = True, repo_id: str | None = None) -> Path:
+    """Export a run directory's newest checkpoint, or a checkpoint (a step's: find_checkpoint), to
+    `out` (see `write`). repo_id: the hub repository it is meant for (the model card names it)."""
+    path = find_checkpoint(Path(source))
+    target = dtype or load_yaml(path / "config.yaml").policy.dtype
     _check_out(Path(out))  # before loading anything
     return write(load_trained(path, dtype=target, base_model=base_model), out, dtype=target, merge_lora=merge_lora,
                  repo_id=repo_id)
@@ -103,7 +103,7 @@ def from_run(run) -> Trained | None:
     the policy is sharded (FSDP): the run's final checkpoint holds its gathered weights."""
     if run.dist.enabled and run.dist.parallel == "fsdp":
         return None
-    base = getattr(unwrap(run.policy).config, "name_or_path", None) if str(run.cfg.model).startswith("<") else None
+    base = getattr(unwrap(run.policy).config, "name_or_path", None) if str(run.cfg.policy.model).startswith("<") else None
     return Trained(run.policy, run.tokenizer, run.cfg, run.steps_done, run.stop_ids, list(run.evals), run.run_dir,
                    base or None)
 
@@ -129,25 +129,25 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path:
 def load_trained(path: Path, *, dtype: str, base_model: str | None = None) -> Trained:
     """A checkpoint's policy on the CPU: full weights in `dtype`; a LoRA adapter on its base in
     float32 (merged in float32, then cast once)."""
-    from gspo.models import load_policy
+    from gspo.models import AdapterLoad, load_policy
     from gspo.rollout import stop_token_ids
     from gspo.models import quiet_peft
 
     cfg = load_yaml(path / "config.yaml")
     adapter = (path / "adapter_config.json").exists()
-    if adapter and base_model is None and str(cfg.model).startswith("<"):
-        raise ExportError(f"{path}: a LoRA adapter of a run trained from a model object ({cfg.model}): its base "
+    if adapter and base_model is None and str(cfg.policy.model).startswith("<"):
+        raise ExportError(f"{path}: a LoRA adapter of a run trained from a model object ({cfg.policy.model}): its base "
                           "is not recorded; pass --base-model DIR|ID")
     with quiet_peft():  # the base at the run's --revision, as `gspo eval` loads it
         model, tokenizer = load_policy(str(path), dtype=torch.float32 if adapter else DTYPES[dtype],
-                                       base_model=base_model if adapter else None, revision=cfg.revision)
+                                       revision=cfg.policy.revision, adapter=AdapterLoad(base_model))
     state = ckpt.load_trainer_state(path)
     run_dir = path.parent.parent if (path.parent.parent / "config.yaml").exists() else None
     summary = run_dir / "summary.json" if run_dir is not None else None
     evals = json.loads(summary.read_text()).get("evals", []) if summary and summary.exists() else []
     if not any(e.get("step") == state["step"] for e in evals):  # a summary of a longer (resumed) run, or none
         evals = state.get("evals", [])
-    return Trained(model, tokenizer, cfg, state["step"], stop_token_ids(tokenizer, model, cfg.stop_token),
+    return Trained(model, tokenizer, cfg, state["step"], stop_token_ids(tokenizer, model, cfg.sampling.stop_token),
                    evals, run_dir, base_model if adapter else None)
 
 
@@ -170,7 +170,7 @@ def write(trained: Trained, out: str | Path, *, dtype: str | None = None, merge_
     it is (the export works on a CPU copy); otherwise it is merged and cast in place.
     """
     out = Path(out)
-    name = dtype or trained.cfg.dtype
+    name = dtype or trained.cfg.policy.dtype
     if name not in DTYPES:
         raise ExportError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
     _check_out(out)
@@ -263,20 +263,20 @@ def hub_id(name: str | None) -> str | None:
 def model_card(t: Trained, *, dtype: str, merged: bool, where: str) -> str:
     """README.md: hub metadata, then what was trained on what, the held-out results, the
     equivalent `gspo train` command and configuration, and how to load it."""
-    cfg, base = t.cfg, t.base_model or t.cfg.model
-    tags = list(dict.fromkeys(["gspo", "reinforcement-learning", cfg.algorithm.replace("_", "-")]))
+    cfg, base = t.cfg, t.base_model or t.cfg.policy.model
+    tags = list(dict.fromkeys(["gspo", "reinforcement-learning", cfg.loss.algorithm.replace("_", "-")]))
     meta = {"library_name": "transformers" if merged else "peft", "tags": tags}
     if hub_id(base):  # the hub accepts only hub ids here
         meta = {"base_model": hub_id(base), **meta}
-    if hub_id(cfg.dataset):
-        meta["datasets"] = [hub_id(cfg.dataset)]
-    data = f"the dataset `{cfg.dataset}`" if cfg.dataset else f"gspo's built-in `{cfg.task}` task"
-    what = "merged LoRA" if merged and cfg.lora_r else "LoRA adapter" if not merged else "full"
+    if hub_id(cfg.data.dataset):
+        meta["datasets"] = [hub_id(cfg.data.dataset)]
+    data = f"the dataset `{cfg.data.dataset}`" if cfg.data.dataset else f"gspo's built-in `{cfg.data.task}` task"
+    what = "merged LoRA" if merged and cfg.lora.lora_r else "LoRA adapter" if not merged else "full"
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
              f"# {where.rstrip('/').split('/')[-1]}", "",
-             f"`{base}` fine-tuned with {ALGORITHMS.get(cfg.algorithm, cfg.algorithm.upper())} by gspo "
+             f"`{base}` fine-tuned with {ALGORITHMS.get(cfg.loss.algorithm, cfg.loss.algorithm.upper())} by gspo "
              f"for {t.step} steps on {data} "
-             f"(rewards: {', '.join(cfg.reward) or 'the task default'}); {what} weights in {dtype}.", "",
+             f"(rewards: {', '.join(cfg.rewards.reward) or 'the task default'}); {what} weights in {dtype}.", "",
              *_results(t.evals, t.step), *_training(cfg), *_load_it(t, where, merged)]
     return "\n".join(lines) + "\n"
 
@@ -301,7 +301,7 @@ def train_command(cfg: TrainConfig) -> str:
     """The `gspo train` command that makes this configuration: every value that differs from
     the defaults (derived ones, like the clip range, included)."""
     default, parts = TrainConfig(), ["gspo", "train"]
-    for f in fields(TrainConfig):
+    for f in options():
         value = getattr(cfg, f.name)
         if f.name in _NOT_IN_COMMAND or value == getattr(default, f.name):  # (tuples in a resolved config)
             continue
@@ -316,10 +316,11 @@ def train_command(cfg: TrainConfig) -> str:
 
 
 def _training(cfg: TrainConfig) -> list[str]:
-    key = {"algorithm": cfg.algorithm, "learning rate": cfg.lr, "prompts per step x group size":
-           f"{cfg.prompts_per_step} x {cfg.group_size}", "clip range": f"({cfg.clip_low}, {cfg.clip_high})",
-           "loss aggregation": cfg.loss_agg, "max new tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-           "dtype": cfg.dtype, **({"LoRA r / alpha": f"{cfg.lora_r} / {cfg.lora_alpha}"} if cfg.lora_r else {})}
+    loss, smp, lora = cfg.loss, cfg.sampling, cfg.lora
+    key = {"algorithm": loss.algorithm, "learning rate": cfg.optim.lr, "prompts per step x group size":
+           f"{smp.prompts_per_step} x {smp.group_size}", "clip range": f"({loss.clip_low}, {loss.clip_high})",
+           "loss aggregation": loss.loss_agg, "max new tokens": smp.max_new_tokens, "temperature": smp.temperature,
+           "dtype": cfg.policy.dtype, **({"LoRA r / alpha": f"{lora.lora_r} / {lora.lora_alpha}"} if lora.lora_r else {})}
     config = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_COMMAND}
     return ["## Training", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in key.items()), "",
             "The equivalent command:", "", "```bash", train_command(cfg), "```", "",
@@ -341,14 +342,14 @@ def _load_it(t: Trained, where: str, merged: bool) -> list[str]:
     pkg, cls = ("transformers", "AutoModelForCausalLM") if merged else ("peft", "AutoPeftModelForCausalLM")
     lines = ["## Load it", "", "```python", f"from {pkg} import {cls}", "from transformers import AutoTokenizer", "",
              f"model = {cls}.from_pretrained({where!r})", f"tokenizer = AutoTokenizer.from_pretrained({where!r})",
-             _example(t.run_dir), f"out = model.generate(**inputs, max_new_tokens={t.cfg.max_new_tokens}, "
+             _example(t.run_dir), f"out = model.generate(**inputs, max_new_tokens={t.cfg.sampling.max_new_tokens}, "
              "do_sample=False)  # stops at the run's stop tokens",
              "print(tokenizer.decode(out[0, inputs[\"input_ids\"].shape[1]:], skip_special_tokens=True))", "```"]
     if merged:
         lines += ["", "With vLLM (its stop tokens come from `generation_config.json`):", "", "```bash",
                   f"vllm serve {where}", "```"]
-    if t.cfg.stop_string:
-        lines += ["", f"The run also ended completions at the strings {list(t.cfg.stop_string)!r}: pass "
+    if t.cfg.sampling.stop_string:
+        lines += ["", f"The run also ended completions at the strings {list(t.cfg.sampling.stop_string)!r}: pass "
                   "`stop_strings=` (transformers, with `tokenizer=`) or `stop=` (vLLM) to do the same."]
     return lines
 

@@ -18,13 +18,12 @@
 - **False starts**: a run that fails before its first step completes (a reward that raises, a
   logger that cannot start) removes the run directory it created, so the same command can
   simply be run again.
-- **What a resumed run may change** (`resume_config`: the options that cannot alter the steps
-  already taken), and absolute paths in a run's config, so it works from any directory.
+What a resumed run may change, and the absolute paths a run's config records, are
+gspo.resolve's (`resume_config`, `absolute_paths`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fcntl
 import os
 import shutil
@@ -33,7 +32,6 @@ import threading
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
-from gspo.config import ConfigError, TrainConfig, resolve
 
 
 class Interrupted(Exception):
@@ -133,48 +131,3 @@ class Guard:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
-
-
-# what --resume may change: none of it alters the steps already taken, so the resumed run stays
-# the run it was (a longer --steps with a decaying LR schedule stretches the schedule, though)
-SAFE_ON_RESUME = ("steps", "device", "threads", "progress", "report_to", "wandb_project", "save_every",
-                  "keep_checkpoints", "eval_every", "samples_per_step", "vllm_gpu_memory_utilization",
-                  "vllm_kv_cache_gib", "vllm_sleep", "reward_model_device", "reward_model_batch_size")
-
-
-def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfig:
-    """The configuration a resumed run continues with: `saved` (its config.yaml), with the
-    options of `changed` that differ from it, when they are safe to change (SAFE_ON_RESUME)."""
-    if changed is None:
-        return saved
-    new, old = absolute_paths(resolve(dataclasses.replace(changed, output_dir=saved.output_dir))), resolve(saved)
-    diff = [f.name for f in dataclasses.fields(TrainConfig) if getattr(new, f.name) != getattr(old, f.name)]
-    unsafe = [name for name in diff if name not in SAFE_ON_RESUME]
-    if unsafe:
-        flags = ", ".join("--" + n.replace("_", "-") for n in unsafe)
-        raise ConfigError(f"--resume: {flags} cannot change in a resumed run (the steps already taken used the saved "
-                          f"value); options that can: {', '.join('--' + n.replace('_', '-') for n in SAFE_ON_RESUME)}")
-    return dataclasses.replace(saved, **{name: getattr(new, name) for name in diff})
-
-
-def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Paths made absolute (model and data directories, reward files and reward-model
-    directories, the run directory), so a run directory and its checkpoints work from any
-    working directory. Hub ids and built-in names are left as they are (they are no paths)."""
-
-    def absolute(p):
-        return str(Path(p).expanduser().resolve()) if p is not None and Path(p).expanduser().exists() else p
-
-    def reward(r: str) -> str:
-        target, colon, attr = r.rpartition(":")
-        if colon and Path(target).exists():  # path/to/file.py:function
-            return f"{absolute(target)}:{attr}"
-        return absolute(r) if not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
-
-    rewards = tuple(reward(r) for r in cfg.reward)
-    out = str(Path(cfg.output_dir).expanduser().absolute()) if cfg.output_dir not in (None, "-") else cfg.output_dir
-    from gspo.models import BUILTIN_MODELS
-
-    model = cfg.model if cfg.model in BUILTIN_MODELS else absolute(cfg.model)
-    return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.dataset),
-                               eval_dataset=absolute(cfg.eval_dataset), reward=rewards, output_dir=out)

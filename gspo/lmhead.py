@@ -28,6 +28,8 @@ Left out: logit soft-capping and logit scaling (models with them use the full pa
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 Tensor = torch.Tensor
@@ -53,10 +55,19 @@ def compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return weight.dtype
 
 
+class _How(NamedTuple):
+    """What a chunked log-prob pass computes besides its tensors: the temperature, the compute
+    dtype and whether to return entropies."""
+
+    temperature: float
+    dtype: torch.dtype
+    entropy: bool
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float, dtype: torch.dtype,
-                entropy: bool):
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, how: _How):
+        temperature, dtype, entropy = how
         N, V = hidden.shape[0], weight.shape[0]
         step = chunk_tokens(V)
         keep = N * V * 4 <= SAVE_BYTES
@@ -114,15 +125,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_w = gz.T.to(acc) @ h.to(acc)  # (V, H)
                 else:
                     grad_w.addmm_(gz.T.to(acc), h.to(acc))
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0, *,
                      entropy: bool = False):
     """log softmax(hidden @ weight.T / τ)[targets] for (N, H) hidden and (V, H) weight: (N,).
     With `entropy`, also the entropy of each token's distribution, (N,) (no gradient)."""
-    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, float(temperature), compute_dtype(hidden, weight),
-                                       entropy)
+    how = _How(float(temperature), compute_dtype(hidden, weight), entropy)
+    logp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, how)
     return (logp, ent) if entropy else logp
 
 

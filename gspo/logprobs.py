@@ -2,7 +2,8 @@
 
     out = forward_logprobs(model, mb, temperature=1.0)            # LogProbs: logp (b, T) [, hidden, entropy]
     parts = micro_batches(ro, idx, budget=8192, packed=False)     # row groups within a token budget
-    logp, experts = token_logprobs(model, ro, temperature=1.0, budget=8192)   # no gradient, every row
+    logp, experts = token_logprobs(model, ro, temperature=1.0, split=Split(budget=8192))   # no gradient
+    for m in passes(ro, Split(budget=8192).groups(ro, idx), 8192): ...   # MicroBatch: idx, rollout, ps, ts
 
 Memory is bounded by a token budget, not by the batch. Every forward (and backward) runs on a
 micro-batch of rows whose padded size (rows × (longest prompt + longest completion) among
@@ -23,13 +24,16 @@ layout, so MoE models use padded micro-batches; the run says so).
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from gspo.lmhead import chunked_logprobs, fused_head
-from gspo.rollout import Rollout, position_ids_from_mask
+from gspo.moe import NO_ROUTING
+from gspo.sequences import Rollout, position_ids_from_mask
+
+# Rollout (gspo.rollout) is read here, never imported: this module stays below the samplers
 
 Tensor = torch.Tensor
 
@@ -50,7 +54,7 @@ def completion_logprobs(model, input_ids: Tensor, attention_mask: Tensor, comple
     without ever holding T × vocabulary logits. With `return_hidden`, also returns the final
     hidden state at those positions, (B, T, H) (for a shared value head).
     """
-    out = _padded(model, input_ids, attention_mask, completion_mask, temperature, hidden=return_hidden)
+    out = _padded(model, (input_ids, attention_mask, completion_mask), temperature, hidden=return_hidden)
     return (out.logp, out.hidden) if return_hidden else out.logp
 
 
@@ -60,12 +64,14 @@ def forward_logprobs(model, mb: Rollout, *, temperature: float, packed: bool = F
     zero row adds nothing), one forward pass, padded or packed."""
     if packed and fused_head(model) is not None:
         return _packed(model, mb, temperature, hidden=hidden, entropy=entropy)
-    return _padded(model, mb.input_ids, mb.attention_mask, mb.completion_mask, temperature, hidden=hidden,
+    return _padded(model, (mb.input_ids, mb.attention_mask, mb.completion_mask), temperature, hidden=hidden,
                    entropy=entropy)
 
 
-def _padded(model, input_ids: Tensor, attention_mask: Tensor, mask: Tensor, temperature: float, *,
-            hidden: bool = False, entropy: bool = False) -> LogProbs:
+def _padded(model, inputs: tuple[Tensor, Tensor, Tensor], temperature: float, *, hidden: bool = False,
+            entropy: bool = False) -> LogProbs:
+    """One padded forward; inputs: (input_ids (B, P+T), attention_mask (B, P+T), completion mask (B, T))."""
+    input_ids, attention_mask, mask = inputs
     B, T = mask.shape
     pos = position_ids_from_mask(attention_mask)  # (B, P+T)
     targets = input_ids[:, -T:]  # (B, T)
@@ -198,40 +204,87 @@ def trim(mb: Rollout) -> tuple[Rollout, slice, slice]:
     keep_t = max(1, int(mb.lengths.max())) if mb.lengths.numel() else T
     ps, ts = slice(P - keep_p, P), slice(0, keep_t)
     routing = None if mb.routing is None else torch.cat([mb.routing[:, ps], mb.routing[:, P:][:, ts]], 1)
-    out = Rollout(mb.prompt_ids[:, ps], mb.prompt_mask[:, ps], mb.completion_ids[:, ts], mb.completion_mask[:, ts],
-                  mb.logp[:, ts], mb.lengths, mb.truncated, mb.group_size, routing,
-                  None if mb.env_mask is None else mb.env_mask[:, ts])
+    out = dataclasses.replace(mb, prompt_ids=mb.prompt_ids[:, ps], prompt_mask=mb.prompt_mask[:, ps],
+                              completion_ids=mb.completion_ids[:, ts], completion_mask=mb.completion_mask[:, ts],
+                              logp=mb.logp[:, ts], routing=routing,
+                              env_mask=None if mb.env_mask is None else mb.env_mask[:, ts])
     return out, ps, ts
 
 
+@dataclass(frozen=True)
+class Split:
+    """How a pass splits rows into micro-batches: within `budget` tokens (padded, or real tokens
+    when `packed`), or, budget 0, into chunks of `rows` rows (0: all at once)."""
+
+    budget: int = 0
+    rows: int = 0
+    packed: bool = False
+
+    def groups(self, ro: Rollout, idx: Tensor) -> list[Tensor]:
+        """Rows `idx` in groups (`micro_batches`; budget 0: chunks of `rows`, in order)."""
+        if self.budget > 0 or len(idx) == 0:
+            return micro_batches(ro, idx, self.budget, self.packed)
+        return list(idx.split(self.rows or len(idx)))
+
+
+@dataclass
+class MicroBatch:
+    """One forward pass's rows: `idx` of the rollout, the rollout cut to them (and, within a
+    token budget, trimmed to the columns they use: prompt columns `ps`, completion columns
+    `ts`), and `live`, 0.0 for a zero-weight stand-in (an empty group runs row 0)."""
+
+    idx: Tensor
+    rollout: Rollout
+    ps: slice
+    ts: slice
+    live: float = 1.0
+
+
+def passes(ro: Rollout, groups: list[Tensor], budget: int):
+    """The micro-batches of row `groups` (from `Split.groups`), in order: what every pass runs
+    (old-policy, reference and critic passes, and the updates' forward and backward)."""
+    P, T = ro.prompt_ids.shape[1], ro.completion_ids.shape[1]
+    for idx in groups:
+        live = 1.0 if len(idx) else 0.0
+        idx = idx if len(idx) else torch.zeros(1, dtype=torch.long)  # a zero-weight stand-in row
+        mb, ps, ts = trim(ro.select(idx)) if budget > 0 else (ro.select(idx), slice(0, P), slice(0, T))
+        yield MicroBatch(idx, mb, ps, ts, live)
+
+
 @torch.no_grad()
-def token_logprobs(model, ro: Rollout, *, temperature: float, budget: int = 0, rows: int = 0, packed: bool = False,
-                   routing=None) -> tuple[Tensor, Tensor | None]:
+def token_logprobs(model, ro: Rollout, *, temperature: float, split: Split = Split(),
+                   routing=NO_ROUTING) -> tuple[Tensor, Tensor | None]:
     """log π of every sampled token under `model`, without gradient, in eval mode: (B, T),
-    in micro-batches of `budget` tokens (or, budget 0, of `rows` rows; 0: all at once). With
-    `routing` (MoE), also the experts every token used, (B, P+T, L, k), -1 where not fed."""
+    in the micro-batches of `split`. With `routing` (an MoE model's gspo.moe.Routing), also
+    the experts every token used, (B, P+T, L, k), -1 where not fed (None: a dense model)."""
     B, P = ro.prompt_ids.shape
     T = ro.completion_ids.shape[1]
     was_training = model.training
     model.eval()
-    all_rows = torch.arange(B)
-    groups = micro_batches(ro, all_rows, budget, packed) if budget > 0 else list(all_rows.split(rows or B))
     logp = experts = None
-    for idx in groups:
-        mb, ps, ts = trim(ro.select(idx)) if budget > 0 else (ro.select(idx), slice(0, P), slice(0, T))
-        with routing.capture() if routing is not None else contextlib.nullcontext() as cap:
-            out = forward_logprobs(model, mb, temperature=temperature, packed=packed and routing is None)
+    for m in passes(ro, split.groups(ro, torch.arange(B)), split.budget):
+        with routing.capture() as cap:
+            out = forward_logprobs(model, m.rollout, temperature=temperature, packed=split.packed and not routing.moe)
         if logp is None:
             logp = out.logp.new_zeros((B, T))  # (B, T) in the log-probs' dtype (float32, float64)
-        logp[idx, ts] = out.logp
-        if routing is not None:
-            got = cap.indices(*mb.input_ids.shape)  # (b, p+t, L, k)
-            if experts is None:
-                experts = torch.full((B, P + T, *got.shape[2:]), -1, dtype=got.dtype, device=got.device)
-            experts[idx, ps] = got[:, : ps.stop - ps.start]
-            experts[idx, P + ts.start:P + ts.stop] = got[:, ps.stop - ps.start:]
+        logp[m.idx, m.ts] = out.logp
+        experts = _place_experts(experts, cap.indices(*m.rollout.input_ids.shape), m, (B, P, T))
     model.train(was_training)
     return logp, experts
+
+
+def _place_experts(experts: Tensor | None, got: Tensor | None, m: MicroBatch, shape: tuple) -> Tensor | None:
+    """The experts a micro-batch used, `got` (b, p+t, L, k) (None: nothing recorded), put into
+    `experts` (B, P+T, L, k), made on the first call."""
+    if got is None:
+        return experts
+    B, P, T = shape
+    if experts is None:
+        experts = torch.full((B, P + T, *got.shape[2:]), -1, dtype=got.dtype, device=got.device)
+    ps, ts = m.ps, m.ts
+    experts[m.idx, ps] = got[:, : ps.stop - ps.start]
+    experts[m.idx, P + ts.start:P + ts.stop] = got[:, ps.stop - ps.start:]
+    return experts
 
 
 class TokenLogprobs(torch.nn.Module):

@@ -1,19 +1,22 @@
 """Policy losses by name: PPO, GRPO, GSPO, GSPO-token and the successors CISPO, SAPO and GMPO,
 their aggregation, KL estimators, and the sampler/trainer mismatch weights (gspo.corrections).
 
-Every loss is a pure function of `(B, T)` tensors plus explicit scalars. Nothing here reads a
-config object. The formulas follow the GSPO paper (Qwen team, arXiv 2507.18071); the equation
+Every loss is a pure function of `(B, T)` tensors and one section, gspo.config.sections.Loss (the
+loss's name, its clip range, aggregation, KL and SAPO's temperatures: `cfg.loss` of a resolved
+TrainConfig). The formulas follow the GSPO paper (Qwen team, arXiv 2507.18071); the equation
 numbers in the comments are the paper's.
 
     from gspo.losses import policy_loss
-    loss, metrics = policy_loss("gspo", logp, old_logp, adv, mask, clip_low=3e-4, clip_high=4e-4)
+    from gspo.config import Loss
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, Loss(algorithm="gspo", clip_low=3e-4, clip_high=4e-4))
 
 A loss is computed in two steps:
 
-1. `TOKEN_LOSSES[name]` gives a per-token loss `(B, T)` (for GSPO every token of a response
-   carries that response's single sequence-level term) together with the ratio that was
-   clipped and where its gradient was cut.
-2. `aggregate(per_token, mask, mode)` reduces it to a scalar. The mode is whatever the caller
+1. `LOSSES[name].fn(logp, old_logp, advantages, mask, loss)` (`register_loss`: the function with
+   its preset clip range and facts; adding a loss is one decorated function here) gives a
+   per-token loss `(B, T)` (for GSPO every token of a response carries that response's single
+   sequence-level term) together with the ratio that was clipped and where its gradient was cut.
+2. `aggregate(per_token, mask, mode)` (gspo.aggregation) reduces it to a scalar. The mode is whatever the caller
    asked for, for every loss; the default `"seq-mean-token-mean"` is the paper's weighting
    (Eq. 2 and Eq. 5: each response counts once, whatever its length).
 
@@ -23,13 +26,16 @@ token's log-prob) and the value loss, which lives with the critic (`gspo.value`)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from gspo.aggregation import AGG_MODES, agg_count, aggregate
 from gspo.corrections import apply_opsm, opsm_keep, rollout_is_weights
 from gspo.metrics import Max, Mean, Min
+from gspo.config import Loss
 
 Tensor = torch.Tensor
 
@@ -38,7 +44,6 @@ Tensor = torch.Tensor
 # exp() can never overflow to inf (which would then give inf * 0 = NaN in the masked sums).
 LOG_RATIO_CLAMP = 20.0
 
-AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
@@ -76,17 +81,34 @@ def _token_advantages(advantages: Tensor, mask: Tensor, name: str) -> Tensor:
     return advantages
 
 
-def token_level_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
-) -> TokenLoss:
-    """PPO (Eq. 1) and GRPO (Eq. 2): token ratios w_{i,t}, each token clipped on its own.
+@dataclass(frozen=True)
+class LossInfo:
+    """What gspo knows about a registered loss (`register_loss`)."""
 
-    w_{i,t} = π_θ(y_{i,t}|x, y_{i,<t}) / π_θold(y_{i,t}|x, y_{i,<t})
-    per-token term: min(w_{i,t} Â, clip(w_{i,t}, 1-ε_low, 1+ε_high) Â)
-    """
-    adv = _token_advantages(advantages, mask, "ppo/grpo")  # (B, T)
-    ratio = _safe_exp(logp - old_logp)  # (B, T)  w_{i,t}
-    return _clipped_surrogate(ratio, adv, clip_low, clip_high)
+    name: str
+    fn: Callable[..., TokenLoss]  # (logp, old_logp, advantages, mask, loss: gspo.config.sections.Loss)
+    summary: str  # one line for `gspo train --help`
+    clip_low: float  # the preset clip range (--clip-low / --clip-high when not given)
+    clip_high: float
+    log_space_clip: bool = False  # the clip range bounds log-ratios, not ratios (--clip-low may exceed 1)
+    turn_advantages: bool = False  # takes per-token advantages (B, T) (--turn-advantages)
+    group_advantages: bool = True  # advantages are relative to a group: --group-size >= 2 (PPO: a critic's)
+    gate: bool = False  # a soft gate, not a clip: the clip range is unused (SAPO's --sapo-tau-pos/--sapo-tau-neg)
+
+
+LOSSES: dict[str, LossInfo] = {}  # registered losses, by name, in registration order
+
+
+def register_loss(name: str, *, preset: tuple[float, float], summary: str, **facts):
+    """Register a per-token loss function under `name` with its facts (LossInfo's fields):
+    `--algorithm name` then runs it, with `preset` as its clip range. A function may be
+    registered under several names (PPO and GRPO share one)."""
+    def add(fn):
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is already registered")
+        LOSSES[name] = LossInfo(name, fn, summary, *preset, **facts)
+        return fn
+    return add
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
@@ -95,8 +117,9 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return ((logp - old_logp) * mask).sum(-1) / length  # (B,)
 
 
+@register_loss("gspo", preset=(3e-4, 4e-4), summary="sequence ratio s_i, one clipped term per response (paper Eq. 5)")
 def gspo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss
 ) -> TokenLoss:
     """GSPO (Eq. 5): one clipped term per response, with the length-normalised sequence ratio.
 
@@ -112,7 +135,7 @@ def gspo_loss(
             "use 'gspo_token' for per-token advantages"
         )
     ratio = _safe_exp(sequence_log_ratio(logp, old_logp, mask))  # (B,)  s_i
-    seq = _clipped_surrogate(ratio, advantages, clip_low, clip_high)  # fields (B,)
+    seq = _clipped_surrogate(ratio, advantages, loss.clip_low, loss.clip_high)  # fields (B,)
 
     def per_token(x: Tensor) -> Tensor:
         return x.unsqueeze(-1).expand_as(mask)  # (B,) -> (B, T)
@@ -120,8 +143,33 @@ def gspo_loss(
     return TokenLoss(per_token(seq.loss), per_token(seq.ratio), per_token(seq.clipped_low), per_token(seq.clipped_high))
 
 
+# Clip ranges: the paper's §5.1 for gspo and grpo; gspo_token shares GSPO's ranges because its
+# ratio has the same value s_i; ppo uses the classic symmetric 0.2. The successors follow their
+# papers: CISPO (MiniMax-M1) sets no lower bound on the IS weight (clip_low 1.0 -> 0) and tunes the
+# upper, 0.28 as verl/Trinity's defaults; GMPO clips log-ratios to [-0.4, 0.4] (its paper's
+# (e^-0.4, e^0.4)); SAPO clips nothing (its gate temperatures are --sapo-tau-pos/--sapo-tau-neg,
+# 1.0 and 1.05 as in its paper).
+@register_loss("ppo", preset=(0.2, 0.2), summary="token ratios with GAE advantages from a learned value model (Eq. 1)",
+               group_advantages=False)
+@register_loss("grpo", preset=(0.2, 0.27), summary="token ratios, each token clipped on its own (Eq. 2)",
+               turn_advantages=True)
+def token_level_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss
+) -> TokenLoss:
+    """PPO (Eq. 1) and GRPO (Eq. 2): token ratios w_{i,t}, each token clipped on its own.
+
+    w_{i,t} = π_θ(y_{i,t}|x, y_{i,<t}) / π_θold(y_{i,t}|x, y_{i,<t})
+    per-token term: min(w_{i,t} Â, clip(w_{i,t}, 1-ε_low, 1+ε_high) Â)
+    """
+    adv = _token_advantages(advantages, mask, "ppo/grpo")  # (B, T)
+    ratio = _safe_exp(logp - old_logp)  # (B, T)  w_{i,t}
+    return _clipped_surrogate(ratio, adv, loss.clip_low, loss.clip_high)
+
+
+@register_loss("gspo_token", preset=(3e-4, 4e-4), summary="GSPO's ratio per token, for per-token advantages (Eq. 13)",
+               turn_advantages=True)
 def gspo_token_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss
 ) -> TokenLoss:
     """GSPO-token (Eq. 13-14): GRPO's form with s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})].
 
@@ -133,11 +181,13 @@ def gspo_token_loss(
     # sg[s_i] · exp(logp - sg[logp]): the log is log s_i + (logp - sg[logp]), clamped as one
     log_ratio = log_s.unsqueeze(-1) + (logp - logp.detach())  # (B, T), value log s_i
     ratio = _safe_exp(log_ratio)  # (B, T)  s_{i,t}
-    return _clipped_surrogate(ratio, adv, clip_low, clip_high)
+    return _clipped_surrogate(ratio, adv, loss.clip_low, loss.clip_high)
 
 
+@register_loss("cispo", preset=(1.0, 0.28), turn_advantages=True,
+               summary="token ratios as detached, clipped weights of log π: no gradient is cut (MiniMax-M1)")
 def cispo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss
 ) -> TokenLoss:
     """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, never the gradient.
 
@@ -146,6 +196,7 @@ def cispo_loss(
     was truncated (whatever the advantage's sign), as no gradient is ever cut.
     """
     adv = _token_advantages(advantages, mask, "cispo")  # (B, T)
+    clip_low, clip_high = loss.clip_low, loss.clip_high
     ratio = _safe_exp(logp - old_logp)  # (B, T)  r_t
     weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)  # (B, T)  sg(clip(r_t))
     with torch.no_grad():
@@ -153,9 +204,10 @@ def cispo_loss(
     return TokenLoss(-weight * adv * logp, ratio, clipped_low, clipped_high)
 
 
+@register_loss("sapo", preset=(0.0, 0.0), turn_advantages=True, gate=True,
+               summary="token ratios through a soft sigmoid gate instead of a clip (Qwen SAPO)")
 def sapo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, tau_pos: float = 1.0,
-    tau_neg: float = 1.05, **_
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss
 ) -> TokenLoss:
     """SAPO (Qwen, soft adaptive policy optimisation, arXiv 2511.20347): a smooth gate instead of a clip.
 
@@ -165,14 +217,17 @@ def sapo_loss(
     """
     adv = _token_advantages(advantages, mask, "sapo")  # (B, T)
     ratio = _safe_exp(logp - old_logp)  # (B, T)  r_t
+    tau_pos, tau_neg = loss.sapo_tau_pos, loss.sapo_tau_neg
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # (B, T)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # (B, T)
     none = torch.zeros_like(mask, dtype=torch.bool)
     return TokenLoss(-gate * adv, ratio, none, none)
 
 
+@register_loss("gmpo", preset=(0.4, 0.4), log_space_clip=True,
+               summary="geometric mean of token ratios clipped in log space, one term per response (GMPO)")
 def gmpo_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *, clip_low: float, clip_high: float, **_
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss
 ) -> TokenLoss:
     """GMPO (geometric-mean policy optimisation, arXiv 2507.20673): the geometric mean of token
     ratios, each clipped in log space on the side the advantage's sign makes it matter.
@@ -183,6 +238,7 @@ def gmpo_loss(
     """
     if advantages.dim() != 1:
         raise ValueError(f"gmpo: advantages must be one per sequence, shape (B,), got {tuple(advantages.shape)}")
+    clip_low, clip_high = loss.clip_low, loss.clip_high
     sign = torch.sign(advantages).unsqueeze(-1)  # (B, 1)
     log_w = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T)  l_t
     m = sign * torch.minimum(sign * log_w, sign * log_w.clamp(-clip_low, clip_high))  # (B, T)
@@ -192,59 +248,24 @@ def gmpo_loss(
     with torch.no_grad():
         clipped_low = (log_w < -clip_low) & (sign < 0)  # (B, T)
         clipped_high = (log_w > clip_high) & (sign > 0)
-    loss = (-advantages * ratio).unsqueeze(-1).expand_as(mask)  # (B, T)
-    return TokenLoss(loss, seq_ratio.unsqueeze(-1).expand_as(mask), clipped_low, clipped_high)
+    per_token = (-advantages * ratio).unsqueeze(-1).expand_as(mask)  # (B, T)
+    return TokenLoss(per_token, seq_ratio.unsqueeze(-1).expand_as(mask), clipped_low, clipped_high)
 
 
-TOKEN_LOSSES: dict[str, Callable[..., TokenLoss]] = {
-    "ppo": token_level_loss,
-    "grpo": token_level_loss,
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "cispo": cispo_loss,
-    "sapo": sapo_loss,
-    "gmpo": gmpo_loss,
-}
+class _TokenLosses(Mapping):
+    """name -> per-token loss function: a live view of LOSSES (a loss registered later is in it)."""
+
+    def __getitem__(self, name: str) -> Callable[..., TokenLoss]:
+        return LOSSES[name].fn
+
+    def __iter__(self):
+        return iter(LOSSES)
+
+    def __len__(self) -> int:
+        return len(LOSSES)
 
 
-def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
-    """Reduce a per-token `(B, T)` tensor to a scalar over completion tokens.
-
-    - "seq-mean-token-mean": mean over responses of each response's token mean (the paper's
-      Eq. 2/5 weighting; each response counts once). Rows with no completion token are not
-      responses and are left out of the mean.
-    - "token-mean": sum over all completion tokens / number of completion tokens; a response
-      weighs in proportion to its length.
-    - "seq-mean-token-sum": mean over responses of each response's token sum; long responses
-      weigh more, in proportion to their length.
-    - "seq-mean-token-sum-norm" (Dr. GRPO): token sums divided by the constant `max_len`, then
-      the mean over responses; no length-dependent normaliser at all.
-    """
-    masked = values * mask  # (B, T)
-    count = agg_count(mask, mode).clamp(min=1)
-    if mode == "token-mean":
-        return masked.sum() / count
-    seq_len = mask.sum(-1)  # (B,)
-    if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / seq_len.clamp(min=1.0)  # (B,)
-    elif mode == "seq-mean-token-sum":
-        per_seq = masked.sum(-1)  # (B,)
-    else:
-        if max_len is None or max_len <= 0:
-            raise ValueError("aggregation 'seq-mean-token-sum-norm' needs max_len > 0 (the fixed generation length)")
-        per_seq = masked.sum(-1) / max_len  # (B,)
-    return per_seq.sum() / count
-
-
-def agg_count(mask: Tensor, mode: str) -> Tensor:
-    """What `aggregate` divides by: completion tokens ("token-mean") or responses with at least
-    one completion token (the seq-mean modes). Distributed training sums these over processes
-    to normalise by the global minibatch (gspo.distributed)."""
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
-    if mode == "token-mean":
-        return mask.sum()
-    return (mask.sum(-1) > 0).sum().to(mask.dtype)
+TOKEN_LOSSES: Mapping[str, Callable[..., TokenLoss]] = _TokenLosses()
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
@@ -271,54 +292,38 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
 
 
 def policy_loss(
-    name: str,
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float,
-    clip_high: float,
-    agg: str | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: Loss, *, ref_logp: Tensor | None = None,
+    is_weights: Tensor | None = None, rollout_logp: Tensor | None = None, opsm_delta: float | None = None,
     max_len: int | None = None,
-    ref_logp: Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
-    is_weights: Tensor | None = None,
-    rollout_logp: Tensor | None = None,
-    opsm_delta: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The clipped policy loss `name`, aggregated with `agg`, plus metrics.
+    """The clipped policy loss `loss.algorithm`, aggregated with `loss.loss_agg`, plus metrics.
 
     Args:
-        name: "ppo", "grpo", "gspo", "gspo_token", "cispo", "sapo" or "gmpo".
         logp, old_logp: (B, T) log π_θ (with gradient) and log π_θold of the sampled tokens.
         advantages: (B,) per response, or (B, T) per token (all but gspo and gmpo).
         mask: (B, T) 1.0 on completion tokens, 0.0 on padding.
-        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high] (gmpo: the log-ratio to [-low, high]).
-        agg: aggregation mode (see `aggregate`); None means "seq-mean-token-mean".
-        max_len: the fixed length for "seq-mean-token-sum-norm".
+        loss: the loss section (gspo.config.sections.Loss, `cfg.loss` of a resolved config); read here:
+            algorithm ("ppo", "grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo" or any
+            registered loss), clip_low/clip_high (the ratio is clipped to [1 - low, 1 + high];
+            gmpo: the log-ratio to [-low, high]; None is refused: resolve them first), loss_agg
+            (see `aggregate`), beta (the penalty β·KL is added per token before aggregation),
+            kl_estimator, sapo_tau_pos/sapo_tau_neg (SAPO's gate temperatures).
         ref_logp: (B, T) log π_ref for the KL penalty; required when beta > 0.
-        beta: KL coefficient; the penalty β·KL is added per token before aggregation.
-        kl_estimator: "k1", "k2" or "k3".
-        tau_pos, tau_neg: SAPO's gate temperatures where the advantage is > 0 and < 0.
         is_weights: (B, T) weights of the per-token policy loss (`rollout_is_weights`; not of the KL).
         rollout_logp, opsm_delta: the sampler's log-probs and off-policy sequence masking's δ
-            (`gspo.corrections.apply_opsm`; None: off).
+            (`cfg.corrections.opsm_delta`; gspo.corrections.apply_opsm; None: off).
+        max_len: the fixed length for "seq-mean-token-sum-norm" (`cfg.sampling.max_new_tokens`).
 
     Returns:
         loss: scalar to minimise (the negative of the objective, plus β·KL).
         metrics: floats (gspo.metrics.Mean/Min/Max, which say how each averages), see docs/metrics.md.
     """
-    _check_inputs(name, logp, old_logp, mask, clip_low=clip_low, clip_high=clip_high)
-    agg = agg or "seq-mean-token-mean"
+    _check_inputs(logp, old_logp, mask, loss)
+    agg = loss.loss_agg
     mask = mask.to(logp.dtype)
     old_logp = old_logp.detach()
     advantages = advantages.detach()
-    out = TOKEN_LOSSES[name](logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                             tau_pos=tau_pos, tau_neg=tau_neg)
+    out = LOSSES[loss.algorithm].fn(logp, old_logp, advantages, mask, loss)
     per_token = out.loss if is_weights is None else out.loss * is_weights.detach()  # (B, T)
     metrics: dict[str, float] = {}
     if opsm_delta is not None:
@@ -327,24 +332,35 @@ def policy_loss(
         per_token, metrics = apply_opsm(per_token, logp=logp.detach(), rollout_logp=rollout_logp,
                                         advantages=advantages, mask=mask, delta=opsm_delta)
     pg_loss = aggregate(per_token, mask, agg, max_len=max_len)
-    loss = pg_loss
     n_agg = float(agg_count(mask, agg))  # what the aggregated metrics average over
-    if beta != 0.0 or ref_logp is not None:
-        if ref_logp is None:
-            raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs")
-        kl = kl_penalty(logp, ref_logp.detach(), kl_estimator)  # (B, T)
-        kl_loss = aggregate(kl, mask, agg, max_len=max_len)
-        loss = pg_loss + beta * kl_loss
+    total, kl_loss = _with_kl(pg_loss, logp, ref_logp, mask, loss, max_len)
+    if kl_loss is not None:
         metrics["kl/ref"] = Mean(kl_loss.detach(), n_agg)
-        metrics["loss/kl"] = Mean(beta * kl_loss.detach(), n_agg)
+        metrics["loss/kl"] = Mean(loss.beta * kl_loss.detach(), n_agg)
     metrics.update(_ratio_metrics(out, logp, old_logp, mask))
     metrics["loss/policy"] = Mean(pg_loss.detach(), n_agg)
-    return loss, metrics
+    return total, metrics
 
 
-def _check_inputs(name: str, logp: Tensor, old_logp: Tensor, mask: Tensor, *, clip_low: float, clip_high: float) -> None:
-    if name not in TOKEN_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; valid losses: {', '.join(TOKEN_LOSSES)}")
+def _with_kl(pg_loss: Tensor, logp: Tensor, ref_logp: Tensor | None, mask: Tensor, loss: Loss,
+             max_len: int | None) -> tuple[Tensor, Tensor | None]:
+    """(pg_loss + β·KL, the aggregated KL), or (pg_loss, None) without a KL term (β = 0 and no ref_logp)."""
+    if loss.beta == 0.0 and ref_logp is None:
+        return pg_loss, None
+    if ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs")
+    kl = kl_penalty(logp, ref_logp.detach(), loss.kl_estimator)  # (B, T)
+    kl_loss = aggregate(kl, mask, loss.loss_agg, max_len=max_len)
+    return pg_loss + loss.beta * kl_loss, kl_loss
+
+
+def _check_inputs(logp: Tensor, old_logp: Tensor, mask: Tensor, loss: Loss) -> None:
+    if loss.algorithm not in LOSSES:
+        raise ValueError(f"unknown policy loss {loss.algorithm!r}; valid losses: {', '.join(LOSSES)}")
+    clip_low, clip_high = loss.clip_low, loss.clip_high
+    if clip_low is None or clip_high is None:
+        raise ValueError(f"clip_low and clip_high must be set (gspo.resolve fills the algorithm's preset), "
+                         f"got clip_low={clip_low}, clip_high={clip_high}")
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"clip ranges must be >= 0, got clip_low={clip_low}, clip_high={clip_high}")
     if not (logp.shape == old_logp.shape == mask.shape) or logp.dim() != 2:
@@ -378,5 +394,5 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
     }
 
 
-__all__ = ["AGG_MODES", "KL_ESTIMATORS", "TOKEN_LOSSES", "TokenLoss", "aggregate", "agg_count", "kl_penalty",
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "LOSSES", "LossInfo", "TOKEN_LOSSES", "register_loss", "TokenLoss", "aggregate", "agg_count", "kl_penalty",
            "apply_opsm", "opsm_keep", "policy_loss", "rollout_is_weights", "sequence_log_ratio"]

@@ -5,6 +5,7 @@
     model, tokenizer = load_policy("/path/to/hf/dir", dtype=torch.bfloat16)
     model, tokenizer = load_policy("Qwen/Qwen2.5-0.5B-Instruct", revision="main")   # a Hub id
     model, tokenizer = load_policy("runs/x/checkpoints/step-000060")   # full model or LoRA adapter
+    model, tokenizer = load_policy("runs/x/checkpoints/step-000060", adapter=AdapterLoad("my/base", trainable=True))
 
 The built-in models live in `gspo/assets/<name>/` as ordinary `save_pretrained` folders and
 are loaded with the same `from_pretrained` code as a user's model. They are produced by
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -248,15 +250,25 @@ def prepare_tokenizer(tokenizer, where: str):
     return tokenizer
 
 
+@dataclass(frozen=True)
+class AdapterLoad:
+    """How load_policy loads a LoRA adapter directory (ignored for a full model).
+
+    base_model: the base to load it onto (None: the adapter's recorded base_model_name_or_path,
+    at load_policy's `revision` or else its recorded revision). trainable: the adapter's weights
+    train (resuming a LoRA run), else they are frozen."""
+
+    base_model: str | None = None
+    trainable: bool = False
+
+
 def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                base_model: str | None = None, trainable_adapter: bool = False, revision: str | None = None,
-                with_tokenizer: bool = True):
+                revision: str | None = None, with_tokenizer: bool = True, adapter: AdapterLoad = AdapterLoad()):
     """Load a causal LM (or base model + LoRA adapter) and its tokenizer; returns (model, tokenizer).
 
     name_or_path: a built-in name, a directory, or a Hub id (at `revision`).
-    base_model: for an adapter directory, the base to load it onto (default: the adapter's
-    recorded base_model_name_or_path, at `revision` or else its recorded revision).
     with_tokenizer: False returns (model, None) (a tokenizer comes from elsewhere).
+    adapter: for an adapter directory, its base and whether it trains (AdapterLoad).
     """
     import transformers
     from transformers import AutoModelForCausalLM
@@ -266,8 +278,8 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device
     hub = is_hub_model(name_or_path)
     name = name_or_path if hub else str(path)
     if (path / "adapter_config.json").exists():
-        return _load_adapter(path, name, dtype=dtype, device=device, base_model=base_model,
-                             base_revision=None if hub else revision, trainable=trainable_adapter)
+        return _load_adapter(path, name, dtype=dtype, device=device, adapter=adapter,
+                             base_revision=None if hub else revision)
     check_causal_lm(path, name)
     tokenizer = load_tokenizer(path, name) if with_tokenizer else None
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
@@ -276,13 +288,12 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device
     return model, tokenizer
 
 
-def _load_adapter(path: Path, name: str, *, dtype, device, base_model: str | None, base_revision: str | None,
-                  trainable: bool):
+def _load_adapter(path: Path, name: str, *, dtype, device, adapter: AdapterLoad, base_revision: str | None):
     """A LoRA adapter directory onto its base model (a directory or Hub id); its tokenizer, or the base's."""
     PeftModel = _peft(f"model {name} (a LoRA adapter)").PeftModel
 
     recorded = json.loads((path / "adapter_config.json").read_text())
-    base_name = base_model or recorded.get("base_model_name_or_path")
+    base_name = adapter.base_model or recorded.get("base_model_name_or_path")
     if not base_name:
         raise ModelError(f"model {name}: LoRA adapter without a recorded base model; pass the base with --model")
     revision = base_revision or recorded.get("revision")
@@ -290,7 +301,7 @@ def _load_adapter(path: Path, name: str, *, dtype, device, base_model: str | Non
     own = any((path / f).exists() for f in TOKENIZER_FILES)
     tokenizer = load_tokenizer(path, name) if own else \
         load_tokenizer(resolve_model_path(base_name, revision=revision), base_name)
-    model = PeftModel.from_pretrained(base, path, is_trainable=trainable).to(device)
+    model = PeftModel.from_pretrained(base, path, is_trainable=adapter.trainable).to(device)
     return model, tokenizer
 
 

@@ -7,6 +7,11 @@
     with routing.capture(forced=old) as cap:  # Routing Replay: force the recorded experts
         model(input_ids, ...)
     drift(cap.natural(B, S), old, mask)       # share of (token, layer) top-k sets that changed
+    with NO_ROUTING.capture() as cap:         # a dense model's: records nothing (cap.indices(...) is None)
+
+A run holds a `Routing` for an MoE model and `NO_ROUTING` (a `NoRouting`, the null object)
+for a dense one, so its forwards capture unconditionally; `routing.moe` says which, and
+`routing.terms` is what an update adds (drift metrics, the balance loss; none when dense).
 
 Routers. Hugging Face MoE models whose routing is a module named `*TopKRouter` that returns
 `(router_logits, router_scores, router_indices)` (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and
@@ -104,6 +109,8 @@ class Routing:
         self.checked: set[int] = set()
         self.handles = [m.register_forward_hook(self._hook(i)) for i, (_, m) in enumerate(self.routers)]
 
+    moe = True  # a Mixture-of-Experts model (NoRouting: a dense one)
+
     @property
     def n_layers(self) -> int:
         return len(self.routers)
@@ -164,9 +171,67 @@ class Routing:
         finally:
             self.current = previous
 
+    def terms(self, cap: Capture, old_routing: Tensor | None, tokens: Tensor, aux_coef: float, *,
+              load: tuple[Tensor, float] | None = None, dist=None) -> tuple[Tensor | float, dict]:
+        """What an update adds on an MoE model: expert drift of this forward against the old
+        policy's routing (when it is known: not for an inference engine's sampling pass), and
+        (aux_coef > 0) the weighted load-balancing loss. tokens: (b, P+T) attention mask.
+
+        The balance loss is this micro-batch's part of the global minibatch's (`balance_loss`):
+        `load` = the minibatch's (expert counts (L, E), real tokens) over every process; None: this
+        forward is the whole minibatch on this process, its counts are summed over processes
+        (`dist`: a gspo.distributed.Dist; None: one process), whose gradient average the loss undoes."""
+        b, S = tokens.shape
+        n = float(tokens.sum())
+        metrics = {}
+        if old_routing is not None:
+            metrics = {"moe/drift": Mean(drift(cap.natural_indices(b, S), old_routing, tokens), n),  # the router's pick
+                       "moe/drift_in_ratio": Mean(drift(cap.indices(b, S), old_routing, tokens), n)}  # what experts got
+        if aux_coef == 0:
+            return 0.0, metrics
+        logits = [torch.cat(x) for x in cap.logits]  # (b·S, E) per layer
+        load = load or _aux_load(logits, tokens, self.top_k, dist.all_sum if dist is not None else (lambda t: t))
+        aux = balance_loss(logits, tokens, load[0], load[1], self.top_k)
+        # logged as the global minibatch's loss: each micro-batch reports E·Σ f_e^minibatch·P_e^its own
+        metrics["moe/aux_loss"] = Mean(aux.detach() * max(load[1], 1.0) / max(n, 1.0), n)
+        return aux_coef * (dist.world if dist is not None else 1) * aux, metrics
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+class NullCapture:
+    """What a dense model's forward routed: nothing."""
+
+    logits: list = []
+
+    def indices(self, *shape, call: int | None = None) -> None:
+        return None
+
+    def natural_indices(self, *shape) -> None:
+        return None
+
+
+class NoRouting:
+    """A dense model's routing (the null object): its capture records nothing, its update terms
+    are none, so callers run `with run.routing.capture() as cap:` whatever the model."""
+
+    moe = False
+
+    @contextlib.contextmanager
+    def capture(self, forced: Tensor | None = None, keep_logits: bool = False):
+        yield NullCapture()
+
+    def terms(self, cap, old_routing: Tensor | None, tokens: Tensor, aux_coef: float, *, load=None,
+              dist=None) -> tuple[float, dict]:
+        return 0.0, {}
+
+    def remove(self) -> None:
+        pass
+
+
+NO_ROUTING = NoRouting()
 
 
 @torch.no_grad()
@@ -226,31 +291,8 @@ def load_balancing_loss(logits_per_layer: list[Tensor], mask: Tensor, top_k: int
     return balance_loss(logits_per_layer, mask, expert_counts(logits_per_layer, mask, top_k), float(mask.sum()), top_k)
 
 
-def moe_terms(cap: Capture, old_routing: Tensor | None, tokens: Tensor, top_k: int, aux_coef: float, *,
-              load: tuple[Tensor, float] | None = None, all_sum=None, world: int = 1) -> tuple[Tensor | float, dict]:
-    """What an update adds on an MoE model: expert drift of this forward against the old
-    policy's routing (when it is known: not for an inference engine's sampling pass), and
-    (aux_coef > 0) the weighted load-balancing loss. tokens: (b, P+T) attention mask.
-
-    The balance loss is this micro-batch's part of the global minibatch's (`balance_loss`):
-    `load` = the minibatch's (expert counts (L, E), real tokens) over every process; None: this
-    forward is the whole minibatch on this process, its counts are summed over processes with
-    `all_sum` (None: one process). `world` undoes the gradient average over processes."""
-    b, S = tokens.shape
-    n = float(tokens.sum())
-    metrics = {}
-    if old_routing is not None:
-        metrics = {"moe/drift": Mean(drift(cap.natural_indices(b, S), old_routing, tokens), n),  # the router's pick
-                   "moe/drift_in_ratio": Mean(drift(cap.indices(b, S), old_routing, tokens), n)}  # what experts got
-    if aux_coef == 0:
-        return 0.0, metrics
-    logits = [torch.cat(x) for x in cap.logits]  # (b·S, E) per layer
-    if load is None:
-        counts = expert_counts(logits, tokens, top_k)  # (L, E)
-        both = torch.cat([counts.flatten(), counts.new_tensor([n])])
-        both = all_sum(both) if all_sum is not None else both
-        load = (both[:-1].view_as(counts), float(both[-1]))
-    aux = balance_loss(logits, tokens, load[0], load[1], top_k)
-    # logged as the global minibatch's loss: each micro-batch reports E·Σ f_e^minibatch·P_e^its own
-    metrics["moe/aux_loss"] = Mean(aux.detach() * max(load[1], 1.0) / max(n, 1.0), n)
-    return aux_coef * world * aux, metrics
+def _aux_load(logits: list[Tensor], tokens: Tensor, top_k: int, all_sum) -> tuple[Tensor, float]:
+    """This forward's (expert counts (L, E), real tokens), summed over processes by `all_sum`."""
+    counts = expert_counts(logits, tokens, top_k)  # (L, E)
+    both = all_sum(torch.cat([counts.flatten(), counts.new_tensor([float(tokens.sum())])]))
+    return both[:-1].view_as(counts), float(both[-1])

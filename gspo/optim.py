@@ -1,38 +1,70 @@
-"""The optimizers of a run and their learning-rate schedule.
+"""The optimizers of a run, their learning-rate schedule, and the trainables the loop steps.
 
-    from gspo.optim import make_optimizers, lr_factor
-    optimizer, scheduler = make_optimizers(cfg, policy, value_model)   # AdamW + LambdaLR
-    lr_factor(cfg)(k - 1)                                              # the multiplier at step k
+    from gspo.optim import make_optimizers, lr_factor, Trainable
+    optimizer, scheduler = make_optimizers(cfg, policy, critic)   # AdamW + LambdaLR
+    lr_factor(cfg)(k - 1)                                         # the multiplier at step k
+    metrics = {t.metric: t.step(max_norm) for t in run.trainables}
 
 AdamW over the policy's trainable parameters (a shared value head as a second group at
---critic-lr); a separate critic gets its own AdamW and schedule. The schedule is linear
-warm-up, then constant, cosine or linear decay, advanced once per training step. Left out:
-other optimizers (8-bit, Muon), per-layer learning rates.
+--critic-lr: `critic.param_groups`); a separate critic gets its own AdamW and schedule
+(gspo.critic). A `Trainable` is what the loop steps: a model, its optimizer, its schedule and
+the loss scaler (the policy's; with a separate critic, the critic's too). The schedule is
+linear warm-up, then constant, cosine or linear decay, advanced once per training step. Left
+out: other optimizers (8-bit, Muon), per-layer learning rates.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from gspo import parallel
 from gspo.config import TrainConfig
-from gspo.value import ValueModel
+from gspo.metrics import Mean
 
 
-def make_optimizers(cfg: TrainConfig, policy, vm: ValueModel | None):
-    """AdamW and its LR schedule for the policy (and a shared value head, at critic_lr); a
-    separate critic gets its own AdamW and schedule on `vm`."""
-    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.lr}]
-    if vm is not None and vm.shared:  # the shared value head trains with the policy, at the critic's rate
-        groups.append({"params": list(vm.head.parameters()), "lr": cfg.critic_lr})
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
-    if vm is not None and not vm.shared:
-        vm.optimizer = torch.optim.AdamW(vm.critic.parameters(), lr=cfg.critic_lr, betas=cfg.adam_betas,
-                                         weight_decay=cfg.weight_decay)
-        vm.scheduler = torch.optim.lr_scheduler.LambdaLR(vm.optimizer, lr_factor(cfg))
-    return optimizer, scheduler
+@dataclass
+class Trainable:
+    """A model the loop trains, with its optimizer, LR schedule and loss scaler (float16; else None)."""
+
+    model: object  # the modules the optimizer holds (FSDP names its state by them)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None = None
+    train: object = None  # what training forwards call (its DDP wrapper): no_sync acts on it
+    metric: str = "grad_norm"  # its gradient norm's metric
+    keys: tuple[str, str] = ("optimizer", "scheduler")  # its states' keys in a checkpoint
+
+    def step(self, max_norm: float) -> Mean:
+        """After a minibatch's backward passes: gradient clipping by global norm and the AdamW
+        step (float16: unscaled first, skipped on overflow); returns the gradient norm."""
+        scaler, optimizer = self.scaler, self.optimizer
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = Mean(parallel.clip_grad_norm(params, max_norm))  # the same on every process
+        (scaler.step(optimizer) if scaler is not None else optimizer.step())
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+def adamw(params, lr: float, cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=lr, betas=cfg.optim.adam_betas, weight_decay=cfg.optim.weight_decay)
+
+
+def schedule(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+
+
+def make_optimizers(cfg: TrainConfig, policy, critic):
+    """AdamW and its LR schedule for the policy, and the parameter groups the critic adds to it
+    (a shared value head, at critic_lr; gspo.critic)."""
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": cfg.optim.lr},
+              *critic.param_groups(cfg.ppo.critic_lr)]
+    optimizer = adamw(groups, cfg.optim.lr, cfg)
+    return optimizer, schedule(optimizer, cfg)
 
 
 def lr_factor(cfg: TrainConfig):
@@ -42,11 +74,11 @@ def lr_factor(cfg: TrainConfig):
 
     def f(counter: int) -> float:
         k = counter + 1
-        if cfg.warmup_steps and k <= cfg.warmup_steps:
-            return k / cfg.warmup_steps
-        if cfg.lr_schedule == "constant":
+        if cfg.optim.warmup_steps and k <= cfg.optim.warmup_steps:
+            return k / cfg.optim.warmup_steps
+        if cfg.optim.lr_schedule == "constant":
             return 1.0
-        progress = min(1.0, (k - cfg.warmup_steps - 1) / max(1, cfg.steps - cfg.warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1.0 - progress
+        progress = min(1.0, (k - cfg.optim.warmup_steps - 1) / max(1, cfg.run.steps - cfg.optim.warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if cfg.optim.lr_schedule == "cosine" else 1.0 - progress
 
     return f

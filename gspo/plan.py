@@ -57,15 +57,15 @@ def plan(run) -> dict:
     """The resolved plan of a built run (gspo.run.Run) as plain JSON values; see the module docstring."""
     cfg, dist = run.cfg, run.dist
     fsdp = dist.enabled and dist.parallel == "fsdp"
-    engine = "hf" if isinstance(run.sampler, PolicySampler) else cfg.rollout_engine
-    weights = _dtype(run.policy) or cfg.param_dtype
+    engine = "hf" if isinstance(run.sampler, PolicySampler) else cfg.sampling.rollout_engine
+    weights = _dtype(run.policy) or cfg.policy.param_dtype
     sampler, sampler_dtype = _sampler(run, engine, fsdp, weights)
     decode, decode_why = _decode(run, engine, fsdp)
     chunked = _chunked_head(run.policy, fsdp)
     vocab = _base(run.policy).get_output_embeddings().weight.shape[0] if chunked else None
     warnings = list(run.notes)
-    old_logp = cfg.old_logp
-    if old_logp == "sampling" and run.env is not None and cfg.routing_replay:  # gspo.batch.prepare
+    old_logp = cfg.loss.old_logp
+    if old_logp == "sampling" and run.env is not None and cfg.moe.routing_replay:  # gspo.batch.prepare
         old_logp = "recompute"
         warnings.append("old_logp: sampling, but multi-turn episodes record no experts while sampling: Routing "
                         "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
@@ -74,23 +74,23 @@ def plan(run) -> dict:
         "processes": dist.world,
         "parallel": dist.parallel if dist.enabled else "none",
         "weights_dtype": weights,
-        "compute_dtype": cfg.dtype,
-        "autocast": cfg.dtype != cfg.param_dtype,
+        "compute_dtype": cfg.policy.dtype,
+        "autocast": cfg.policy.dtype != cfg.policy.param_dtype,
         "sampler": sampler,
         "sampler_dtype": sampler_dtype,
         "old_logp": old_logp,
         "packing": bool(run.packed),
         "packing_why": _packing_why(run),
-        "micro_batch_tokens": cfg.micro_batch_tokens,
+        "micro_batch_tokens": cfg.policy.micro_batch_tokens,
         "lm_head": "chunked" if chunked else "full",
         "lm_head_chunk": chunk_tokens(vocab) if chunked else None,
         "decode": decode,
         "decode_why": decode_why,
-        "gradient_checkpointing": cfg.gradient_checkpointing,
-        "lora": {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "dropout": cfg.lora_dropout,
-                 "target_modules": list(cfg.lora_target_modules)} if cfg.lora_r > 0 else None,
-        "moe": run.routing is not None,
-        "routing_replay": bool(cfg.routing_replay and run.routing is not None),
+        "gradient_checkpointing": cfg.policy.gradient_checkpointing,
+        "lora": {"r": cfg.lora.lora_r, "alpha": cfg.lora.lora_alpha, "dropout": cfg.lora.lora_dropout,
+                 "target_modules": list(cfg.lora.lora_target_modules)} if cfg.lora.lora_r > 0 else None,
+        "moe": run.routing.moe,
+        "routing_replay": bool(cfg.moe.routing_replay and run.routing.moe),
         "env": run.env.__name__ if run.env is not None else None,
         "max_turns": run.max_turns,
         "warnings": warnings,
@@ -135,24 +135,24 @@ def _sampler(run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
     """Who samples, in words, and in which dtype."""
     cfg = run.cfg
     if engine != "hf":
-        dtype = cfg.dtype if cfg.rollout_dtype == "same" else cfg.rollout_dtype
+        dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
         sleeps = " (sleeps between rollouts)" if getattr(run.sampler, "sleep", False) else ""
         return f"vLLM {dtype}{sleeps}", dtype
     if fsdp:  # the sharded policy itself, gathered in its MixedPrecisionPolicy's dtype: the compute dtype
-        return f"the sharded policy gathered in {cfg.dtype}", cfg.dtype
+        return f"the sharded policy gathered in {cfg.policy.dtype}", cfg.policy.dtype
     if run.sampler.model is run.policy:
         return "the policy itself", weights
-    dtype = _dtype(run.sampler.model) or cfg.dtype
+    dtype = _dtype(run.sampler.model) or cfg.policy.dtype
     return f"a {dtype} copy of the policy (synced before every rollout)", dtype
 
 
 def _packing_why(run) -> str:
     """Why training forwards pack or not: gspo.run._packing's decision, in words."""
-    if not run.cfg.packing:
+    if not run.cfg.policy.packing:
         return "not asked"
     if run.packed:
         return "asked"
-    if run.routing is not None:
+    if run.routing.moe:
         return "asked, but MoE routing is recorded in the padded layout"
     return ("asked, but the model cannot pack (a packed forward does not give the padded forward's hidden states, "
             "or its LM head is not a plain linear map)")
@@ -170,7 +170,7 @@ def _decode(run, engine: str, fsdp: bool) -> tuple[str, str | None]:
             if said[0].startswith("the compact decode step"):
                 return "fast", None
             return "hf", said[0].removeprefix("Hugging Face's forward (").removesuffix(")")
-    why = fastdecode.unsupported(run.sampler.model, cfg.max_prompt_length + cfg.max_new_tokens)
+    why = fastdecode.unsupported(run.sampler.model, cfg.data.max_prompt_length + cfg.sampling.max_new_tokens)
     return ("fast", None) if why is None else ("hf", why)
 
 

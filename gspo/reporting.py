@@ -20,7 +20,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from gspo import checkpoint as ckpt
+from gspo import files
 
 REPORTERS = ("tensorboard", "wandb")
 
@@ -50,7 +50,7 @@ class Reporter:
                 raise ValueError("--report-to wandb needs the wandb package: pip install 'gspo[logging]'") from None
             id_file = self.run_dir / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-            ckpt.atomic_write_text(id_file, run_id)
+            files.atomic_write_text(id_file, run_id)
             try:
                 self.wandb = wandb.init(project=wandb_project, name=self.run_dir.name, id=run_id, resume="allow",
                                         dir=str(self.run_dir), config=config, mode=os.environ.get("WANDB_MODE"))
@@ -60,7 +60,7 @@ class Reporter:
                                  "or log offline with WANDB_MODE=offline") from None
 
     def log(self, metrics: dict) -> None:
-        ckpt.append_jsonl(self.run_dir / "metrics.jsonl", [metrics])
+        files.append_jsonl(self.run_dir / "metrics.jsonl", [metrics])
         step = int(metrics["step"])
         scalars = {k: float(v) for k, v in metrics.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -103,13 +103,13 @@ class Progress:
     """A tqdm bar on a terminal; otherwise a plain log line every ~10% of the run."""
 
     def __init__(self, cfg, start: int, log):
-        self.enabled, self.total, self.log = cfg.progress, cfg.steps, log
+        self.enabled, self.total, self.log = cfg.run.progress, cfg.run.steps, log
         self.bar = None
-        self.every = max(1, cfg.steps // 10)
+        self.every = max(1, cfg.run.steps // 10)
         if self.enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.steps, initial=start, desc=f"gspo train ({cfg.algorithm})", unit="step",
+            self.bar = tqdm(total=cfg.run.steps, initial=start, desc=f"gspo train ({cfg.loss.algorithm})", unit="step",
                             dynamic_ncols=True)
 
     def update(self, m: dict) -> None:

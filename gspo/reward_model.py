@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.rewards import RewardError, completion_text
+from gspo.scoring import RewardError, completion_text
 
 DEVICE = re.compile(r"^(cpu|cuda(:\d+)?|mps|auto)$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

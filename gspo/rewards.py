@@ -31,7 +31,6 @@ in `ForSequenceClassification`, or a hub id such as `Skywork/Skywork-Reward-V2-Q
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -42,38 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-RewardFn = Callable[..., list]
+from gspo.reward_model import RewardModel, check_device, reward_model_path
+from gspo.scoring import RewardError, RewardFn, completion_text, per_completion
 
-
-class RewardError(ValueError):
-    """A reward function misbehaved; the message names the reward and the dataset row."""
-
-
-def completion_text(completion: Any) -> str:
-    """The text of a completion: a string, or the content of a list of chat messages.
-
-    >>> completion_text("42")
-    '42'
-    >>> completion_text([{"role": "assistant", "content": "42"}])
-    '42'
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, list):
-        return "".join(str(m.get("content", "")) for m in completion if isinstance(m, dict))
-    return str(completion)
-
-
-def per_completion(fn: Callable[..., float]) -> RewardFn:
-    """Make a batched reward from `fn(completion_text, **row) -> float`."""
-
-    @functools.wraps(fn)
-    def batched(completions: list, trainer_state=None, **columns) -> list[float]:
-        keys = list(columns)  # one value per completion each; trainer_state is not a column
-        return [fn(completion_text(c), **{k: columns[k][i] for k in keys}) for i, c in enumerate(completions)]
-
-    batched.per_completion = fn
-    return batched
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,8 +212,6 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
                 raise RewardError("reward 'math_verify' needs the math-verify package: pip install 'gspo[rewards]'") from None
         return Reward(spec, fn)
     if ":" not in spec:
-        from gspo.reward_model import RewardModel, reward_model_path
-
         path = reward_model_path(spec)
         if path is None:
             raise RewardError(f"unknown reward {spec!r}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
@@ -283,8 +251,6 @@ def load_rewards(specs: list[str], weights: list[float] | None, *, reward_model_
                  **kw) -> list[Reward]:
     """Every reward of `specs`, with its weight and a unique metric name. Learned reward models
     go on `reward_model_device` (checked here, used or not), else on `device` (the policy's)."""
-    from gspo.reward_model import check_device
-
     check_device(reward_model_device)  # a bad value is an error whether or not a reward model is used
     kw["device"] = reward_model_device or kw.get("device")
     if weights and len(weights) != len(specs):

@@ -10,10 +10,8 @@ the log-prob of every sampled token recorded, and loads the policy's current wei
 each rollout (`sync`). `PolicySampler` is gspo's own (the policy itself, or a copy in
 another precision); inference engines implement the same two methods.
 
-Layout. Prompts are left-padded to a common width P and completions right-padded to T, so
-every completion starts at column P; row b holds prompt b // G (groups are contiguous).
-Position ids count real tokens only (cumsum of the attention mask), in sampling and in
-training alike, so a padded row computes exactly what it would alone.
+The layout of a Rollout (left-padded prompts, right-padded completions, groups contiguous,
+positions that count real tokens only) is gspo.sequences'.
 
 Log-probs are those of the temperature-scaled distribution, log softmax(logits / τ), recorded
 while sampling; top-p truncation changes which tokens can be drawn but not the recorded
@@ -30,7 +28,6 @@ Left out: beam search.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,45 +35,10 @@ import torch
 
 from gspo import parallel
 from gspo.fastdecode import decoder, describe
+from gspo.moe import NO_ROUTING
+from gspo.sequences import Rollout, left_pad, position_ids_from_mask  # noqa: F401 (re-exported)
 
 Tensor = torch.Tensor
-
-
-@dataclass
-class Rollout:
-    """G completions for each of N prompts, B = N·G rows, groups contiguous."""
-
-    prompt_ids: Tensor  # (B, P) left-padded prompt tokens
-    prompt_mask: Tensor  # (B, P) 1 on real prompt tokens
-    completion_ids: Tensor  # (B, T) right-padded sampled tokens (pad after EOS)
-    completion_mask: Tensor  # (B, T) 1.0 on completion tokens, EOS included
-    logp: Tensor  # (B, T) log-prob of each sampled token at sampling time; 0 on padding
-    lengths: Tensor  # (B,) completion lengths (number of ones in completion_mask)
-    truncated: Tensor  # (B,) bool: stopped by max_new_tokens before an EOS
-    group_size: int
-    routing: Tensor | None = None  # (B, P+T, L, k) int8/int16 MoE experts used while sampling; -1 = not fed
-    # multi-turn episodes (gspo.episodes): 1.0 on the environment's tokens between the model's
-    # turns, which the model reads (attention) but is never trained on (completion_mask is 0
-    # there, logp 0); `lengths` then counts model and environment tokens
-    env_mask: Tensor | None = None  # (B, T)
-
-    @property
-    def input_ids(self) -> Tensor:
-        return torch.cat([self.prompt_ids, self.completion_ids], 1)  # (B, P+T)
-
-    @property
-    def attention_mask(self) -> Tensor:
-        seen = self.completion_mask if self.env_mask is None else self.completion_mask + self.env_mask  # (B, T)
-        return torch.cat([self.prompt_mask, seen.to(self.prompt_mask.dtype)], 1)  # (B, P+T)
-
-    def map(self, fn) -> "Rollout":
-        """The same rollout with `fn` applied to every tensor field."""
-        return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), Tensor)})
-
-    def select(self, idx: Tensor) -> "Rollout":
-        """Rows `idx` (for minibatches); the group layout no longer holds for the result."""
-        return self.map(lambda t: t[idx])
 
 
 @dataclass(frozen=True)
@@ -142,7 +104,7 @@ class PolicySampler:
     compute --dtype, as a copy in it would sample.
     """
 
-    def __init__(self, model, *, routing=None, dist=None, root=None):
+    def __init__(self, model, *, routing=NO_ROUTING, dist=None, root=None):
         self.model, self.routing, self.dist, self.root = model, routing, dist, root
 
     def end_rollout(self) -> None:
@@ -214,38 +176,21 @@ def decode_completions(tokenizer, ro: "Rollout") -> tuple[list[str], list[list[i
     return tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True), ids
 
 
-def left_pad(seqs: list[list[int]], pad_id: int, device=None) -> tuple[Tensor, Tensor]:
-    """Left-pad token lists to one width: (ids (N, P), mask (N, P))."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
-    return ids.to(device), mask.to(device)
-
-
-def position_ids_from_mask(mask: Tensor) -> Tensor:
-    """Positions that count real tokens only: (B, L) attention mask -> (B, L) positions."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def sample_token(logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None, *,
-                 banned: tuple[int, ...] | None = None, uniforms: Tensor | None = None,
-                 top_k: int = 0) -> tuple[Tensor, Tensor]:
+def sample_token(logits: Tensor, temperature: float, top_p: float, uniforms: Tensor | None, *,
+                 banned: tuple[int, ...] | None = None, top_k: int = 0) -> tuple[Tensor, Tensor]:
     """Draw one token per row from `logits` (B, V); returns (tokens (B,), log-probs (B,)).
 
     Sampling is by inverse CDF: one uniform u per row, and the token is the first whose
     cumulative probability exceeds u (the exact categorical distribution). It costs a cumsum
     over the vocabulary instead of torch.multinomial's one exponential draw per vocabulary
     entry (which was as slow as the model's own decode step), and one number per row is what
-    makes sampling independent of how rows are split across processes (`uniforms`, (B,),
-    supplied by the caller, else drawn from `generator`).
+    makes sampling independent of how rows are split across processes (`uniforms`, (B,) in
+    [0, 1), drawn by the caller: `generate` draws them from the step's generator by global row).
 
-    temperature == 0 means greedy; the returned log-prob is then that of τ = 1. `banned`: token
-    ids that cannot be drawn (stop tokens before min_new_tokens); like top-p and top-k (only
-    the k most likely tokens), they change what can be drawn, not the recorded log-prob.
+    temperature == 0 means greedy (`uniforms` unused: None); the returned log-prob is then that
+    of τ = 1. `banned`: token ids that cannot be drawn (stop tokens before min_new_tokens); like
+    top-p and top-k (only the k most likely tokens), they change what can be drawn, not the
+    recorded log-prob.
     """
     logits = logits.float()  # (B, V)
     scaled = logits if temperature in (0, 1) else logits / temperature  # (B, V)
@@ -276,8 +221,6 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
             drop = (mass - sorted_e) >= top_p * mass[:, -1:]  # (B, V) of what top-k and bans left
             e = torch.zeros_like(e).scatter_(-1, order, sorted_e.masked_fill(drop, 0.0))  # (B, V)
         cdf = e.cumsum(-1)  # (B, V) non-decreasing; zero-mass tokens can never be drawn
-    if uniforms is None:
-        uniforms = torch.rand(e.shape[0], generator=generator, device=e.device)
     target = uniforms.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:]  # (B, 1) u · remaining mass
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=e.shape[-1] - 1)  # (B,)
     logp = scaled.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1) - log_total.squeeze(-1)  # (B,)
@@ -285,7 +228,7 @@ def sample_token(logits: Tensor, temperature: float, top_p: float, generator: to
 
 
 def generate(model, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
-             routing=None, rows: tuple[int, int] | None = None) -> Rollout:
+             routing=NO_ROUTING, rows: tuple[int, int] | None = None) -> Rollout:
     """Sample `params.group_size` completions for each prompt (token id lists) with a KV cache.
 
     generator: a CPU generator; each decode step draws one uniform per row from it.
@@ -297,12 +240,11 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     params.min_new_tokens: no stop token can be drawn before this many tokens (min = max gives
     every completion the same length, as benchmarks need).
     routing: a gspo.moe.Routing on `model`: record the experts every token used while
-    sampling into `Rollout.routing` (for Routing Replay with sampling-time log-probs).
+    sampling into `Rollout.routing` (for Routing Replay with sampling-time log-probs); NO_ROUTING: none.
     """
-    ctx = routing.capture() if routing is not None else contextlib.nullcontext()
-    with ctx as cap, torch.inference_mode():
+    with routing.capture() as cap, torch.inference_mode():  # a dense model's (NO_ROUTING) records nothing
         ro = _generate(model, prompts, params, generator, rows)
-        if routing is not None:
+        if routing.moe:
             ro.routing = _assemble_routing(cap, ro, len(prompts))
     # ordinary tensors from here on: inference tensors cannot take part in autograd later
     # (old log-probs and replayed expert ids meet the training graph)
@@ -352,7 +294,7 @@ def _generate(model, prompts: list[list[int]], params: SamplingParams, generator
     for t in range(max_new_tokens):
         banned = params.stop_token_ids if t < params.min_new_tokens else None
         u = None if params.temperature == 0 else torch.rand(total, generator=generator)[mine]  # (B,) CPU
-        tok, lp = sample_token(logits, params.temperature, params.top_p, generator, banned=banned, uniforms=u,
+        tok, lp = sample_token(logits, params.temperature, params.top_p, u, banned=banned,
                                top_k=params.top_k)  # (B,), (B,)
         tok = tok.masked_fill(done, pad_token_id)
         tokens[:, t] = tok

@@ -8,17 +8,23 @@ written) → start it, or restore it from its checkpoint → `train_step` for ea
 evaluate again → summary. `train_step(run, step)` can be called alone: sample a group per
 prompt (`rollout`), score it (`score`), get the old policy's log-probs and the advantages
 (`prepare`, gspo.batch), then `update` over `num_minibatches` minibatches for `epochs` passes. An update
-`accumulate`s a `minibatch_loss` per micro-batch (within --micro-batch-tokens) and takes one
-`optimizer_step`. All but the first minibatch of the first epoch are off-policy: that is
-where the ratios move and clipping acts.
+`accumulate`s a `minibatch_loss` per micro-batch (gspo.logprobs.passes, within
+--micro-batch-tokens) and takes one `optimizer_step` of each trainable. All but the first
+minibatch of the first epoch are off-policy: that is where the ratios move and clipping acts.
 
-PPO differs in two places only: GAE advantages over a learned value model
-(gspo.value.ppo_advantages), and each update also trains the value model. MoE models add
-drift metrics and Routing Replay (gspo.moe). With an environment (--env, or the task's own) a
-rollout is a group of multi-turn episodes (gspo.episodes): the same batch, whose environment
-tokens are context only. Under torchrun every process runs this loop on
+Algorithms differ in the loss (gspo.losses) and, for PPO, in the run's critic (gspo.critic),
+a plug-in every run holds (NoCritic for the others), so the loop has no PPO branch: the
+critic gives `prepare` its advantages (GAE over its values rather than group-relative),
+adds its values to an update's forward and its term to the loss, and its states to
+checkpoints; a separate critic is a second trainable (gspo.optim.Trainable) that every
+update steps next to the policy's. MoE models likewise: the run's routing (gspo.moe;
+NO_ROUTING for a dense model, recording nothing) records or replays the experts of every
+forward and adds drift metrics and the balance loss. With an environment (--env, or the
+task's own) a rollout is a group of multi-turn episodes (gspo.episodes): the same batch,
+whose environment tokens are context only. Under torchrun every process runs this loop on
 its share of the prompts; the global-batch bookkeeping shows up only as `dist` calls, the
-identity in one process (gspo.distributed, gspo.parallel, gspo.metrics).
+identity in one process (gspo.distributed, gspo.parallel, gspo.metrics). A step's row of
+metrics.jsonl is gspo.steplog's.
 """
 
 from __future__ import annotations
@@ -34,21 +40,20 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
-from gspo.batch import Batch, expert_load, prepare
+from gspo.batch import Batch, Scored, expert_load, prepare
 from gspo.config import to_dict
-from gspo.evaluation import evaluate
+from gspo.evaluation import EvalOptions, evaluate
 from gspo.losses import agg_count, policy_loss
-from gspo.logprobs import micro_batches, trim
-from gspo.metrics import Mean, combine, reduce_across, step_row
-from gspo.moe import moe_terms
+from gspo.logprobs import MicroBatch, Split, passes
+from gspo.metrics import Mean, combine, reduce_across
 from gspo.plan import describe, plan
 from gspo.reporting import Progress, Reporter, samples_rows, warn
 from gspo.rewards import Reward, RewardError, TrainerState, score_completions
-from gspo.episodes import Episodes, run_episodes
+from gspo.episodes import Draws, EpisodeSpec, Episodes, run_episodes
 from gspo.rollout import Rollout, cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.lifecycle import Guard, Interrupted
 from gspo.run import AlreadyComplete, Run, build_run
-from gspo.value import value_loss
+from gspo.steplog import step_row
 
 Tensor = torch.Tensor
 
@@ -111,24 +116,23 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
             ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
         run.eval_before = run_eval(run)
         run.evals = [{"step": 0, **run.eval_before}]
-    reporter = Reporter(run.run_dir, cfg.report_to, config=to_dict(cfg), start_step=run.start_step,
-                        wandb_project=cfg.wandb_project) if main else None
+    reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.start_step,
+                        wandb_project=cfg.run.wandb_project) if main else None
     bar = Progress(cfg, run.start_step, log) if main else None
     try:
-        for step in range(run.start_step + 1, cfg.steps + 1):
+        for step in range(run.start_step + 1, cfg.run.steps + 1):
             metrics, batch = train_step(run, step)
             run.steps_done = step
-            run.scheduler.step()
-            if run.value_model is not None and run.value_model.scheduler is not None:
-                run.value_model.scheduler.step()
-            if cfg.eval_every and cfg.eval_size and step % cfg.eval_every == 0 and step < cfg.steps:
+            for trainable in run.trainables:  # the policy's LR schedule, and a separate critic's
+                trainable.scheduler.step()
+            if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
                 ev = run_eval(run)
                 metrics["eval/accuracy"] = ev["accuracy"]
                 run.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)
-                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.samples_per_step, run.tokenizer))
-            saved = (cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps
+                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
+            saved = (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.run.steps
             if saved:
                 ckpt.save_run(run, step)
             if main:
@@ -150,14 +154,14 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
 def run_eval(run: Run) -> dict:
     """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none."""
     cfg = run.cfg
-    if cfg.eval_size == 0:
+    if cfg.eval.eval_size == 0:
         return {"accuracy": None, "reward": None, "n": 0}
     with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
-        return evaluate(run.policy, run.tokenizer, run.task, run.rewards, n=cfg.eval_size, stop=run.stop_ids,
-                        max_prompt_length=cfg.max_prompt_length, stop_strings=cfg.stop_string,
-                        max_new_tokens=cfg.max_new_tokens, progress=cfg.progress and run.dist.is_main, dist=run.dist,
-                        env=run.env, max_turns=run.max_turns, max_episode_tokens=cfg.max_episode_tokens,
-                        trainer_state=TrainerState(run.steps_done, cfg.steps))
+        return evaluate(run.policy, run.tokenizer, run.task, run.rewards, EvalOptions(
+            n=cfg.eval.eval_size, max_new_tokens=cfg.sampling.max_new_tokens, stop=run.stop_ids,
+            progress=cfg.run.progress and run.dist.is_main,
+            episode=EpisodeSpec.from_config(cfg, run.env, run.max_turns),
+            trainer_state=TrainerState(run.steps_done, cfg.run.steps)), dist=run.dist)
 
 
 def finish(run: Run, reporter: Reporter | None) -> dict:
@@ -169,11 +173,11 @@ def finish(run: Run, reporter: Reporter | None) -> dict:
         run.evals.append({"step": done, **eval_after})
     last = ckpt.latest_checkpoint(run.run_dir)
     summary = {
-        "algorithm": cfg.algorithm,
-        "model": cfg.model,
-        "task": cfg.dataset or cfg.task,
+        "algorithm": cfg.loss.algorithm,
+        "model": cfg.policy.model,
+        "task": cfg.data.dataset or cfg.data.task,
         "steps": done,
-        **({"stopped_early": True} if done < cfg.steps else {}),
+        **({"stopped_early": True} if done < cfg.run.steps else {}),
         "eval_before": run.eval_before,
         "eval_after": eval_after,
         "evals": run.evals,
@@ -206,16 +210,16 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     """
     cfg, dist = run.cfg, run.dist
     t0 = time.perf_counter()
-    n = cfg.prompts_per_step // dist.world
-    examples = run.task.train_batch(step, cfg.prompts_per_step, cfg.seed)[dist.rank * n:(dist.rank + 1) * n]
+    n = cfg.sampling.prompts_per_step // dist.world
+    examples = run.task.train_batch(step, cfg.sampling.prompts_per_step, cfg.run.seed)[dist.rank * n:(dist.rank + 1) * n]
     ro, completions, completion_ids, episodes = rollout(run, examples, step)
     t_rollout = time.perf_counter() - t0
-    rewards, parts = score(run.rewards, examples, completions, completion_ids, cfg.group_size, episodes,
-                           TrainerState(step - 1, cfg.steps))  # (B,)
-    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=completions,
-                    episodes=episodes)
+    rewards, parts = score_completions(run.rewards, examples, completions, completion_ids, cfg.sampling.group_size,
+                                       TrainerState(step - 1, cfg.run.steps))
+    rewards, parts = with_env_rewards(rewards, parts, episodes)  # (B,)
+    batch = prepare(run, ro, Scored(rewards, parts, examples, completions, episodes))
     t1 = time.perf_counter()
-    history = update(run, batch, step_generator(cfg.seed, step, "minibatches"))
+    history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"))
     t_update = time.perf_counter() - t1
     metrics = step_row(run, step, batch, history)
     metrics.update({
@@ -234,39 +238,43 @@ def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:
 
 
 def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
-    """Sample cfg.group_size completions per example with the run's sampler, from the current
+    """Sample cfg.sampling.group_size completions per example with the run's sampler, from the current
     policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
     an environment) the episodes (gspo.episodes: the texts are then each episode's final model
     turn). Several processes: these are rows (offset, total) of the global batch (see
     gspo.rollout.generate)."""
-    cfg, dist, G = run.cfg, run.dist, run.cfg.group_size
-    params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.max_new_tokens,
-                             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                             min_new_tokens=cfg.min_new_tokens)
+    cfg, dist, G = run.cfg, run.dist, run.cfg.sampling.group_size
+    params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.sampling.max_new_tokens,
+                             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                             min_new_tokens=cfg.sampling.min_new_tokens)
     run.sampler.sync(run.policy)
-    rows = (dist.rank * len(examples) * G, cfg.prompts_per_step * G)
+    rows = (dist.rank * len(examples) * G, cfg.sampling.prompts_per_step * G)
     if run.env is not None:
-        ro, ep = run_episodes(run.sampler, run.tokenizer, examples, run.env, params, max_turns=run.max_turns,
-                              max_tokens=cfg.max_episode_tokens, rows=rows, stop_strings=cfg.stop_string,
-                              max_prompt_length=cfg.max_prompt_length, dist=dist,
-                              generator_for=lambda turn: step_generator(cfg.seed, step, f"sample-turn-{turn}"
-                                                                        if turn else "sample"))
+        spec = EpisodeSpec.from_config(cfg, run.env, run.max_turns)
+        draws = Draws(lambda turn: step_generator(cfg.run.seed, step, f"sample-turn-{turn}" if turn else "sample"),
+                      rows, dist)
+        ro, ep = run_episodes(run.sampler, run.tokenizer, examples, spec, params, draws)
         run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep
-    prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.max_prompt_length)
-    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.seed, step, "sample"), rows=rows)
+    prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.data.max_prompt_length)
+    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample"), rows=rows)
     run.sampler.end_rollout()  # vLLM: sleeps after the last sample
-    ro = cut_at_stop_strings(ro, run.tokenizer, cfg.stop_string)
+    ro = cut_at_stop_strings(ro, run.tokenizer, cfg.sampling.stop_string)
     texts, ids = decode_completions(run.tokenizer, ro)
     return ro, texts, ids, None
 
 
 def score(rewards: list[Reward], examples, completions: list[str], completion_ids, group_size: int,
-          episodes: Episodes | None = None, trainer_state: TrainerState | None = None):
+          episodes: Episodes | None = None):
     """Weighted reward of each completion (B,) and each reward's values; row b is example b // G.
-    Episodes: plus the environment's rewards over the episode (its own part, `env`). Rewards get
-    `trainer_state` (the steps done and the run's steps), as TRL's do."""
-    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size, trainer_state)
+    Episodes: plus the environment's rewards over the episode (its own part, `env`). (A training
+    step's rewards also get the trainer's state, the steps done and the run's steps, as TRL's do.)"""
+    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size)
+    return with_env_rewards(total, parts, episodes)
+
+
+def with_env_rewards(total: list[float], parts: dict, episodes: Episodes | None) -> tuple[Tensor, dict]:
+    """The rewards' total as a tensor (B,), plus (episodes) the environment's over each episode."""
     total = torch.tensor(total, dtype=torch.float32)
     if episodes is not None:
         parts["env"] = episodes.env_reward.tolist()
@@ -296,10 +304,10 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
     B_all, lo = B * dist.world, B * dist.rank  # this process holds global rows lo .. lo+B-1
     run.train_model.train()
     history = []
-    for _ in range(cfg.epochs):
+    for _ in range(cfg.loss.epochs):
         order = torch.randperm(B_all, generator=generator)  # (B_all,) the same on every process
-        minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(B_all // cfg.num_minibatches)]
-        counts = torch.tensor([[float(agg_count(mask[idx], cfg.loss_agg)), float(mask[idx].sum())]
+        minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(B_all // cfg.loss.num_minibatches)]
+        counts = torch.tensor([[float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())]
                                for idx in minibatches], dtype=torch.float64)  # (M, 2) what the losses average over
         totals = dist.all_sum(counts).clamp(min=1).tolist()  # (M, 2) the global minibatches' counts
         for idx, total in zip(minibatches, totals):
@@ -313,24 +321,22 @@ def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
     """Forward and backward of rows `idx` (this process's part of a minibatch) in micro-batches;
     gradients accumulate (and are reduced across processes once, with the last). Every
     process runs as many passes (stand-ins of zero weight fill in): under FSDP each is collective."""
-    cfg, dist = run.cfg, run.dist
-    parts = micro_batches(batch.rollout, idx, cfg.micro_batch_tokens, run.packed) if len(idx) else [idx]
+    cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    parts = Split(cfg.policy.micro_batch_tokens, 0, run.packed).groups(ro, idx)
     n = dist.max_int(len(parts))
     parts += [idx[:0]] * (n - len(parts))  # empty: a zero-weight stand-in row
     # the balance loss's f_e is the minibatch's: counted first when it runs in several passes
-    load = expert_load(run, batch, parts) if run.routing is not None and cfg.router_aux_loss_coef > 0 and n > 1 \
-        else None
+    load = expert_load(run, batch, parts) if run.routing.moe and cfg.moe.router_aux_loss_coef > 0 and n > 1 else None
     metrics = []
-    for j, part in enumerate(parts):
-        last = j == n - 1
-        critic = run.value_model.critic_train if run.value_model is not None and not run.value_model.shared else None
-        with parallel.no_sync(run.train_model, dist, not last), \
-                parallel.no_sync(critic, dist, not last and critic is not None):
-            loss, critic_loss, m = minibatch_loss(run, batch, part, total, load)
+    for j, m in enumerate(passes(ro, parts, cfg.policy.micro_batch_tokens)):
+        with contextlib.ExitStack() as no_sync:  # the policy's wrapper, and a separate critic's
+            for trainable in run.trainables:
+                no_sync.enter_context(parallel.no_sync(trainable.train, dist, j < n - 1))
+            loss, critic_loss, mb_metrics = _loss(run, batch, m, total, load)
             for term in (loss, critic_loss):
                 if term is not None:
                     (run.scaler.scale(term) if run.scaler is not None else term).backward()
-        metrics.append(m)
+        metrics.append(mb_metrics)
     return combine(metrics)
 
 
@@ -338,71 +344,50 @@ def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float],
                    load: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor | None, dict]:
     """The loss of rows `idx` of the batch (one micro-batch), scaled to its part of the global
     minibatch's loss (total: the global minibatch's (aggregation count, token count)):
-    (policy loss, separate critic's loss or None, metrics).
+    (policy loss, separate critic's loss or None, metrics). An empty `idx` runs one row with
+    zero weight (every process must join every gradient reduction)."""
+    return _loss(run, batch, next(passes(batch.rollout, [idx], run.cfg.policy.micro_batch_tokens)), total, load)
 
-    An empty `idx` runs one row with zero weight (every process must join every gradient
-    reduction). MoE: the forward records the experts the current router picks (`moe/drift`);
-    with --routing-replay the old experts are forced for the ratio; `load`: the minibatch's
-    expert counts for the balance loss (`expert_load`; None: this pass is the whole minibatch).
-    """
-    cfg, routing, vm = run.cfg, run.routing, run.value_model
-    live = 1.0 if len(idx) else 0.0
-    idx = idx if len(idx) else torch.zeros(1, dtype=torch.long)  # a zero-weight stand-in row
-    mb, ps, ts = trim(batch.rollout.select(idx)) if cfg.micro_batch_tokens > 0 else \
-        (batch.rollout.select(idx), slice(None), slice(None))
-    rows = batch.rows(idx, ps, ts)  # old_logp, advantages, ... of these rows and columns
-    mask = mb.completion_mask * live  # (b, T)
-    agg_scale = float(agg_count(mask, cfg.loss_agg)) * run.dist.world / total[0]  # its share of the global loss
+
+def _loss(run: Run, batch: Batch, m: MicroBatch, total: list[float],
+          load: tuple[Tensor, float] | None) -> tuple[Tensor, Tensor | None, dict]:
+    """`minibatch_loss` of micro-batch `m`. MoE: the forward records the experts the current
+    router picks (`moe/drift`); with --routing-replay the old experts are forced for the ratio;
+    `load`: the minibatch's expert counts for the balance loss (`expert_load`; None: this pass
+    is the whole minibatch). PPO: the critic's values and its loss term (gspo.critic)."""
+    cfg, critic = run.cfg, run.critic
+    rows = batch.rows(m.idx, m.ps, m.ts)  # old_logp, advantages, ... of these rows and columns
+    mask = m.rollout.completion_mask * m.live  # (b, T)
+    agg_scale = float(agg_count(mask, cfg.loss.loss_agg)) * run.dist.world / total[0]  # its share of the global loss
     tok_scale = float(mask.sum()) * run.dist.world / total[1]
-    shared = vm is not None and vm.shared
-    with routing.capture(rows["routing"] if cfg.routing_replay else None, keep_logits=cfg.router_aux_loss_coef > 0) \
-            if routing is not None else contextlib.nullcontext() as cap, run.autocast():
-        logp, hidden, entropy = run.train_model(dataclasses.replace(mb, completion_mask=mask),
-                                                temperature=cfg.temperature, packed=run.packed, hidden=shared,
-                                                entropy=True)  # (b, T), (b, T, H), (b, T)
-        values = vm.forward(mb, hidden, packed=run.packed) if vm is not None else None  # (b, T)
+    with run.routing.capture(rows["routing"] if cfg.moe.routing_replay else None,
+                             keep_logits=cfg.moe.router_aux_loss_coef > 0) as cap, run.autocast():
+        logp, hidden, entropy = run.train_model(dataclasses.replace(m.rollout, completion_mask=mask),
+                                                temperature=cfg.sampling.temperature, packed=run.packed,
+                                                hidden=critic.needs_hidden, entropy=True)  # (b, T), (b, T, H), (b, T)
+        values = critic.forward(m.rollout, hidden, packed=run.packed)  # (b, T); None without a critic
     loss, metrics = policy_loss(
-        cfg.algorithm, logp, rows["old_logp"], rows["advantages"], mask,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
-        ref_logp=rows["ref_logp"], beta=cfg.beta, kl_estimator=cfg.kl_estimator, tau_pos=cfg.sapo_tau_pos,
-        tau_neg=cfg.sapo_tau_neg, is_weights=rows["is_weights"], rollout_logp=rows["rollout_logp"],
-        opsm_delta=cfg.opsm_delta,
+        logp, rows["old_logp"], rows["advantages"], mask, cfg.loss, ref_logp=rows["ref_logp"],
+        is_weights=rows["is_weights"], rollout_logp=rows["rollout_logp"],
+        opsm_delta=cfg.corrections.opsm_delta, max_len=cfg.sampling.max_new_tokens,
     )
     metrics["policy/entropy"] = Mean(entropy.sum() / mask.sum().clamp(min=1), mask.sum())
     loss = loss * agg_scale
-    if routing is not None:
-        aux, moe_metrics = moe_terms(cap, rows["routing"], mb.attention_mask * live, routing.top_k,
-                                     cfg.router_aux_loss_coef, load=load, all_sum=run.dist.all_sum,
-                                     world=run.dist.world)
-        loss = loss + aux * live
-        metrics.update(moe_metrics)
-    if vm is None:
-        return loss, None, metrics
-    vloss, vmetrics = value_loss(values, rows["old_values"], rows["returns"], mask, clip_range=cfg.value_clip)
-    metrics.update(vmetrics)
-    if shared:  # one backward through the shared trunk
-        return loss + cfg.vf_coef * (vloss * tok_scale), None, metrics
-    return loss, vloss * tok_scale, metrics
+    aux, moe_metrics = run.routing.terms(cap, rows["routing"], m.rollout.attention_mask * m.live,
+                                         cfg.moe.router_aux_loss_coef, load=load, dist=run.dist)
+    metrics.update(moe_metrics)
+    loss, critic_loss, value_metrics = critic.loss(loss + aux * m.live, values, rows, mask, tok_scale)
+    metrics.update(value_metrics)
+    return loss, critic_loss, metrics
 
 
 def optimizer_step(run: Run) -> dict:
-    """After a minibatch's backward passes: gradient clipping by global norm and the AdamW
-    step (float16: unscaled first, skipped on overflow), for the policy and a separate critic."""
-    cfg, vm, scaler = run.cfg, run.value_model, run.scaler
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-    if vm is not None and vm.shared:
-        run.dist.average_grads(vm.head.parameters())  # the replicated head no wrapper owns
-    steps = [(run.optimizer, "grad_norm")]
-    if vm is not None and not vm.shared:
-        steps.append((vm.optimizer, "value/grad_norm"))
-    metrics = {}
-    for optimizer, name in steps:
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        metrics[name] = Mean(parallel.clip_grad_norm(params, max_norm))  # the same on every process
-        (scaler.step(optimizer) if scaler is not None else optimizer.step())
-        optimizer.zero_grad(set_to_none=True)
-    if scaler is not None:
-        scaler.update()
+    """After a minibatch's backward passes: for each trainable (the policy, and a separate
+    critic), gradient clipping by global norm and the AdamW step (float16: unscaled first,
+    skipped on overflow); the loss scaler updates once."""
+    max_norm = run.cfg.optim.max_grad_norm if run.cfg.optim.max_grad_norm > 0 else float("inf")
+    run.critic.before_step(run.dist)  # a shared value head: its gradients averaged over processes
+    metrics = {trainable.metric: trainable.step(max_norm) for trainable in run.trainables}
+    if run.scaler is not None:
+        run.scaler.update()
     return metrics

@@ -3,6 +3,9 @@
     critic = Critic.from_pretrained("tiny")               # policy architecture + a scalar head
     values = critic(rollout)                              # (B, T) V(s_t) for each completion token
     loss, metrics = value_loss(values, old_values, returns, mask, clip_range=0.2)
+    adv, ret = ppo_advantages(kl_rewards(r, kl, mask, 0.05), values, mask, gamma=1.0, lam=0.95)
+
+How the trainer holds it (no critic, a shared head, a separate critic) is gspo.critic's.
 
 Two layouts (`--critic`):
 - `separate` (default, the seeds' PPO): a second model with the policy's architecture,
@@ -23,7 +26,7 @@ rewards here are verifiers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
 from pathlib import Path
 
 import torch
@@ -31,8 +34,9 @@ from torch import nn
 
 from gspo.advantages import at_last_token, gae, masked_whiten
 from gspo.metrics import Mean
-from gspo.logprobs import completion_hidden, forward_logprobs, micro_batches, trim
-from gspo.rollout import Rollout
+from gspo.logprobs import completion_hidden
+from gspo.models import resolve_model_path
+from gspo.sequences import Rollout
 
 Tensor = torch.Tensor
 HEAD_FILE = "value_head.pt"
@@ -74,9 +78,7 @@ class Critic(nn.Module):
                         revision: str | None = None):
         """The trunk of the causal LM at `path` (a directory, built-in name or Hub id at `revision`);
         the head zero-initialised, or loaded from `head_from`."""
-        from transformers import AutoModel
-
-        from gspo.models import resolve_model_path
+        from transformers import AutoModel  # transformers loads on first use
 
         trunk = AutoModel.from_pretrained(resolve_model_path(str(path), revision=revision), dtype=dtype,
                                           local_files_only=True)
@@ -91,8 +93,6 @@ class Critic(nn.Module):
         The base model under a LoRA policy (gspo.models.unwrap) holds PEFT's adapter layers in
         place of its linears: the copy takes the base layers back out (the adapters are the
         policy's, not the critic's) and trains every weight."""
-        import copy
-
         trunk = copy.deepcopy(getattr(model, model.base_model_prefix))
         for name, m in list(trunk.named_modules()):
             if name and hasattr(m, "get_base_layer") and hasattr(m, "base_layer"):  # a PEFT LoRA layer
@@ -166,59 +166,22 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
 
 
-@dataclass
-class ValueModel:
-    """PPO's critic as the trainer holds it: a separate model with its own optimizer, or a
-    head on the policy's trunk (whose parameters live in the policy's optimizer)."""
-
-    critic: Critic | None = None  # --critic separate
-    head: ValueHead | None = None  # --critic shared
-    optimizer: torch.optim.Optimizer | None = None  # the separate critic's
-    scheduler: object | None = None
-    critic_train: object | None = None  # what training forwards call: the critic, or its DDP wrapper
-
-    @property
-    def shared(self) -> bool:
-        return self.head is not None
-
-    def forward(self, mb: Rollout, hidden: Tensor | None, packed: bool = False) -> Tensor:
-        """V(s_t) of a micro-batch's completion tokens, with gradient: (b, T). hidden: the
-        policy's final hidden states at those positions (shared head)."""
-        if self.shared:
-            return self.head(hidden)
-        return (self.critic_train or self.critic)(mb, packed=packed)
-
-    @torch.no_grad()
-    def values(self, policy, ro: Rollout, *, temperature: float, budget: int = 0, rows: int = 0,
-               packed: bool = False) -> Tensor:
-        """V(s_t) of every completion token, without gradient, in micro-batches as
-        gspo.logprobs.token_logprobs runs them. (B, T)"""
-        B, T = ro.completion_mask.shape
-        out = None
-        groups = micro_batches(ro, torch.arange(B), budget, packed) if budget > 0 else torch.arange(B).split(rows or B)
-        for idx in groups:
-            mb, _, ts = trim(ro.select(idx)) if budget > 0 else (ro.select(idx), None, slice(0, T))
-            if self.shared:
-                hidden = forward_logprobs(policy, mb, temperature=temperature, packed=packed, hidden=True).hidden
-                values = self.head(hidden)  # (b, t)
-            else:
-                values = self.critic(mb, packed=packed)  # (b, t)
-            out = values.new_zeros((B, T)) if out is None else out  # (B, T) in the head's dtype
-            out[idx, ts] = values
-        return out * ro.completion_mask
+def kl_rewards(rewards: Tensor, kl: Tensor | None, mask: Tensor, kl_coef: float) -> Tensor:
+    """Token rewards (B, T) with the RLHF penalty: the sequence reward (B,) at the last completion
+    token, minus kl_coef · kl on every token (kl: (B, T) log π_old - log π_ref); kl_coef <= 0:
+    the sequence rewards as they are (gae places them at the last token)."""
+    if kl_coef <= 0:
+        return rewards
+    return -kl_coef * kl * mask + at_last_token(rewards.to(kl.device), mask)  # (B, T)
 
 
 def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, *, gamma: float, lam: float,
-                   kl: Tensor | None = None, kl_coef: float = 0.0, whiten: bool = True,
-                   all_sum=None) -> tuple[Tensor, Tensor]:
+                   whiten: bool = True) -> tuple[Tensor, Tensor]:
     """GAE advantages and returns (B, T) from the sequence reward (B,) at the last completion
-    token, minus kl_coef · kl on every token when kl_coef > 0 (kl: (B, T) log π_old - log π_ref,
-    the RLHF reward penalty). Whitening uses the global batch's statistics (`all_sum`: sums
-    over processes, gspo.distributed.Dist.all_sum)."""
-    token_rewards = rewards.to(old_values.device)  # (B,) placed at the last token by gae()
-    if kl_coef > 0:
-        token_rewards = -kl_coef * kl * mask + at_last_token(token_rewards, mask)  # (B, T)
+    token, or from token rewards (B, T) (`kl_rewards`); `whiten`: over these rows (the trainer
+    whitens over the global batch, gspo.critic)."""
+    token_rewards = rewards.to(old_values.device)  # (B,) placed at the last token by gae(), or (B, T)
     adv, returns = gae(token_rewards, old_values, mask, gamma=gamma, lam=lam)  # (B, T)
     if whiten:
-        adv = masked_whiten(adv, mask, all_sum=all_sum)
+        adv = masked_whiten(adv, mask)
     return adv, returns

@@ -27,15 +27,20 @@ replayed", what Routing Replay sees); the table shows both.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 
 import torch
 
+from gspo import checkpoint as ckpt
 from gspo.config import TrainConfig
-from gspo.logprobs import forward_logprobs, token_logprobs
+from gspo.logprobs import Split, forward_logprobs, token_logprobs
 from gspo.losses import agg_count
 from gspo.moe import drift
+from gspo.plot import plot_panels
 from gspo.run import Run, build_run
+from gspo.batch import Scored
 from gspo.trainer import accumulate, optimizer_step, prepare, rollout, score, step_generator
 
 Tensor = torch.Tensor
@@ -51,11 +56,11 @@ def ratio_variance(cfg: TrainConfig, *, responses: int = 512, n_bins: int = 5, l
     run = build_run(dataclasses.replace(cfg, eval_size=0))
     chunks = sample_old(run, responses)
     n = one_minibatch_update(run)
-    log(f"[variance] {cfg.model}: {sum(c[0].prompt_ids.shape[0] for c in chunks)} responses sampled; one "
-        f"minibatch of {n} responses, {cfg.algorithm}, lr {cfg.lr:g}")
+    log(f"[variance] {cfg.policy.model}: {sum(c[0].prompt_ids.shape[0] for c in chunks)} responses sampled; one "
+        f"minibatch of {n} responses, {cfg.loss.algorithm}, lr {cfg.optim.lr:g}")
     settings, drift_mean = measure(run, chunks, n_bins)
     first = next(iter(settings.values()))
-    return {"model": cfg.model, "task": cfg.dataset or cfg.task, "algorithm": cfg.algorithm, "lr": cfg.lr,
+    return {"model": cfg.policy.model, "task": cfg.data.dataset or cfg.data.task, "algorithm": cfg.loss.algorithm, "lr": cfg.optim.lr,
             "responses": int(sum(b["n"] for b in first)), "minibatch": n, "drift": drift_mean, "settings": settings}
 
 
@@ -65,9 +70,9 @@ def sample_old(run: Run, responses: int) -> list[tuple]:
     of one step's size."""
     cfg = run.cfg
     chunks = []
-    for k in range(max(1, math.ceil(responses / (cfg.prompts_per_step * cfg.group_size)))):
+    for k in range(max(1, math.ceil(responses / (cfg.sampling.prompts_per_step * cfg.sampling.group_size)))):
         step = FIRST_STEP + 1 + k
-        ro, _, _, _ = rollout(run, run.task.train_batch(step, cfg.prompts_per_step, cfg.seed), step)
+        ro, _, _, _ = rollout(run, run.task.train_batch(step, cfg.sampling.prompts_per_step, cfg.run.seed), step)
         old, experts = _logprobs(run, ro)
         chunks.append((ro, old, experts))
     return chunks
@@ -77,16 +82,16 @@ def one_minibatch_update(run: Run) -> int:
     """One optimizer step of the run's algorithm on the first minibatch of an ordinary step's
     rollout (its own prompts); returns the minibatch's number of responses."""
     cfg = run.cfg
-    examples = run.task.train_batch(FIRST_STEP, cfg.prompts_per_step, cfg.seed)
+    examples = run.task.train_batch(FIRST_STEP, cfg.sampling.prompts_per_step, cfg.run.seed)
     ro, texts, ids, _ = rollout(run, examples, FIRST_STEP)
-    rewards, parts = score(run.rewards, examples, texts, ids, cfg.group_size)
-    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts)
+    rewards, parts = score(run.rewards, examples, texts, ids, cfg.sampling.group_size)
+    batch = prepare(run, ro, Scored(rewards, parts, examples, texts))
     mask = batch.rollout.completion_mask  # (B, T)
     B = mask.shape[0]
-    order = torch.randperm(B, generator=step_generator(cfg.seed, FIRST_STEP, "minibatches"))
-    idx = order[: B // cfg.num_minibatches]
+    order = torch.randperm(B, generator=step_generator(cfg.run.seed, FIRST_STEP, "minibatches"))
+    idx = order[: B // cfg.loss.num_minibatches]
     run.train_model.train()
-    accumulate(run, batch, idx, [float(agg_count(mask[idx], cfg.loss_agg)), float(mask[idx].sum())])
+    accumulate(run, batch, idx, [float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())])
     optimizer_step(run)
     return len(idx)
 
@@ -94,7 +99,7 @@ def one_minibatch_update(run: Run) -> int:
 def measure(run: Run, chunks: list[tuple], n_bins: int) -> tuple[dict[str, list[dict]], float | None]:
     """The binned variances of the ratios of the policy now to π_old over the sampled chunks,
     per routing setting ("" for a dense model), and the mean expert drift (None: dense)."""
-    moe = run.routing is not None
+    moe = run.routing.moe
     settings = {"router free": [], "routing replayed": []} if moe else {"": []}
     drifts = []
     for ro, old, experts in chunks:
@@ -110,8 +115,8 @@ def measure(run: Run, chunks: list[tuple], n_bins: int) -> tuple[dict[str, list[
 def _logprobs(run: Run, ro) -> tuple[Tensor, Tensor | None]:
     """log π of the sampled tokens under the run's policy now (float64), and the experts it used."""
     with run.autocast():
-        logp, experts = token_logprobs(run.policy, ro, temperature=run.cfg.temperature, budget=run.cfg.micro_batch_tokens,
-                                       rows=max(1, ro.prompt_ids.shape[0] // run.cfg.num_minibatches),
+        split = Split(run.cfg.policy.micro_batch_tokens, max(1, ro.prompt_ids.shape[0] // run.cfg.loss.num_minibatches))
+        logp, experts = token_logprobs(run.policy, ro, temperature=run.cfg.sampling.temperature, split=split,
                                        routing=run.routing)
     return logp.double(), experts
 
@@ -121,9 +126,9 @@ def _replayed(run: Run, ro, experts: Tensor) -> Tensor:
     """log π_new of the sampled tokens with π_old's experts forced (Routing Replay), float64."""
     run.policy.eval()
     out = []
-    for idx in torch.arange(ro.prompt_ids.shape[0]).split(max(1, ro.prompt_ids.shape[0] // run.cfg.num_minibatches)):
+    for idx in torch.arange(ro.prompt_ids.shape[0]).split(max(1, ro.prompt_ids.shape[0] // run.cfg.loss.num_minibatches)):
         with run.routing.capture(experts[idx]), run.autocast():
-            out.append(forward_logprobs(run.policy, ro.select(idx), temperature=run.cfg.temperature).logp)
+            out.append(forward_logprobs(run.policy, ro.select(idx), temperature=run.cfg.sampling.temperature).logp)
     return torch.cat(out).double()
 
 
@@ -172,12 +177,6 @@ def _binned(r: dict[str, Tensor], n_bins: int) -> list[dict]:
 def write_variance(results: list[dict], out_dir) -> None:
     """variance.json, variance.md (the table) and variance.png (one panel per quantity, x = mean
     response length of the bin, one line per model and routing setting) in `out_dir`."""
-    import json
-    from pathlib import Path
-
-    from gspo import checkpoint as ckpt
-    from gspo.plot import plot_panels
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt.atomic_write_text(out / "variance.json", json.dumps(ckpt.json_clean(results), indent=2) + "\n")

@@ -1,7 +1,7 @@
 """Rollouts on vLLM: the inference engine every peer samples with, colocated in the trainer's process.
 
     gspo train --rollout-engine vllm
-    sampler = VLLMSampler(model_dir, dtype="float32", seed=0, device=torch.device("cpu"))
+    sampler = VLLMSampler(model_dir, VLLM(vllm_max_model_len=4096), dtype="float32", seed=0)   # cfg.vllm, resolved
     sampler.sync(policy)                                   # the policy's current weights
     ro = sampler.sample(prompt_ids, params, generator=g)   # a gspo.rollout.Rollout, like PolicySampler's
     sampler.end_rollout()                                  # the rollout's last sample: the engine sleeps
@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from gspo.rollout import Rollout, SamplingParams, left_pad
+from gspo.config import VLLM
 
 Tensor = torch.Tensor
 
@@ -105,15 +106,20 @@ def import_vllm():
 
 
 class VLLMSampler:
-    """A colocated vLLM engine behind the gspo.rollout.Sampler interface. `sleep`: where the
-    platform can (CUDA). `vllm`: the module to build the engine with (tests pass a fake)."""
+    """A colocated vLLM engine behind the gspo.rollout.Sampler interface.
 
-    def __init__(self, model_dir: str, *, dtype: str, seed: int, device: torch.device, max_model_len: int,
-                 gpu_memory_utilization: float = 0.3, kv_cache_gib: float = 2.0, sleep: bool = True,
-                 dist=None, root=None, vllm=None):
+    engine: the config's vLLM section, its `vllm_max_model_len` resolved (> 0: gspo.run uses the
+    model's max_position_embeddings for 0); `vllm_sleep` applies where the platform can (CUDA).
+    dtype: what the engine computes in ("float32", "bfloat16", "float16"). seed: the engine's.
+    dist (gspo.distributed.Dist): the device (None: the CPU) and, under torchrun, one engine per
+    process. `vllm`: the module to build the engine with (tests pass a fake)."""
+
+    def __init__(self, model_dir: str, engine: VLLM, *, dtype: str, seed: int, dist=None, vllm=None):
         vllm = vllm or import_vllm()
-        self.device, self.dist, self.root = device, dist, root
-        self.sleep = sleep and vllm.platforms.current_platform.is_sleep_mode_available()
+        device = dist.device if dist is not None else torch.device("cpu")
+        max_model_len = engine.vllm_max_model_len
+        self.device = device
+        self.sleep = engine.vllm_sleep and vllm.platforms.current_platform.is_sleep_mode_available()
         self.asleep = False
         self.dtype = getattr(torch, dtype)  # what the engine computes in: each synced weight is cast to it
         self.synced = None  # the policy of the last sync: its weights replace discarded ones (sleep level 2)
@@ -123,9 +129,9 @@ class VLLMSampler:
         if self.sleep:
             kw.update(enable_sleep_mode=True)
         if device.type == "cuda":
-            kw.update(gpu_memory_utilization=gpu_memory_utilization)
+            kw.update(gpu_memory_utilization=engine.vllm_gpu_memory_utilization)
         else:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(engine.vllm_kv_cache_gib))))
             # no chunked prefill: vLLM 0.32 rewinds the seeded generator of a request whose partial
             # prefill sampled a token (gpu_model_runner._bookkeeping_sync), which a CPU generator
             # refuses; a whole prompt per step then needs a budget of max_model_len (vLLM's own CPU rule)

@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
-from gspo.evaluation import evaluate  # noqa: E402
+from gspo.evaluation import EvalOptions, evaluate  # noqa: E402
 from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
 from gspo.rewards import load_rewards  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
@@ -98,13 +98,13 @@ class _Subset:
 def report(model, tokenizer, task, n: int, k: int, by_length: bool = True) -> dict:
     rewards = load_rewards(list(task.default_rewards), None)
     kw = dict(k=k, max_new_tokens=task.default_max_new_tokens, batch_size=128)
-    res = evaluate(model, tokenizer, task, rewards, n=n, **kw)
+    res = evaluate(model, tokenizer, task, rewards, EvalOptions(n=n, **kw))
     print(f"held-out (n={res['n']}): greedy accuracy {res['accuracy']:.3f}  sample accuracy "
           f"{res['sample_accuracy']:.3f}  pass@{k} {res[f'pass@{k}']:.3f}", flush=True)
     if by_length:
         for lo, hi in LENGTH_BINS:
             sub = _Subset(task, n, lo, hi)
-            r = evaluate(model, tokenizer, sub, rewards, n=len(sub.rows), **kw)
+            r = evaluate(model, tokenizer, sub, rewards, EvalOptions(n=len(sub.rows), **kw))
             print(f"  {lo:2d}-{hi:2d} steps (n={r['n']:3d}): greedy {r['accuracy']:.3f}  "
                   f"sample {r['sample_accuracy']:.3f}  pass@{k} {r[f'pass@{k}']:.3f}", flush=True)
     return res

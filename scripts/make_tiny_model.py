@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo.evaluation import evaluate  # noqa: E402
+from gspo.evaluation import EvalOptions, evaluate  # noqa: E402
 from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 
@@ -136,7 +136,7 @@ def main():
     model.eval()
     from gspo.rewards import load_rewards
 
-    res = evaluate(model, tokenizer, task, load_rewards(["exact_integer"], None), n=1000, k=8)
+    res = evaluate(model, tokenizer, task, load_rewards(["exact_integer"], None), EvalOptions(n=1000, k=8))
     print(f"greedy accuracy {res['accuracy']:.3f}  sample accuracy {res['sample_accuracy']:.3f}  "
           f"pass@8 {res['pass@8']:.3f}")
     out = Path(args.out or ASSETS / ("tiny-moe" if moe else "tiny"))

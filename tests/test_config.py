@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from gspo.checkpoint import config_yaml
-from gspo.config import ConfigError, TrainConfig, resolve
+from gspo.config import ConfigError, TrainConfig
+from gspo.resolve import resolve
 from gspo.configfile import load_yaml
 
 
@@ -74,7 +75,7 @@ def test_yaml_values_and_errors(tmp_path):
         "group_size: eight\n": "group_size: expected an integer, got 'eight'",
         "group_size: true\n": "group_size: expected an integer",
         "lr: fast\n": "lr: expected a number",
-        "algorithm: ppo2\n": "algorithm: expected one of gspo, grpo, gspo_token",
+        "algorithm: ppo2\n": "algorithm: expected one of gspo, grpo, ppo, gspo_token",
         "bogus: 1\n": "unknown option 'bogus'",
         "- 1\n- 2\n": "expected a mapping",
         "adam_betas: [0.9]\n": "adam_betas: expected a list of 2 values",

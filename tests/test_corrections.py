@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gspo.losses import aggregate, policy_loss, rollout_is_weights
+from gspo.config import Corrections, Loss
 
 D = torch.float64
 LN = math.log
@@ -29,8 +30,18 @@ def close(a, b, rtol=1e-6, atol=1e-12):
     torch.testing.assert_close(torch.as_tensor(a, dtype=D), torch.as_tensor(b, dtype=D), rtol=rtol, atol=atol)
 
 
-def weights(level, mode, low=0.5, high=2.0, old=OLD, rollout=ROLLOUT, mask=MASK):
-    return rollout_is_weights(old, rollout, mask, level=level, mode=mode, low=low, high=high)
+def section(level, mode, low=0.5, high=2.0):
+    return Corrections(rollout_is=level, rollout_is_mode=mode, rollout_is_low=low, rollout_is_high=high)
+
+
+def weights(level, mode, low=0.5, high=2.0, tensors=(OLD, ROLLOUT, MASK)):
+    """rollout_is_weights of (old_logp, rollout_logp, mask), the hand case's by default."""
+    return rollout_is_weights(*tensors, section(level, mode, low, high))
+
+
+def L(name, clip_low, clip_high, **kw):
+    """The loss section of loss `name` with this clip range (other options by Loss's names: loss_agg=, beta= ...)."""
+    return Loss(algorithm=name, clip_low=clip_low, clip_high=clip_high, **kw)
 
 
 # (level, mode, low, high) -> expected weights (0 on padding), fraction changed, what it counts
@@ -73,7 +84,7 @@ def test_token_truncation_weight_mean_by_hand():
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_no_gap_gives_weights_exactly_one(level, mode):
-    w, m = weights(level, mode, low=0.999, high=1.001, old=ROLLOUT.clone())
+    w, m = weights(level, mode, low=0.999, high=1.001, tensors=(ROLLOUT.clone(), ROLLOUT, MASK))
     assert torch.equal(w, MASK)  # exactly 1 on completion tokens, 0 on padding
     assert float(m["is/truncated_frac" if mode == "truncate" else "is/masked_frac"]) == 0.0
 
@@ -84,8 +95,8 @@ def test_padding_changes_nothing(level, mode):
     w, m = weights(level, mode, low=0.7, high=1.1)
     junk = torch.full((2, 2), -50.0, dtype=D)
     pad = torch.zeros(2, 2, dtype=D)
-    w2, m2 = weights(level, mode, low=0.7, high=1.1, old=torch.cat([OLD, junk], 1),
-                     rollout=torch.cat([ROLLOUT, -junk], 1), mask=torch.cat([MASK, pad], 1))
+    padded = (torch.cat([OLD, junk], 1), torch.cat([ROLLOUT, -junk], 1), torch.cat([MASK, pad], 1))
+    w2, m2 = weights(level, mode, low=0.7, high=1.1, tensors=padded)
     close(w2[:, :3], w)
     assert (w2[:, 3:] == 0).all()
     assert m.keys() == m2.keys()
@@ -98,7 +109,7 @@ def test_padding_changes_nothing(level, mode):
 def test_extreme_gaps_stay_finite(level, mode):
     old = torch.tensor([[-1e4, 0.0], [0.0, -1e4]], dtype=D)
     rollout = torch.tensor([[0.0, -1e4], [-1e4, 0.0]], dtype=D)
-    w, m = rollout_is_weights(old, rollout, torch.ones(2, 2, dtype=D), level=level, mode=mode, low=0.5, high=2.0)
+    w, m = rollout_is_weights(old, rollout, torch.ones(2, 2, dtype=D), section(level, mode, low=0.5, high=2.0))
     assert torch.isfinite(w).all() and all(math.isfinite(v) for v in m.values())
     assert float(w.max()) <= 2.0
 
@@ -108,9 +119,9 @@ def test_bad_arguments_raise():
                     ({"level": "token", "mode": "mask", "low": 1.5}, "low"),
                     ({"level": "token", "mode": "mask", "high": 0.9}, "high")]:
         with pytest.raises(ValueError, match=msg):
-            rollout_is_weights(OLD, ROLLOUT, MASK, **kw)
+            rollout_is_weights(OLD, ROLLOUT, MASK, section(**kw))
     with pytest.raises(ValueError, match="shape"):
-        rollout_is_weights(OLD, ROLLOUT[:, :2], MASK, level="token", mode="mask")
+        rollout_is_weights(OLD, ROLLOUT[:, :2], MASK, section(level="token", mode="mask"))
 
 
 def test_weights_multiply_the_per_token_loss_before_aggregation():
@@ -121,7 +132,7 @@ def test_weights_multiply_the_per_token_loss_before_aggregation():
     w, _ = weights("token", "truncate", high=1.1)
     logp = OLD.clone().requires_grad_()
     adv = torch.tensor([1.0, -2.0], dtype=D)
-    loss, _ = policy_loss("grpo", logp, OLD, adv, MASK, clip_low=0.2, clip_high=0.2, is_weights=w)
+    loss, _ = policy_loss(logp, OLD, adv, MASK, L("grpo", 0.2, 0.2), is_weights=w)
     r1 = -(1.1 + E(-0.5) + 1.0) / 3
     r2 = 2 * (E(-0.2) + 1.1) / 2
     close(loss, (r1 + r2) / 2)
@@ -130,8 +141,8 @@ def test_weights_multiply_the_per_token_loss_before_aggregation():
     close(logp.grad[0], -torch.tensor([1.1, E(-0.5), 1.0], dtype=D) / 6)
     close(logp.grad[1], torch.tensor([2 * E(-0.2) / 4, 2 * 1.1 / 4, 0.0], dtype=D))
     # a weight of 1 everywhere is no correction at all
-    plain, _ = policy_loss("gspo", OLD, OLD, adv, MASK, clip_low=0.2, clip_high=0.2)
-    ones, _ = policy_loss("gspo", OLD, OLD, adv, MASK, clip_low=0.2, clip_high=0.2, is_weights=MASK.clone())
+    plain, _ = policy_loss(OLD, OLD, adv, MASK, L("gspo", 0.2, 0.2))
+    ones, _ = policy_loss(OLD, OLD, adv, MASK, L("gspo", 0.2, 0.2), is_weights=MASK.clone())
     assert torch.equal(plain, ones)
 
 
@@ -140,8 +151,7 @@ def test_weights_do_not_touch_the_kl_term():
     ref = OLD - 0.1
     zero = torch.zeros_like(MASK)
     adv = torch.tensor([1.0, -2.0], dtype=D)
-    loss, m = policy_loss("grpo", OLD, OLD, adv, MASK, clip_low=0.2, clip_high=0.2, is_weights=zero,
-                          ref_logp=ref, beta=0.5)
+    loss, m = policy_loss(OLD, OLD, adv, MASK, L("grpo", 0.2, 0.2, beta=0.5), is_weights=zero, ref_logp=ref)
     # k3 with log ρ = -0.1 on every token: e^-0.1 - 1 + 0.1 = 0.0048374; β · that = 0.0024187
     close(loss, 0.5 * (E(-0.1) - 0.9))
     close(m["loss/policy"], 0.0)
@@ -158,17 +168,18 @@ def test_opsm_drops_negative_responses_far_off_policy():
     rollout = logp + torch.tensor([[0.1, 0.3], [0.05, 0.05], [0.5, 0.5]], dtype=D)
     mask = torch.ones(3, 2, dtype=D)
     adv = torch.tensor([-1.0, -2.0, 0.5], dtype=D)
-    kw = dict(clip_low=0.2, clip_high=0.2, rollout_logp=rollout)
-    loss, m = policy_loss("grpo", logp, logp, adv, mask, opsm_delta=0.1, **kw)
+    grpo = L("grpo", 0.2, 0.2)
+    loss, m = policy_loss(logp, logp, adv, mask, grpo, rollout_logp=rollout, opsm_delta=0.1)
     close(loss, 0.5)
     close(m["opsm/masked_frac"], 1 / 3)
-    off, _ = policy_loss("grpo", logp, logp, adv, mask, **kw)
+    off, _ = policy_loss(logp, logp, adv, mask, grpo, rollout_logp=rollout)
     close(off, 2.5 / 3)
-    wide, m = policy_loss("grpo", logp, logp, adv, mask, opsm_delta=0.25, **kw)  # 0.2 < 0.25: nothing dropped
+    # 0.2 < 0.25: nothing dropped
+    wide, m = policy_loss(logp, logp, adv, mask, grpo, rollout_logp=rollout, opsm_delta=0.25)
     close(wide, 2.5 / 3)
     assert m["opsm/masked_frac"] == 0.0
     with pytest.raises(ValueError, match="rollout_logp"):
-        policy_loss("grpo", logp, logp, adv, mask, clip_low=0.2, clip_high=0.2, opsm_delta=0.1)
+        policy_loss(logp, logp, adv, mask, L("grpo", 0.2, 0.2), opsm_delta=0.1)
 
 
 def test_aggregation_keeps_masked_tokens_in_the_denominator():

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from gspo.data import DataError, load_dataset_task, read_records
+from gspo.config import Data
 
 ROWS = [{"prompt": f"q{i}", "answer": str(i), "level": i % 3} for i in range(20)]
 
@@ -72,7 +73,7 @@ def test_training_order_covers_each_epoch_once(files):
 def test_columns_and_chat_prompts(tmp_path):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
     p = write_jsonl(tmp_path / "c.jsonl", [{"question": msgs, "solution": 4, "topic": "math"}] * 3)
-    task = load_dataset_task(str(p), prompt_column="question", answer_column="solution")
+    task = load_dataset_task(str(p), Data(prompt_column="question", answer_column="solution"))
     ex = task.train[0]
     assert ex.is_chat and ex.prompt == msgs and ex.answer == 4
     assert ex.columns == {"solution": 4, "topic": "math"}
@@ -84,10 +85,10 @@ def test_dataset_dict_splits(tmp_path):
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:15]),
                                "test": datasets.Dataset.from_list(ROWS[15:])})
     dd.save_to_disk(str(tmp_path / "dd"))
-    task = load_dataset_task(str(tmp_path / "dd"), split="train", eval_split="test")
+    task = load_dataset_task(str(tmp_path / "dd"), Data(dataset_split="train", eval_split="test"))
     assert len(task.train) == 15 and len(task.eval) == 5
     with pytest.raises(DataError, match=r"no split 'validation' \(splits: train, test\)"):
-        load_dataset_task(str(tmp_path / "dd"), split="validation")
+        load_dataset_task(str(tmp_path / "dd"), Data(dataset_split="validation"))
 
 
 # A corpus of malformed datasets: (file name, content, expected message fragment). Each message

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from gspo.losses import AGG_MODES, policy_loss
+from gspo.config import Loss
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -27,8 +28,8 @@ def test_options_table_is_current():
 
 def test_loss_metrics_and_agg_modes_are_documented():
     lp = torch.zeros(1, 2)
-    _, m = policy_loss("gspo", lp, lp, torch.ones(1), torch.ones(1, 2), clip_low=0.1, clip_high=0.1,
-                       ref_logp=lp, beta=0.1)
+    loss = Loss(algorithm="gspo", clip_low=0.1, clip_high=0.1, beta=0.1)
+    _, m = policy_loss(lp, lp, torch.ones(1), torch.ones(1, 2), loss, ref_logp=lp)
     metrics, library = page("metrics.md"), page("library.md")
     for name in m:
         assert f"`{name}`" in metrics, f"{name} missing from docs/metrics.md"

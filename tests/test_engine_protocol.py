@@ -16,12 +16,14 @@ import pytest
 import torch
 
 from gspo import vllm_engine
-from gspo.config import TrainConfig, resolve
+from gspo.config import TrainConfig
+from gspo.resolve import resolve
 from gspo.env import Environment, Step
 from gspo.models import build_chat_tokenizer
 from gspo.rollout import sampling_params
 from gspo.tasks.calculator import CalculatorTask
 from gspo.trainer import rollout
+from gspo.config import VLLM
 from gspo.vllm_engine import EngineError, VLLMSampler, check_version
 
 TURN = "12<|im_end|>"  # every model turn: an answer that ends the turn
@@ -89,8 +91,7 @@ def tok():
 def engine(tok, monkeypatch):
     log = []
     monkeypatch.setattr(vllm_engine, "empty_cache", lambda device: log.append("empty_cache"))
-    sampler = VLLMSampler("model", dtype="float32", seed=0, device=torch.device("cpu"), max_model_len=4096,
-                          vllm=fake_vllm(log, tok))
+    sampler = VLLMSampler("model", VLLM(vllm_max_model_len=4096), dtype="float32", seed=0, vllm=fake_vllm(log, tok))
     return sampler, log
 
 
@@ -135,7 +136,7 @@ def test_no_sleep_where_the_platform_has_none(tok):
     log = []
     mod = fake_vllm(log, tok)
     mod.platforms.current_platform.is_sleep_mode_available = lambda: False  # CPU
-    sampler = VLLMSampler("model", dtype="float32", seed=0, device=torch.device("cpu"), max_model_len=4096, vllm=mod)
+    sampler = VLLMSampler("model", VLLM(vllm_max_model_len=4096), dtype="float32", seed=0, vllm=mod)
     sampler.sample([[1, 2, 3]], sampling_params(tok, group_size=1, max_new_tokens=8))
     sampler.end_rollout()
     assert log == ["generate"] and "enable_sleep_mode" not in sampler.llm.kw

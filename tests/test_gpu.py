@@ -19,13 +19,14 @@ def test_train_on_cuda_bf16(tmp_path):
 
 @pytest.mark.gpu
 def test_pass_at_k_on_cuda(char_tokenizer):
-    from gspo.evaluation import evaluate
+    from gspo.evaluation import EvalOptions, evaluate
     from gspo.models import load_policy
     from gspo.rewards import load_rewards
     from gspo.tasks import get_task
 
     model, tok = load_policy("tiny", device="cuda")
-    out = evaluate(model, tok, get_task("arithmetic"), load_rewards(["exact_integer"], None), n=16, k=4)
+    out = evaluate(model, tok, get_task("arithmetic"), load_rewards(["exact_integer"], None),
+                   EvalOptions(n=16, k=4))
     assert 0.0 <= out["accuracy"] <= out["pass@4"] <= 1.0
 
 

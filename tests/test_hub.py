@@ -18,6 +18,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.hub import HubError, looks_like_hub_id, model_dir, model_files
+from gspo.config import Data
 from tests.hubcache import cache_dataset, cache_model, offline_env, offline_hub, tiny_qwen2_dir, tiny_qwen3_dir
 
 QWEN2, QWEN3, GSM8K = "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B", "openai/gsm8k"
@@ -173,7 +174,7 @@ def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
 
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:20]),
                                "test": datasets.Dataset.from_list(ROWS[20:])})
-    task = load_dataset_task(dd, prompt_column="question", split="train", eval_split="test")
+    task = load_dataset_task(dd, Data(prompt_column="question", dataset_split="train", eval_split="test"))
     assert (len(task.train), len(task.eval)) == (20, 4)  # the test split, not a held-out slice of train
     assert task.eval[0].source == "train_dataset[test] row 1"
     cfg = gspo.TrainConfig(steps=1, eval_split="test", prompt_column="question", output_dir=str(tmp_path / "r"),
@@ -182,7 +183,7 @@ def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
     assert summary["steps"] == 1
     assert f"model: {QWEN3}\n" in (tmp_path / "r" / "config.yaml").read_text()
     with pytest.raises(gspo.data.DataError, match=r"train_dataset: no split 'validation' \(splits: train, test\)"):
-        load_dataset_task(dd, prompt_column="question", split="validation")
+        load_dataset_task(dd, Data(prompt_column="question", dataset_split="validation"))
 
 
 @pytest.mark.filterwarnings("ignore:Could not find a config file")  # PEFT, saving offline: cannot ask the Hub
@@ -223,12 +224,12 @@ def test_lora_run_on_a_hub_id_exports_merged_offline(offline, tmp_path):
 def test_hub_rows_are_named_by_id_config_split_and_row(offline):
     from gspo.data import DataError, load_dataset_task
 
-    task = load_dataset_task(GSM8K, config="main", prompt_column="question", eval_split="test")
+    task = load_dataset_task(GSM8K, Data(dataset_config="main", prompt_column="question", eval_split="test"))
     assert task.eval[0].source == "openai/gsm8k[main] test row 1" and len(task.train) == 20
     with pytest.raises(DataError, match=r"^openai/gsm8k\[main\]: no column 'prompt' \(columns: question, answer\)"):
-        load_dataset_task(GSM8K, config="main")
+        load_dataset_task(GSM8K, Data(dataset_config="main"))
     with pytest.raises(DataError, match=r"^openai/gsm8k\[main\]: no split 'validation' \(splits: train, test\)"):
-        load_dataset_task(GSM8K, config="main", prompt_column="question", split="validation")
+        load_dataset_task(GSM8K, Data(dataset_config="main", prompt_column="question", dataset_split="validation"))
 
 
 def test_cli_in_a_subprocess_offline(hub, tmp_path):
@@ -366,7 +367,7 @@ def test_a_dataset_with_several_configs_needs_one(tmp_path, monkeypatch):
 
 def test_absolute_paths_keeps_hub_ids(offline):
     from gspo.config import TrainConfig
-    from gspo.lifecycle import absolute_paths
+    from gspo.resolve import absolute_paths
 
     cfg = absolute_paths(TrainConfig(model=QWEN2, revision="v2", dataset=GSM8K, eval_dataset=GSM8K))
     assert (cfg.model, cfg.revision, cfg.dataset, cfg.eval_dataset) == (QWEN2, "v2", GSM8K, GSM8K)
@@ -376,7 +377,7 @@ def test_absolute_paths_makes_a_reward_model_directory_absolute(tmp_path, monkey
     """A reward model given as a relative directory must still be found by --resume from another
     working directory; a hub id, a built-in reward and a file:function keep their meaning."""
     from gspo.config import TrainConfig
-    from gspo.lifecycle import absolute_paths
+    from gspo.resolve import absolute_paths
 
     (tmp_path / "rm").mkdir()
     (tmp_path / "rewards.py").write_text("def f(completions, **kw): return [0.0] * len(completions)\n")

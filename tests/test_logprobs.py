@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.logprobs import (completion_logprobs, forward_logprobs, micro_batches, supports_packing, token_logprobs,
-                           trim)
+from gspo.logprobs import (Split, completion_logprobs, forward_logprobs, micro_batches, supports_packing,
+                           token_logprobs, trim)
 from gspo.losses import AGG_MODES, agg_count
 from gspo.rollout import generate, position_ids_from_mask, sampling_params
 from gspo.run import build_run
+from gspo.batch import Scored
 from gspo.trainer import accumulate, prepare, rollout, score
 
 D = torch.float64
@@ -93,15 +94,15 @@ def test_entropy_by_hand(fp64_model, char_tokenizer):
 def test_token_logprobs_in_micro_batches(fp64_model, char_tokenizer, packed):
     ro = _rollout(fp64_model, char_tokenizer)
     whole, _ = token_logprobs(fp64_model, ro, temperature=1.0)
-    split, _ = token_logprobs(fp64_model, ro, temperature=1.0, budget=30, packed=packed)
+    split, _ = token_logprobs(fp64_model, ro, temperature=1.0, split=Split(budget=30, packed=packed))
     torch.testing.assert_close(split, whole, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(whole, ro.logp.to(D), rtol=1e-6, atol=1e-6)  # and the sampler recorded the same
 
 
 def _grads(run):
     return {n: p.grad.clone() for n, p in run.policy.named_parameters() if p.grad is not None} | (
-        {} if run.value_model is None or run.value_model.shared else
-        {"critic." + n: p.grad.clone() for n, p in run.value_model.critic.named_parameters() if p.grad is not None})
+        {"critic." + n: p.grad.clone() for t in run.trainables[1:] for n, p in t.model.named_parameters()
+         if p.grad is not None})
 
 
 def _one_minibatch(run, batch, budget, packed):
@@ -113,9 +114,8 @@ def _one_minibatch(run, batch, budget, packed):
     total = [float(agg_count(mask, run.cfg.loss_agg)), float(mask.sum())]
     metrics = accumulate(run, batch, idx, total)
     grads = _grads(run)
-    run.optimizer.zero_grad(set_to_none=True)
-    if run.value_model is not None and run.value_model.optimizer is not None:
-        run.value_model.optimizer.zero_grad(set_to_none=True)
+    for t in run.trainables:
+        t.optimizer.zero_grad(set_to_none=True)
     return metrics, grads
 
 
@@ -132,12 +132,12 @@ def test_micro_batches_and_packing_equal_one_pass(algorithm, agg, tmp_path):
     run.policy.double()
     if run.reference is not None:
         run.reference.double()
-    if run.value_model is not None:
-        run.value_model.critic.double()
+    for t in run.trainables[1:]:  # the separate critic
+        t.model.double()
     examples = run.task.train_batch(1, cfg.prompts_per_step, cfg.seed)
     ro, texts, ids, _ = rollout(run, examples, step=1)
     rewards, parts = score(run.rewards, examples, texts, ids, cfg.group_size)
-    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts)
+    batch = prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts))
     with torch.no_grad():  # move off-policy so that ratios differ from 1 and some clip
         batch.old_logp = batch.old_logp.to(D) + 0.01 * torch.randn(batch.old_logp.shape, dtype=D,
                                                                     generator=torch.Generator().manual_seed(0))

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspo.losses import AGG_MODES, TOKEN_LOSSES, aggregate, kl_penalty, policy_loss
+from gspo.config import Loss
 
 D = torch.float64
 LN = math.log
@@ -22,6 +23,11 @@ def t(x):
 
 def close(a, b, rtol=1e-6, atol=1e-12):
     torch.testing.assert_close(torch.as_tensor(a, dtype=D), torch.as_tensor(b, dtype=D), rtol=rtol, atol=atol)
+
+
+def L(name, clip_low, clip_high, **kw):
+    """The loss section of loss `name` with this clip range (other options by Loss's names: loss_agg=, beta= ...)."""
+    return Loss(algorithm=name, clip_low=clip_low, clip_high=clip_high, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -36,7 +42,7 @@ def test_token_level_positive_advantage_clips_high_only(name):
     # token 2: min(0.5·1, clip(0.5)=0.8 ·1) = 0.5   -> unclipped branch is the min
     # objective = (1.2 + 0.5) / 2 = 0.85, loss = -0.85
     logp, old = t([[LN(1.5), LN(0.5)]]), t([[0.0, 0.0]])
-    loss, m = policy_loss(name, logp, old, t([1.0]), t([[1.0, 1.0]]), clip_low=0.2, clip_high=0.2)
+    loss, m = policy_loss(logp, old, t([1.0]), t([[1.0, 1.0]]), L(name, 0.2, 0.2))
     close(loss, -0.85)
     close(m["clip/frac"], 0.5)
     close(m["clip/high_frac"], 0.5)
@@ -55,7 +61,7 @@ def test_grpo_negative_advantage_clips_low_only():
     # token 2: min(-0.5, -0.8) = -0.8   -> clipped at the bottom
     # objective = (-1.5 - 0.8) / 2 = -1.15, loss = +1.15
     logp, old = t([[LN(1.5), LN(0.5)]]), t([[0.0, 0.0]])
-    loss, m = policy_loss("grpo", logp, old, t([-1.0]), t([[1.0, 1.0]]), clip_low=0.2, clip_high=0.2)
+    loss, m = policy_loss(logp, old, t([-1.0]), t([[1.0, 1.0]]), L("grpo", 0.2, 0.2))
     close(loss, 1.15)
     close(m["clip/low_frac"], 0.5)
     close(m["clip/high_frac"], 0.0)
@@ -65,14 +71,14 @@ def test_grpo_asymmetric_clip_and_gradient():
     # w = [1.25], Â = +2, ε_low = 0.2, ε_high = 0.27: 1.25 < 1.27 so not clipped.
     # objective = 1.25·2 = 2.5; d(loss)/d(logp) = -w·Â = -2.5 (d w / d logp = w)
     logp = t([[LN(1.25)]]).requires_grad_()
-    loss, m = policy_loss("grpo", logp, t([[0.0]]), t([2.0]), t([[1.0]]), clip_low=0.2, clip_high=0.27)
+    loss, m = policy_loss(logp, t([[0.0]]), t([2.0]), t([[1.0]]), L("grpo", 0.2, 0.27))
     loss.backward()
     close(loss, -2.5)
     close(logp.grad, [[-2.5]])
     close(m["clip/frac"], 0.0)
     # Same with ε_high = 0.2: clipped at 1.2, objective 2.4, gradient cut to 0
     logp = t([[LN(1.25)]]).requires_grad_()
-    loss, m = policy_loss("grpo", logp, t([[0.0]]), t([2.0]), t([[1.0]]), clip_low=0.2, clip_high=0.2)
+    loss, m = policy_loss(logp, t([[0.0]]), t([2.0]), t([[1.0]]), L("grpo", 0.2, 0.2))
     loss.backward()
     close(loss, -2.4)
     close(logp.grad, [[0.0]])
@@ -84,7 +90,7 @@ def test_ppo_per_token_advantages():
     # token 1: min(1.1, 1.1) = 1.1; token 2: min(-1.1, -1.1) = -1.1; mean = 0, loss = 0
     # gradient: d/dlogp of -(1/2)(w1·1 + w2·(-1)) = [-1.1/2, +1.1/2]
     logp = t([[LN(1.1), LN(1.1)]]).requires_grad_()
-    loss, _ = policy_loss("ppo", logp, t([[0.0, 0.0]]), t([[1.0, -1.0]]), t([[1.0, 1.0]]), clip_low=0.2, clip_high=0.2)
+    loss, _ = policy_loss(logp, t([[0.0, 0.0]]), t([[1.0, -1.0]]), t([[1.0, 1.0]]), L("ppo", 0.2, 0.2))
     loss.backward()
     close(loss, 0.0)
     close(logp.grad, [[-0.55, 0.55]])
@@ -109,7 +115,7 @@ def _gspo_case():
 def test_gspo_hand_case():
     logp, old, adv, mask = _gspo_case()
     logp.requires_grad_()
-    loss, m = policy_loss("gspo", logp, old, adv, mask, clip_low=0.2, clip_high=0.27)
+    loss, m = policy_loss(logp, old, adv, mask, L("gspo", 0.2, 0.27))
     s1, s3 = math.sqrt(0.75), 0.5 ** (1 / 3)
     close(loss, -(s1 + 1.27 - 0.8) / 3)
     close(m["clip/frac"], 4 / 6)
@@ -127,7 +133,7 @@ def test_gspo_hand_case():
 
 def test_gspo_token_hand_case_matches_gspo():
     logp, old, adv, mask = _gspo_case()
-    loss, m = policy_loss("gspo_token", logp, old, adv, mask, clip_low=0.2, clip_high=0.27)
+    loss, m = policy_loss(logp, old, adv, mask, L("gspo_token", 0.2, 0.27))
     s1 = math.sqrt(0.75)
     close(loss, -(s1 + 1.27 - 0.8) / 3)
     close(m["clip/frac"], 4 / 6)
@@ -135,27 +141,64 @@ def test_gspo_token_hand_case_matches_gspo():
 
 def test_gspo_rejects_per_token_advantages():
     with pytest.raises(ValueError, match="gspo_token"):
-        policy_loss("gspo", t([[0.0]]), t([[0.0]]), t([[1.0]]), t([[1.0]]), clip_low=0.2, clip_high=0.2)
+        policy_loss(t([[0.0]]), t([[0.0]]), t([[1.0]]), t([[1.0]]), L("gspo", 0.2, 0.2))
 
 
 def test_unknown_loss_lists_valid_names():
     with pytest.raises(ValueError) as e:
-        policy_loss("dpo", t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), clip_low=0.2, clip_high=0.2)
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), L("dpo", 0.2, 0.2))
     for name in ("ppo", "grpo", "gspo", "gspo_token", "cispo", "sapo", "gmpo"):
         assert name in str(e.value)
 
 
 def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="clip"):
-        policy_loss("grpo", t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), clip_low=-0.1, clip_high=0.2)
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), L("grpo", -0.1, 0.2))
+    with pytest.raises(ValueError, match="clip_low and clip_high must be set"):  # an unresolved section
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), Loss(algorithm="grpo"))
     with pytest.raises(ValueError, match="shape"):
-        policy_loss("grpo", t([[0.0, 0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), clip_low=0.1, clip_high=0.2)
+        policy_loss(t([[0.0, 0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), L("grpo", 0.1, 0.2))
     with pytest.raises(ValueError, match="aggregation"):
-        policy_loss("grpo", t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), clip_low=0.1, clip_high=0.2, agg="sum")
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), L("grpo", 0.1, 0.2, loss_agg="sum"))
     with pytest.raises(ValueError, match="max_len"):
         aggregate(t([[1.0]]), t([[1.0]]), "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss("grpo", t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), clip_low=0.1, clip_high=0.2, beta=0.1)
+        policy_loss(t([[0.0]]), t([[0.0]]), t([1.0]), t([[1.0]]), L("grpo", 0.1, 0.2, beta=0.1))
+
+
+def test_one_registration_adds_a_loss():
+    # A loss is one decorated function: register_loss puts it in LOSSES, and what the code derives
+    # from the registry picks it up with nothing else edited: policy_loss runs it for
+    # Loss(algorithm=name) (with the section's clip range), TOKEN_LOSSES lists it, and resolve
+    # fills its preset clip range. The toy loss is -3·Â·log π per token.
+    from gspo.config import TrainConfig
+    from gspo.losses import LOSSES, TokenLoss, register_loss
+    from gspo.resolve import resolve
+
+    seen = []
+
+    @register_loss("toy", preset=(0.125, 0.375), summary="a test loss")
+    def toy(logp, old_logp, advantages, mask, loss):
+        seen.append((loss.clip_low, loss.clip_high))
+        none = torch.zeros_like(mask, dtype=torch.bool)
+        return TokenLoss(-3.0 * advantages.unsqueeze(-1) * logp, torch.ones_like(logp), none, none)
+
+    try:
+        assert "toy" in TOKEN_LOSSES and TOKEN_LOSSES["toy"] is toy
+        cfg = resolve(TrainConfig(algorithm="toy"))
+        assert (cfg.loss.clip_low, cfg.loss.clip_high) == (0.125, 0.375)
+        # logp = [-1, -2], Â = 2: per-token loss [6, 12], seq-mean-token-mean 9; gradient -3·2/2 = -3 per token
+        logp = t([[-1.0, -2.0]]).requires_grad_()
+        loss, m = policy_loss(logp, logp.detach(), t([2.0]), t([[1.0, 1.0]]), cfg.loss)
+        close(loss, 9.0)
+        loss.backward()
+        close(logp.grad, [[-3.0, -3.0]])
+        assert seen == [(0.125, 0.375)] and m["loss/policy"] == 9.0
+    finally:
+        del LOSSES["toy"]
+    assert "toy" not in TOKEN_LOSSES
+    with pytest.raises(ValueError, match="unknown policy loss 'toy'"):
+        policy_loss(logp, logp.detach(), t([2.0]), t([[1.0, 1.0]]), cfg.loss)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,15 +242,15 @@ def test_every_loss_uses_the_requested_mode(name, mode):
     # gradient is checked instead, which on-policy is GRPO's in every mode.
     expected = {"seq-mean-token-mean": -2.5, "token-mean": -2.75, "seq-mean-token-sum": -5.5, "seq-mean-token-sum-norm": -1.375}
     logp = t([[-0.3, -9.0, -9.0], [-1.0, -2.0, -0.5]]).requires_grad_()
-    loss, _ = policy_loss(name, logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK), clip_low=0.2, clip_high=0.2,
-                          agg=mode, max_len=4)
+    loss, _ = policy_loss(logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK), L(name, 0.2, 0.2, loss_agg=mode),
+                          max_len=4)
     if name not in ("cispo", "sapo"):
         close(loss, expected[mode])
         return
     loss.backward()
     grpo_logp = logp.detach().clone().requires_grad_()
-    grpo, _ = policy_loss("grpo", grpo_logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK), clip_low=0.2,
-                          clip_high=0.2, agg=mode, max_len=4)
+    grpo, _ = policy_loss(grpo_logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK),
+                          L("grpo", 0.2, 0.2, loss_agg=mode), max_len=4)
     grpo.backward()
     close(logp.grad, grpo_logp.grad)
     assert logp.grad.abs().sum() > 0
@@ -234,7 +277,8 @@ def test_kl_penalty_added_with_beta():
     # loss = β · 0.1931472 with β = 0.5 -> 0.0965736
     logp = t([[LN(0.5), LN(0.5)]])
     ref = t([[LN(0.25), LN(0.25)]])
-    loss, m = policy_loss("gspo", logp, logp.clone(), t([0.0]), t([[1.0, 1.0]]), clip_low=3e-4, clip_high=4e-4, ref_logp=ref, beta=0.5)
+    loss, m = policy_loss(logp, logp.clone(), t([0.0]), t([[1.0, 1.0]]), L("gspo", 3e-4, 4e-4, beta=0.5),
+                          ref_logp=ref)
     close(loss, 0.5 * (0.5 - 1 + LN(2)))
     close(m["kl/ref"], 0.5 - 1 + LN(2))
     close(m["loss/kl"], 0.5 * (0.5 - 1 + LN(2)))
@@ -262,8 +306,8 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(seed, clip):
     logp, old, adv, mask = _random_batch(seed)
     lp1 = logp.clone().requires_grad_()
     lp2 = logp.clone().requires_grad_()
-    l1, m1 = policy_loss("gspo", lp1, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
-    l2, m2 = policy_loss("gspo_token", lp2, old, adv[:, None].expand_as(mask), mask, clip_low=clip[0], clip_high=clip[1])
+    l1, m1 = policy_loss(lp1, old, adv, mask, L("gspo", clip[0], clip[1]))
+    l2, m2 = policy_loss(lp2, old, adv[:, None].expand_as(mask), mask, L("gspo_token", clip[0], clip[1]))
     l1.backward()
     l2.backward()
     close(l1, l2)
@@ -274,7 +318,7 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(seed, clip):
 @pytest.mark.parametrize("name", list(TOKEN_LOSSES))
 def test_on_policy_every_ratio_is_one_and_nothing_clips(name):
     logp, _, adv, mask = _random_batch(0)
-    _, m = policy_loss(name, logp, logp.clone(), adv, mask, clip_low=3e-4, clip_high=4e-4)
+    _, m = policy_loss(logp, logp.clone(), adv, mask, L(name, 3e-4, 4e-4))
     assert m["clip/frac"] == 0.0
     assert m["ratio/min"] == 1.0 and m["ratio/max"] == 1.0
     assert m["kl/old_new"] == 0.0
@@ -285,7 +329,7 @@ def test_on_policy_every_ratio_is_one_and_nothing_clips(name):
 def test_padding_changes_nothing(name, mode):
     logp, old, adv, mask = _random_batch(1, spread=0.3)
     lp = logp.clone().requires_grad_()
-    loss, m = policy_loss(name, lp, old, adv, mask, clip_low=0.1, clip_high=0.1, agg=mode, max_len=16)
+    loss, m = policy_loss(lp, old, adv, mask, L(name, 0.1, 0.1, loss_agg=mode), max_len=16)
     loss.backward()
     # append 3 padding columns with junk log-probs, and 2 empty rows
     junk_cols = torch.full((6, 3), -5.0, dtype=D)
@@ -294,7 +338,7 @@ def test_padding_changes_nothing(name, mode):
     old_pad = torch.cat([torch.cat([old, junk_cols * 0.5], 1), torch.full((2, 10), -3.0, dtype=D)], 0)
     mask_pad = torch.cat([torch.cat([mask, torch.zeros(6, 3, dtype=D)], 1), torch.zeros(2, 10, dtype=D)], 0)
     adv_pad = torch.cat([adv, t([5.0, -5.0])])
-    loss_pad, m_pad = policy_loss(name, lp_pad, old_pad, adv_pad, mask_pad, clip_low=0.1, clip_high=0.1, agg=mode, max_len=16)
+    loss_pad, m_pad = policy_loss(lp_pad, old_pad, adv_pad, mask_pad, L(name, 0.1, 0.1, loss_agg=mode), max_len=16)
     loss_pad.backward()
     close(loss, loss_pad)
     for k in m:
@@ -311,8 +355,8 @@ def test_one_token_responses_gspo_equals_grpo(clip):
     adv = torch.randn(8, generator=g, dtype=D)
     mask = torch.ones(8, 1, dtype=D)
     lp1, lp2 = logp.clone().requires_grad_(), logp.clone().requires_grad_()
-    l1, m1 = policy_loss("gspo", lp1, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
-    l2, m2 = policy_loss("grpo", lp2, old, adv, mask, clip_low=clip[0], clip_high=clip[1])
+    l1, m1 = policy_loss(lp1, old, adv, mask, L("gspo", clip[0], clip[1]))
+    l2, m2 = policy_loss(lp2, old, adv, mask, L("grpo", clip[0], clip[1]))
     l1.backward()
     l2.backward()
     close(l1, l2)
@@ -354,7 +398,7 @@ def test_gspo_gradient_is_eq10(seed):
     pol = LinearSoftmaxPolicy(seed)
     W = pol.W.clone().requires_grad_()
     old = pol.logp(pol.W_old).detach()
-    loss, m = policy_loss("gspo", pol.logp(W), old, pol.adv, pol.mask, clip_low=1.0, clip_high=1e6)
+    loss, m = policy_loss(pol.logp(W), old, pol.adv, pol.mask, L("gspo", 1.0, 1e6))
     (-loss).backward()  # J = -loss
     assert m["clip/frac"] == 0.0
     logp = pol.logp(pol.W)
@@ -371,7 +415,7 @@ def test_grpo_gradient_is_eq11(seed):
     pol = LinearSoftmaxPolicy(seed)
     W = pol.W.clone().requires_grad_()
     old = pol.logp(pol.W_old).detach()
-    loss, m = policy_loss("grpo", pol.logp(W), old, pol.adv, pol.mask, clip_low=1.0, clip_high=1e6)
+    loss, m = policy_loss(pol.logp(W), old, pol.adv, pol.mask, L("grpo", 1.0, 1e6))
     (-loss).backward()
     assert m["clip/frac"] == 0.0
     w = torch.exp(pol.logp(pol.W) - old) * pol.mask  # (B, T)
@@ -388,14 +432,14 @@ def test_gspo_and_grpo_gradients_differ_off_policy():
     grads = []
     for name in ("gspo", "grpo"):
         W = pol.W.clone().requires_grad_()
-        policy_loss(name, pol.logp(W), old, pol.adv, pol.mask, clip_low=1.0, clip_high=1e6)[0].backward()
+        policy_loss(pol.logp(W), old, pol.adv, pol.mask, L(name, 1.0, 1e6))[0].backward()
         grads.append(W.grad)
     assert (grads[0] - grads[1]).abs().max() > 1e-3
     grads = []
     for name in ("gspo", "grpo"):
         W = pol.W.clone().requires_grad_()
         on = pol.logp(pol.W).detach()
-        policy_loss(name, pol.logp(W), on, pol.adv, pol.mask, clip_low=1.0, clip_high=1e6)[0].backward()
+        policy_loss(pol.logp(W), on, pol.adv, pol.mask, L(name, 1.0, 1e6))[0].backward()
         grads.append(W.grad)
     close(grads[0], grads[1], rtol=1e-9)
 
@@ -424,8 +468,8 @@ def extreme_batches(draw):
 def test_extreme_inputs_stay_finite(batch, name, mode, est):
     logp, old, adv, mask = batch
     logp = logp.clone().requires_grad_()
-    loss, m = policy_loss(name, logp, old, adv, mask, clip_low=3e-4, clip_high=4e-4, agg=mode, max_len=8,
-                          ref_logp=old.flip(0), beta=0.1, kl_estimator=est)
+    loss, m = policy_loss(logp, old, adv, mask, L(name, 3e-4, 4e-4, loss_agg=mode, beta=0.1, kl_estimator=est),
+                          max_len=8, ref_logp=old.flip(0))
     loss.backward()
     assert torch.isfinite(loss)
     assert torch.isfinite(logp.grad).all()
@@ -480,8 +524,8 @@ def test_cispo_hand_case():
     for adv, sign in ((1.0, 1.0), (-1.0, -1.0)):
         logp = t([[-1.0, -2.0]]).requires_grad_()
         old = t([[-1.0 - LN(1.5), -2.0 - LN(0.7)]])
-        loss, m = policy_loss("cispo", logp, old, t([adv]), t([[1.0, 1.0]]), clip_low=0.2, clip_high=0.05,
-                              agg="seq-mean-token-sum")
+        loss, m = policy_loss(logp, old, t([adv]), t([[1.0, 1.0]]),
+                              L("cispo", 0.2, 0.05, loss_agg="seq-mean-token-sum"))
         close(loss, sign * 2.65)
         loss.backward()
         close(logp.grad, t([[-1.05, -0.8]]) * sign)
@@ -501,7 +545,7 @@ def test_cispo_hand_case():
 ])
 def test_sapo_hand_case(adv, tau, loss_value, grad):
     logp = t([[-1.0 + 0.2]]).requires_grad_()
-    loss, m = policy_loss("sapo", logp, t([[-1.0]]), t([adv]), t([[1.0]]), clip_low=0.0, clip_high=0.0)
+    loss, m = policy_loss(logp, t([[-1.0]]), t([adv]), t([[1.0]]), L("sapo", 0.0, 0.0))
     close(loss, loss_value)
     loss.backward()
     close(logp.grad, [[grad]])
@@ -515,11 +559,11 @@ def test_sapo_uses_each_temperature_for_its_sign():
     # τ_pos only touches Â > 0 tokens, τ_neg only Â < 0 ones
     logp, old = t([[-0.8], [-0.8]]), t([[-1.0], [-1.0]])
     adv = t([1.0, -1.0])
-    base, _ = policy_loss("sapo", logp, old, adv, t([[1.0], [1.0]]), clip_low=0, clip_high=0, agg="seq-mean-token-sum")
-    pos, _ = policy_loss("sapo", logp[:1], old[:1], adv[:1], t([[1.0]]), clip_low=0, clip_high=0, tau_neg=9.0)
-    neg, _ = policy_loss("sapo", logp[1:], old[1:], adv[1:], t([[1.0]]), clip_low=0, clip_high=0, tau_pos=9.0)
+    base, _ = policy_loss(logp, old, adv, t([[1.0], [1.0]]), L("sapo", 0, 0, loss_agg="seq-mean-token-sum"))
+    pos, _ = policy_loss(logp[:1], old[:1], adv[:1], t([[1.0]]), L("sapo", 0, 0, sapo_tau_neg=9.0))
+    neg, _ = policy_loss(logp[1:], old[1:], adv[1:], t([[1.0]]), L("sapo", 0, 0, sapo_tau_pos=9.0))
     close(base, (pos + neg) / 2)
-    changed, _ = policy_loss("sapo", logp[:1], old[:1], adv[:1], t([[1.0]]), clip_low=0, clip_high=0, tau_pos=2.0)
+    changed, _ = policy_loss(logp[:1], old[:1], adv[:1], t([[1.0]]), L("sapo", 0, 0, sapo_tau_pos=2.0))
     assert abs(float(changed) - float(pos)) > 1e-3
 
 
@@ -535,7 +579,7 @@ def test_sapo_uses_each_temperature_for_its_sign():
 def test_gmpo_hand_case(adv, loss_value, grad):
     logp = t([[-1.0, -2.0]]).requires_grad_()
     old = t([[-1.5, -1.9]])
-    loss, m = policy_loss("gmpo", logp, old, t([adv]), t([[1.0, 1.0]]), clip_low=0.4, clip_high=0.4)
+    loss, m = policy_loss(logp, old, t([adv]), t([[1.0, 1.0]]), L("gmpo", 0.4, 0.4))
     close(loss, loss_value)
     loss.backward()
     close(logp.grad, [grad])
@@ -546,7 +590,7 @@ def test_gmpo_hand_case(adv, loss_value, grad):
 def test_gmpo_clips_low_for_negative_advantages():
     # l = [-0.6, 0.0], Â = -1: m = max(l, clip(l)) = [-0.4, 0.0]; ratio e^(-0.2); token 1's gradient cut
     logp = t([[-1.6, -1.0]]).requires_grad_()
-    loss, m = policy_loss("gmpo", logp, t([[-1.0, -1.0]]), t([-1.0]), t([[1.0, 1.0]]), clip_low=0.4, clip_high=0.4)
+    loss, m = policy_loss(logp, t([[-1.0, -1.0]]), t([-1.0]), t([[1.0, 1.0]]), L("gmpo", 0.4, 0.4))
     close(loss, math.exp(-0.2))
     loss.backward()
     close(logp.grad, [[0.0, math.exp(-0.2) / 2]])
@@ -558,8 +602,8 @@ def test_gmpo_without_clipping_is_gspo(seed):
     # exp(mean_t l_t) is GSPO's s_i: with clip ranges no ratio reaches, the two are one objective
     logp, old, adv, mask = _random_batch(seed, spread=0.3)
     a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
-    la, _ = policy_loss("gmpo", a, old, adv, mask, clip_low=50.0, clip_high=50.0)
-    lb, _ = policy_loss("gspo", b, old, adv, mask, clip_low=0.99, clip_high=1e6)
+    la, _ = policy_loss(a, old, adv, mask, L("gmpo", 50.0, 50.0))
+    lb, _ = policy_loss(b, old, adv, mask, L("gspo", 0.99, 1e6))
     close(la, lb)
     la.backward()
     lb.backward()
@@ -572,8 +616,8 @@ def test_on_policy_gradient_is_grpos_unclipped(name, seed):
     # r = 1: CISPO's gradient is sg(1)·(-Â) and SAPO's is -Â·4σ(0)(1-σ(0))·1 = -Â: GRPO's
     logp, _, adv, mask = _random_batch(seed)
     a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
-    la, _ = policy_loss(name, a, logp, adv, mask, clip_low=0.2, clip_high=0.28)
-    lb, _ = policy_loss("grpo", b, logp, adv, mask, clip_low=0.2, clip_high=0.28)
+    la, _ = policy_loss(a, logp, adv, mask, L(name, 0.2, 0.28))
+    lb, _ = policy_loss(b, logp, adv, mask, L("grpo", 0.2, 0.28))
     la.backward()
     lb.backward()
     close(a.grad, b.grad)
@@ -581,7 +625,7 @@ def test_on_policy_gradient_is_grpos_unclipped(name, seed):
 
 def test_gmpo_on_policy_ratio_is_one():
     logp, _, adv, mask = _random_batch(4)
-    loss, m = policy_loss("gmpo", logp, logp.clone(), adv, mask, clip_low=0.4, clip_high=0.4)
+    loss, m = policy_loss(logp, logp.clone(), adv, mask, L("gmpo", 0.4, 0.4))
     assert m["ratio/min"] == 1.0 and m["ratio/max"] == 1.0
     close(loss, -adv.mean())  # each response's -Â_i · 1, averaged
 
@@ -595,8 +639,8 @@ def test_luspo_is_gspo_with_token_sum_aggregation():
     #   LUSPO = (1 · -1.1 + 3 · 1.259921) / 2 = 1.339882;  GSPO (each response once) = 0.079961
     logp = t([[LN(1.1), 0.0, 0.0], [LN(2.0), 0.0, 0.0]])
     mask = t([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    kw = dict(clip_low=0.2, clip_high=0.2)
-    luspo, _ = policy_loss("gspo", logp, torch.zeros_like(logp), t([1.0, -1.0]), mask, agg="seq-mean-token-sum", **kw)
+    old = torch.zeros_like(logp)
+    luspo, _ = policy_loss(logp, old, t([1.0, -1.0]), mask, L("gspo", 0.2, 0.2, loss_agg="seq-mean-token-sum"))
     close(luspo, (-1.1 + 3 * 2 ** (1 / 3)) / 2)
-    gspo, _ = policy_loss("gspo", logp, torch.zeros_like(logp), t([1.0, -1.0]), mask, **kw)
+    gspo, _ = policy_loss(logp, old, t([1.0, -1.0]), mask, L("gspo", 0.2, 0.2))
     close(gspo, (-1.1 + 2 ** (1 / 3)) / 2)

@@ -201,10 +201,12 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     # its norm (rounding leaves <= 7e-6), metrics within 1e-5.
     import dataclasses
 
-    from gspo.config import TrainConfig, resolve
+    from gspo.config import TrainConfig
+    from gspo.resolve import resolve
     from gspo.logprobs import micro_batches
     from gspo.losses import agg_count
     from gspo.run import build_run
+    from gspo.batch import Scored
     from gspo.trainer import accumulate, prepare, rollout, score
 
     cfg = resolve(TrainConfig(model="tiny-moe", prompts_per_step=4, group_size=4, max_new_tokens=6,
@@ -214,7 +216,7 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     examples = run.task.train_batch(1, cfg.prompts_per_step, cfg.seed)
     ro, texts, ids, _ = rollout(run, examples, step=1)
     rewards, parts = score(run.rewards, examples, texts, ids, cfg.group_size)
-    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts)
+    batch = prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts))
     mask = batch.rollout.completion_mask  # (B, T)
     idx = torch.arange(mask.shape[0])
     total = [float(agg_count(mask, cfg.loss_agg)), float(mask.sum())]
@@ -242,7 +244,8 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
 
 def test_packing_refused_for_moe_says_so_once(tmp_path):
     # routing is recorded in the padded layout: an MoE model trains padded, and the run says so
-    from gspo.config import TrainConfig, resolve
+    from gspo.config import TrainConfig
+    from gspo.resolve import resolve
     from gspo.run import build_run
 
     run = build_run(resolve(TrainConfig(model="tiny-moe", packing=True, micro_batch_tokens=40,

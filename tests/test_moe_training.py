@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from gspo.cli import main
-from gspo.config import TrainConfig, resolve
+from gspo.config import TrainConfig
+from gspo.resolve import resolve
 from gspo.run import build_run
 from gspo.trainer import train_step
 from tests.test_moe import tiny_moe

@@ -17,9 +17,9 @@ from gspo.advantages import group_advantages, turn_advantages
 from gspo.config import TrainConfig
 from gspo.env import (Environment, EnvError, Step, ToolEnvironment, episode_env, load_env, observation_text,
                       tool_schemas)
-from gspo.episodes import run_episodes
+from gspo.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.logprobs import token_logprobs
-from gspo.metrics import episode_metrics
+from gspo.steplog import episode_metrics
 from gspo.models import build_chat_tokenizer, load_policy
 from gspo.rollout import PolicySampler, Rollout, left_pad, sampling_params, stop_token_ids
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
@@ -68,7 +68,7 @@ def test_scripted_episode_is_the_chat_templates_conversation(tok):
     ex.answer = "1788"
     sampler = ScriptedSampler(tok, [CALL + "<|im_end|>", "1788<|im_end|>"])
     params = sampling_params(tok, group_size=2, max_new_tokens=80)
-    ro, ep = run_episodes(sampler, tok, [ex], CalculatorEnv, params, max_turns=3)
+    ro, ep = run_episodes(sampler, tok, [ex], EpisodeSpec(CalculatorEnv, max_turns=3), params)
     messages = [ex.prompt[0],
                 {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
                     "name": "calculator", "arguments": {"expression": "37*48+12"}}}]},
@@ -179,7 +179,7 @@ def test_concurrent_steps_give_the_sequential_episodes(tok):
     for env_cls in (SequentialSlowEnv, SlowEnv):
         SlowEnv.threads = set()
         sampler = ScriptedSampler(tok, ["12<|im_end|>", "34<|im_end|>"])
-        out[env_cls] = run_episodes(sampler, tok, [ex], env_cls, params, max_turns=3), SlowEnv.threads
+        out[env_cls] = run_episodes(sampler, tok, [ex], EpisodeSpec(env_cls, max_turns=3), params), SlowEnv.threads
     (ro_a, ep_a), threads_a = out[SequentialSlowEnv]
     (ro_b, ep_b), threads_b = out[SlowEnv]
     assert threads_a == {"MainThread"} and len(threads_b) > 1 and "MainThread" not in threads_b
@@ -256,15 +256,16 @@ def test_evaluation_reward_adds_the_environments_turn_rewards(tok, monkeypatch):
                Reward("length", per_completion(lambda c, **_: len(c) / 10), weight=0.5)]
     turns = ["12<|im_end|>", "20<|im_end|>", "34<|im_end|>"]
     monkeypatch.setattr(evaluation, "PolicySampler", lambda model: ScriptedSampler(tok, turns))
-    res = evaluation.evaluate(None, tok, CalculatorTask(), rewards, n=2, max_new_tokens=16, stop=stop_token_ids(tok),
-                              env=Guess, max_turns=3)
+    options = evaluation.EvalOptions(n=2, max_new_tokens=16, stop=stop_token_ids(tok),
+                                     episode=EpisodeSpec(Guess, max_turns=3))
+    res = evaluation.evaluate(None, tok, CalculatorTask(), rewards, options)
     assert res["accuracy"] == 1.0 and res["n_scored"] == 2  # the first reward's verdict on the final turn
     assert res["reward_env"] == pytest.approx(0.8, rel=1e-6)
     assert res["reward"] == pytest.approx(1.9, rel=1e-6)
     # the same episodes scored as a training step scores them
     examples = CalculatorTask().test_set(2)
-    _, ep = run_episodes(ScriptedSampler(tok, turns), tok, examples, Guess,
-                         sampling_params(tok, group_size=1, max_new_tokens=16), max_turns=3)
+    _, ep = run_episodes(ScriptedSampler(tok, turns), tok, examples, EpisodeSpec(Guess, max_turns=3),
+                         sampling_params(tok, group_size=1, max_new_tokens=16))
     total, parts = score(rewards, examples, ep.final_texts, ep.final_ids, 1, ep)
     assert res["reward"] == pytest.approx(total.mean().item(), rel=1e-6)
     assert res["reward_env"] == pytest.approx(sum(parts["env"]) / 2, rel=1e-6)
@@ -307,7 +308,7 @@ def test_an_episode_ended_by_the_turn_limit_is_flagged_not_truncated(tok):
     params = sampling_params(tok, group_size=2, max_new_tokens=80)
     for max_turns, limited in [(1, True), (2, False)]:
         sampler = ScriptedSampler(tok, ["12<|im_end|>", "34<|im_end|>"])
-        ro, ep = run_episodes(sampler, tok, [ex], CountingEnv, params, max_turns=max_turns)
+        ro, ep = run_episodes(sampler, tok, [ex], EpisodeSpec(CountingEnv, max_turns=max_turns), params)
         assert ep.turns.tolist() == [max_turns] * 2 and ep.turn_limit.tolist() == [limited] * 2
         assert not ro.truncated.any()
         m = episode_metrics(SimpleNamespace(episodes=ep, rollout=ro), max_turns, SimpleNamespace(gather=lambda t: t))
@@ -323,8 +324,8 @@ def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, to
     examples = CalculatorTask().test_set(4)
     params = sampling_params(tokenizer, group_size=4, max_new_tokens=80)
     gen = torch.Generator().manual_seed(0)
-    ro, ep = run_episodes(PolicySampler(model), tokenizer, examples, CountingEnv, params, max_turns=3,
-                          generator_for=lambda turn: gen)
+    ro, ep = run_episodes(PolicySampler(model), tokenizer, examples, EpisodeSpec(CountingEnv, max_turns=3), params,
+                          Draws(generator_for=lambda turn: gen))
     assert (ep.turns == 2).sum() >= 8 and ro.env_mask.sum() > 0
     logp, _ = token_logprobs(model, ro, temperature=1.0)
     on = ro.completion_mask > 0
@@ -340,6 +341,7 @@ def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, to
 
 def _batch(tmp_path, **kw):
     from gspo.run import build_run
+    from gspo.batch import Scored
     from gspo.trainer import prepare, rollout, score
 
     cfg = TrainConfig(task="calculator", model=MODEL, prompts_per_step=4, group_size=4, num_minibatches=1,
@@ -348,7 +350,7 @@ def _batch(tmp_path, **kw):
     examples = run.task.train_batch(1, 4, 0)
     ro, texts, ids, ep = rollout(run, examples, 1)
     rewards, parts = score(run.rewards, examples, texts, ids, 4, ep)
-    return run, prepare(run, ro, rewards=rewards, parts=parts, examples=examples, completions=texts, episodes=ep)
+    return run, prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts, episodes=ep))
 
 
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo", "gspo_token"])

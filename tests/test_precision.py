@@ -9,7 +9,8 @@ in the old-policy pass (the "on-policy" ratios were not 1).
 import pytest
 import torch
 
-from gspo.config import ConfigError, TrainConfig, resolve
+from gspo.config import ConfigError, TrainConfig
+from gspo.resolve import resolve
 from gspo.models import disable_dropout, load_policy, low_precision_copy
 from gspo.run import build_run
 from gspo.trainer import train_step

@@ -137,7 +137,7 @@ def hub(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_options_are_real_and_models_have_stand_ins(recipe):
-    from gspo.config import resolve
+    from gspo.resolve import resolve
     from gspo.configfile import load_yaml
 
     cfg = resolve(load_yaml(recipe))  # an unknown key or a bad value raises here
@@ -256,7 +256,8 @@ def test_system_prompt_keeps_answers_columns_and_the_task():
 
 
 def test_system_prompt_reaches_training_evaluation_and_gspo_eval(tmp_path):
-    from gspo.config import TrainConfig, resolve
+    from gspo.config import TrainConfig
+    from gspo.resolve import resolve
     from gspo.run import task_and_rewards
 
     data = tmp_path / "d.jsonl"

@@ -268,11 +268,11 @@ def test_a_type_error_inside_a_reward_still_names_the_row():
 # ----------------------------------------------------------------------------------------------
 
 def _evaluate(model, tokenizer, fn):
-    from gspo.evaluation import evaluate
+    from gspo.evaluation import EvalOptions, evaluate
     from gspo.tasks import get_task
 
     task = get_task("arithmetic")
-    return task.test_set(6), evaluate(model, tokenizer, task, [Reward("picky", fn)], n=6, k=2, max_new_tokens=2)
+    return task.test_set(6), evaluate(model, tokenizer, task, [Reward("picky", fn)], EvalOptions(n=6, k=2, max_new_tokens=2))
 
 
 def test_a_reward_that_returns_none_everywhere_reports_no_accuracy(tiny_random, char_tokenizer):

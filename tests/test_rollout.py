@@ -6,6 +6,11 @@ import torch
 from gspo.logprobs import completion_logprobs
 from gspo.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
 
+
+def _uniforms(n: int, seed: int) -> torch.Tensor:
+    """(n,) the uniforms sample_token draws with, from a seeded generator."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed))
+
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
 
 
@@ -57,7 +62,7 @@ def test_stops_at_eos_and_flags_truncation(char_tokenizer):
     g = torch.Generator().manual_seed(0)
     logits = torch.full((2, len(tok)), -1e4)
     logits[:, eos] = 0.0
-    tokens, lp = sample_token(logits, 1.0, 1.0, g)
+    tokens, lp = sample_token(logits, 1.0, 1.0, torch.rand(len(logits), generator=g))
     assert (tokens == eos).all() and torch.allclose(lp, torch.zeros(2), atol=1e-6)
 
 
@@ -101,7 +106,7 @@ def test_top_p_keeps_the_nucleus_only():
     # probabilities 0.5, 0.3, 0.15, 0.05; top_p = 0.7 keeps {0.5, 0.3} (0.5 < 0.7 <= 0.8)
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
-    tokens, lp = sample_token(logits, 1.0, 0.7, g)
+    tokens, lp = sample_token(logits, 1.0, 0.7, torch.rand(len(logits), generator=g))
     assert set(tokens.tolist()) == {0, 1}
     # the recorded log-prob is the untruncated one (log 0.5 or log 0.3), as in recomputation
     expected = torch.log(torch.tensor([0.5, 0.3]))[tokens]
@@ -177,18 +182,18 @@ def test_inverse_cdf_sampling_frequencies_and_logprobs():
     # p = [0.1, 0.2, 0.3, 0.4]; 20,000 draws: each frequency within 0.015 of p (binomial sd <= 0.0035)
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     logits = (torch.log(probs) + 3.0).repeat(20000, 1)  # a shift changes nothing
-    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(0))
+    tokens, lp = sample_token(logits, 1.0, 1.0, _uniforms(20000, 0))
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert (freq - probs).abs().max() < 0.015, freq
     torch.testing.assert_close(lp, torch.log(probs)[tokens], rtol=1e-6, atol=1e-6)
     # temperature 2: p ∝ p^(1/2) = [0.316, 0.447, 0.548, 0.632] / 1.943
     t2 = probs.sqrt() / probs.sqrt().sum()
-    tokens, lp = sample_token(logits, 2.0, 1.0, torch.Generator().manual_seed(1))
+    tokens, lp = sample_token(logits, 2.0, 1.0, _uniforms(20000, 1))
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert (freq - t2).abs().max() < 0.015, freq
     torch.testing.assert_close(lp, torch.log(t2)[tokens], rtol=1e-5, atol=1e-6)
     # a banned token is never drawn, and the others keep their relative frequencies
-    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(2), banned=(3,))
+    tokens, lp = sample_token(logits, 1.0, 1.0, _uniforms(20000, 2), banned=(3,))
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert freq[3] == 0 and (freq[:3] - probs[:3] / 0.6).abs().max() < 0.015
     torch.testing.assert_close(lp, torch.log(probs)[tokens], rtol=1e-6, atol=1e-6)  # unmasked log-probs
@@ -244,7 +249,7 @@ def test_stop_tokens_union_of_tokenizer_generation_config_and_user(tmp_path):
 
 def test_evaluation_stops_on_the_same_set(tmp_path):
     from gspo.data import Example
-    from gspo.evaluation import evaluate
+    from gspo.evaluation import EvalOptions, evaluate
     from gspo.models import load_policy
     from gspo.rewards import Reward
 
@@ -260,7 +265,7 @@ def test_evaluation_stops_on_the_same_set(tmp_path):
         def test_set(self, n=None):
             return [Example([{"role": "user", "content": "hi"}], "1", {}, "row 1")]
 
-    evaluate(model, tok, Task(), [Reward("r", record)], n=1, k=4, max_new_tokens=12)
+    evaluate(model, tok, Task(), [Reward("r", record)], EvalOptions(n=1, k=4, max_new_tokens=12))
     assert any(ids and ids[-1] == im_end for ids in seen)  # greedy and sampled completions end at <|im_end|>
     assert all(t not in (im_end, eot) for ids in seen for t in ids[:-1])
 
@@ -284,7 +289,8 @@ def test_pass_at_k_draws_on_the_cpu_whatever_the_model_device(tiny_random, char_
 
     monkeypatch.setattr(ev.torch, "Generator", spy)
     monkeypatch.setattr(ev, "next", lambda it, *d: OnCuda(), raising=False)  # what evaluation sees of the model
-    ev.evaluate(tiny_random, char_tokenizer, get_task("arithmetic"), load_rewards(["exact_integer"], None), n=4, k=2)
+    ev.evaluate(tiny_random, char_tokenizer, get_task("arithmetic"), load_rewards(["exact_integer"], None),
+                ev.EvalOptions(n=4, k=2))
     assert made and all(str(d) == "cpu" for d in made)
 
 
@@ -325,7 +331,7 @@ def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
 
 def test_top_k_draws_only_the_k_most_likely_and_records_the_full_logprob():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
-    tokens, lp = sample_token(logits, 1.0, 1.0, torch.Generator().manual_seed(0), top_k=2)
+    tokens, lp = sample_token(logits, 1.0, 1.0, _uniforms(4000, 0), top_k=2)
     assert set(tokens.tolist()) == {0, 1}  # only the two most likely
     full = torch.log_softmax(logits[0], -1)
     torch.testing.assert_close(lp, full[tokens])  # the log-prob of the whole distribution, as top-p does

@@ -165,6 +165,7 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     # max_new_tokens 2: most completions are cut (truncated); with the flag their tokens leave
     # the loss (mask 0) while their rewards still shape the group's advantages
     from gspo.run import build_run
+    from gspo.batch import Scored
     from gspo.trainer import prepare, rollout, score
 
     cfg = TrainConfig(prompts_per_step=4, group_size=4, max_new_tokens=2, mask_truncated_completions=True,
@@ -174,7 +175,7 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     ro, texts, ids, _ = rollout(run, ex, 1)
     assert ro.truncated.any()
     rewards, parts = score(run.rewards, ex, texts, ids, 4)
-    batch = prepare(run, ro, rewards=rewards, parts=parts, examples=ex, completions=texts)
+    batch = prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=ex, completions=texts))
     m = batch.rollout.completion_mask
     assert (m[ro.truncated] == 0).all() and (m[~ro.truncated].sum(1) == ro.lengths[~ro.truncated]).all()
     assert (batch.old_logp[ro.truncated] == 0).all()

@@ -10,7 +10,8 @@ import pytest
 import gspo
 from gspo.aliases import to_gspo
 from gspo.cli import _parse, main
-from gspo.config import ConfigError, TrainConfig, resolve
+from gspo.config import ConfigError, TrainConfig, options
+from gspo.resolve import resolve
 from gspo.configfile import load_yaml
 from gspo.models import load_policy
 
@@ -103,7 +104,7 @@ def test_trl_names_in_yaml_and_did_you_mean(tmp_path):
 def test_trl_flags_on_the_command_line():
     cfg = _parse(TrainConfig, ["--num-generations", "4", "--learning_rate", "2e-5", "--bf16", "--scale-rewards",
                                "false", "--use-vllm", "--steps", "3"], "gspo train", default=TrainConfig())
-    changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(
+    changed = {f.name: getattr(cfg, f.name) for f in options() if getattr(cfg, f.name) != getattr(
         TrainConfig(), f.name)}
     assert changed == {"group_size": 4, "lr": 2e-5, "dtype": "bfloat16", "adv_scale": "none",
                        "rollout_engine": "vllm", "steps": 3}

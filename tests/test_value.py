@@ -9,7 +9,7 @@ import torch
 
 from gspo.config import TrainConfig
 from gspo.trainer import train
-from gspo.value import Critic, ValueHead, explained_variance, ppo_advantages, value_loss
+from gspo.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
 
 D = torch.float64
 
@@ -59,12 +59,14 @@ def test_ppo_advantages_with_kl_in_reward():
     # GAE with V = 0, γ = λ = 1: Â_t = Σ_{k≥t} r_k -> [0.85, 0.95]; returns the same
     mask = t([[1.0, 1.0]])
     kl = t([[-0.5, -1.0]]) - t([[-1.0, -1.25]])  # log π_old - log π_ref
-    kw = dict(gamma=1.0, lam=1.0, kl=kl, kl_coef=0.2)
-    adv, ret = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, whiten=False, **kw)
+    rewards = kl_rewards(t([1.0]), kl, mask, 0.2)
+    torch.testing.assert_close(rewards, t([[-0.1, 0.95]]))
+    kw = dict(gamma=1.0, lam=1.0)
+    adv, ret = ppo_advantages(rewards, t([[0.0, 0.0]]), mask, whiten=False, **kw)
     torch.testing.assert_close(adv, t([[0.85, 0.95]]))
     torch.testing.assert_close(ret, t([[0.85, 0.95]]))
     # whitened: zero mean and unit variance over the tokens
-    adv, _ = ppo_advantages(t([1.0]), t([[0.0, 0.0]]), mask, whiten=True, **kw)
+    adv, _ = ppo_advantages(rewards, t([[0.0, 0.0]]), mask, whiten=True, **kw)
     torch.testing.assert_close(adv, t([[-1.0, 1.0]]), rtol=1e-6, atol=1e-6)
 
 

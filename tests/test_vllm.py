@@ -47,11 +47,11 @@ def rows(run):
 @pytest.fixture(scope="module")
 def engine():
     from gspo.models import load_policy, resolve_model_path
+    from gspo.config import VLLM
     from gspo.vllm_engine import VLLMSampler
 
     policy, tok = load_policy("tiny")
-    sampler = VLLMSampler(str(resolve_model_path("tiny")), dtype="float32", seed=0, device=torch.device("cpu"),
-                          max_model_len=64)
+    sampler = VLLMSampler(str(resolve_model_path("tiny")), VLLM(vllm_max_model_len=64), dtype="float32", seed=0)
     yield sampler, policy, tok
     sampler.close()
 
@@ -109,7 +109,8 @@ def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(en
     # vLLM bans the stop tokens for the first N tokens before it takes the log-probs: there, the
     # engine records log p(y_t) - log(1 - p(stops)), renormalised without them; after N, log p(y_t).
     # So `--old-logp auto` recomputes pi_old (the policy's full-distribution log-probs) on vLLM.
-    from gspo.config import TrainConfig, resolve
+    from gspo.config import TrainConfig
+    from gspo.resolve import resolve
     from gspo.rollout import sampling_params
 
     sampler, policy, tok = engine

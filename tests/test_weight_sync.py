@@ -148,6 +148,7 @@ def test_sleep_discards_the_weights_once_a_sync_put_the_policys_there(monkeypatc
     from gspo import vllm_engine
     from gspo.models import build_chat_tokenizer
     from gspo.rollout import sampling_params
+    from gspo.config import VLLM
     from gspo.vllm_engine import VLLMSampler
     from tests.test_engine_protocol import fake_vllm
 
@@ -163,7 +164,7 @@ def test_sleep_discards_the_weights_once_a_sync_put_the_policys_there(monkeypatc
         return engine
 
     vllm.LLM = llm
-    sampler = VLLMSampler("model", dtype="bfloat16", seed=0, device=torch.device("cpu"), max_model_len=64, vllm=vllm)
+    sampler = VLLMSampler("model", VLLM(vllm_max_model_len=64), dtype="bfloat16", seed=0, vllm=vllm)
     params, policy = sampling_params(tok, group_size=2, max_new_tokens=4), torch.nn.Linear(2, 2)
     sampler.sample([[1, 2]], params)  # the checkpoint's weights, kept through a level-1 sleep
     sampler.end_rollout()

@@ -9,6 +9,7 @@ so a resumed run sees the same prompts), `test_set(n) -> list[Example]` (fixed),
 
 from __future__ import annotations
 
+from gspo.config import Data
 from gspo.tasks.arithmetic import ArithmeticTask
 from gspo.tasks.base import DrawnSplits
 from gspo.tasks.calculator import CalculatorTask
@@ -32,19 +33,20 @@ def get_task(name: str):
 NEEDS_ANSWER = {"exact_match", "exact_integer", "numeric_match", "math_verify"}
 
 
-def build_task(*, task: str, dataset: str | None, dataset_split: str = "train", eval_dataset: str | None = None,
-               eval_split: str | None = None, prompt_column: str = "prompt", answer_column: str = "answer",
-               eval_size: int = 500, rewards: tuple[str, ...] = (), dataset_config: str | None = None):
-    """The built-in task `task`, or a DatasetTask over `dataset` (a file, a dataset directory, a
-    Hub dataset id with its `dataset_config`, or in-memory rows; validated row by row)."""
+def build_task(data: Data, rewards: tuple = (), eval_size: int = 500, *, train_rows=None, eval_rows=None):
+    """The built-in task `data.task`, or a DatasetTask over `data.dataset` (a file, a dataset
+    directory, a Hub dataset id with its `data.dataset_config`; validated row by row).
+    rewards: the run's reward specs (empty: the dataset's default; an answer column is required
+    when one compares with it). eval_size: rows held out for evaluation (gspo.data).
+    train_rows / eval_rows: in-memory rows that replace data.dataset / data.eval_dataset."""
+    dataset = train_rows if train_rows is not None else data.dataset
     if dataset is None:
-        return get_task(task)
+        return get_task(data.task)
     from gspo.data import DatasetTask, load_dataset_task
 
     names = rewards or DatasetTask.default_rewards
-    return load_dataset_task(dataset, prompt_column=prompt_column, answer_column=answer_column, split=dataset_split,
-                             eval_path=eval_dataset, eval_split=eval_split, eval_size=eval_size,
-                             require_answer=any(r in NEEDS_ANSWER for r in names), config=dataset_config)
+    return load_dataset_task(dataset, data, eval_path=eval_rows if eval_rows is not None else data.eval_dataset,
+                             eval_size=eval_size, require_answer=any(r in NEEDS_ANSWER for r in names))
 
 
 __all__ = ["TASKS", "ArithmeticTask", "CalculatorTask", "ChainTask", "DrawnSplits", "build_task", "get_task"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from gspo.data import Example
-from gspo.rewards import per_completion
+from gspo.scoring import per_completion
 from gspo.tasks.base import DrawnSplits
 
 TARGET = 1000  # count up until the total reaches it

@@ -1,0 +1,95 @@
+"""Option values as they arrive, checked against their TrainConfig option's type (pydantic,
+strict), and YAML's numbers.
+
+    from gspo.checks import check_value, yaml_value
+    check_value("steps", "2", "steps")        # ConfigError: steps: expected an integer, got '2'
+    yaml_value("3e-4")                        # 0.0003 (YAML 1.2's numbers; 1.1 reads a string)
+
+Every value is checked against its option's annotation (gspo.config.sections) strictly (`steps="2"`
+is an error, not 2): lists become tuples, a single value for a list option a 1-tuple, an int
+for a float option a float. The CLI's flags are tyro's; YAML files, TRL's names and the Python
+API come here (gspo.resolve checks every option of a config with it, then the bounds). The
+algorithm is the name of a registered loss (gspo.losses.LOSSES).
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+import typing
+
+import yaml
+
+from gspo.config import ConfigError, option_types
+from gspo.losses import LOSSES
+
+
+@functools.cache
+def _hint(name: str):
+    return option_types()[name]
+
+
+@functools.cache
+def _adapter(name: str):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(_hint(name))
+
+
+_PHRASES = {"int_type": "expected an integer", "float_type": "expected a number", "bool_type": "expected true or false",
+            "string_type": "expected a string", "tuple_type": "expected a list"}
+
+
+def check_value(name: str, value, where: str):
+    """`value` checked against field `name`'s type (pydantic, strict) and returned converted:
+    a list for a tuple field becomes a tuple (a single value, a 1-tuple), an int for a float
+    field a float. Raises ConfigError naming `where`."""
+    from pydantic import ValidationError
+
+    if name == "algorithm" and isinstance(value, str) and value not in LOSSES:  # a registered loss's name
+        raise ConfigError(f"{where}: expected one of {', '.join(LOSSES)}, got {value!r}")
+    hint = _hint(name)
+    if "tuple" in str(hint):
+        if isinstance(value, list):
+            value = tuple(value)
+        elif "..." in str(hint) and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = (value,)  # one value for a list option
+    try:
+        return _adapter(name).validate_python(value, strict=True)
+    except ValidationError as e:
+        err = e.errors()[0]
+        if err["type"] == "literal_error":
+            choices = re.findall(r"'([^']*)'", err["ctx"]["expected"])  # "'gspo', 'grpo' or 'ppo'"
+            msg = f"expected one of {', '.join(choices)}"
+        elif typing.get_origin(hint) is tuple and Ellipsis not in typing.get_args(hint) and \
+                len(value if isinstance(value, tuple) else ()) != len(typing.get_args(hint)):
+            msg = f"expected a list of {len(typing.get_args(hint))} values"
+        else:
+            msg = _PHRASES.get(err["type"], err["msg"])
+        raise ConfigError(f"{where}: {msg}, got {value!r}") from None
+
+
+def yaml_value(text: str):
+    """A value written in YAML (`3e-4`, `true`, `[a, b]`), as a config file would give it."""
+    return yaml.load(text, Loader=_Loader)
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML with 1.2's numbers: `1e-5` is a float (YAML 1.1 reads it as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def did_you_mean(name: str, candidates, shown=str) -> str:
+    """'; did you mean steps?' when `name` is close to one of `candidates`, else ''.
+
+    >>> did_you_mean("step", ["steps", "seed"]), did_you_mean("xyz", ["steps"])
+    ('; did you mean steps?', '')
+    """
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {shown(close[0])}?" if close else ""

@@ -1,0 +1,201 @@
+"""A configuration checked and completed: `resolve(cfg)` before any work starts.
+
+    from gspo.resolve import resolve
+    cfg = resolve(TrainConfig(algorithm="grpo", steps=50))   # checked; clip range, model, steps ... filled
+
+One validator, in three passes, each from the facts written where they belong: every option's
+type (gspo.checks, strict pydantic), then its bounds (`opt(..., ge=1)` in gspo.config.sections), then
+the rules between options, section by section below (the losses' own facts, such as which take
+per-token advantages, come from their registration, gspo.losses.register_loss). The first bad
+value is a ConfigError with one line naming the option. Then the derived values: the clip range
+from the algorithm's preset, pi_old's source (`--old-logp auto`), the task's model, steps and
+completion length, the critic's learning rate, the run directory. Also what a resumed run may
+change (`resume_config`: the options marked `resume=True`) and the absolute paths a run's config
+records (`absolute_paths`), so a run directory works from anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from gspo.checks import check_value
+from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, options
+from gspo.data import DatasetTask
+from gspo.losses import AGG_MODES, LOSSES
+from gspo.models import BUILTIN_MODELS
+from gspo.config import bounds_error
+from gspo.tasks import TASKS, get_task
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Raise ConfigError with a one-line message for the first bad value (its type, its bounds, then the rules)."""
+    for f in options():
+        check_value(f.name, getattr(cfg, f.name), f.name)
+    for f in options():
+        if msg := bounds_error(f.metadata["bounds"], getattr(cfg, f.name)):
+            _fail(cfg, f.name, msg)
+    for rules in (_loss_rules, _policy_rules, _data_rules, _sampling_rules, _corrections_rules):
+        for ok, name, msg in rules(cfg):
+            if not ok:
+                _fail(cfg, name, msg)
+
+
+def _fail(cfg: TrainConfig, name: str, msg: str):
+    raise ConfigError(f"{name}: {msg} (got {getattr(cfg, name)!r})")
+
+
+def _loss_rules(cfg: TrainConfig):
+    """(ok, option, message) for the loss section's rules, in order."""
+    loss, info = cfg.loss, LOSSES.get(cfg.loss.algorithm)
+    yield info is not None, "algorithm", f"must be one of {', '.join(LOSSES)}"
+    if info is not None and info.group_advantages:
+        yield cfg.sampling.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)"
+    batch = cfg.sampling.prompts_per_step * cfg.sampling.group_size
+    yield batch % loss.num_minibatches == 0, "num_minibatches", \
+        f"must divide the rollout batch prompts_per_step * group_size = {batch}"
+    yield loss.clip_low is None or loss.clip_low <= 1 or (info is not None and info.log_space_clip), "clip_low", \
+        "must be <= 1 (the ratio is clipped at 1 - clip_low >= 0)"
+    yield loss.loss_agg in AGG_MODES, "loss_agg", f"must be one of {', '.join(AGG_MODES)}"
+    turn = [name for name, i in LOSSES.items() if i.turn_advantages]
+    yield not cfg.episodes.turn_advantages or cfg.loss.algorithm in turn, "turn_advantages", \
+        f"needs a token-level loss ({', '.join(turn)}), not --algorithm {loss.algorithm}: a sequence ratio takes " \
+        "one advantage per episode"
+
+
+def _policy_rules(cfg: TrainConfig):
+    policy, parallel = cfg.policy, cfg.run.parallel
+    yield len(cfg.lora.lora_target_modules) >= 1, "lora_target_modules", "needs at least one module name"
+    yield cfg.run.device == "auto" or cfg.run.device.split(":")[0] in ("cpu", "cuda", "mps"), "device", \
+        "must be cpu, cuda, cuda:N, mps or auto"
+    yield not (cfg.moe.routing_replay and policy.gradient_checkpointing), "routing_replay", \
+        "cannot be combined with --gradient-checkpointing (the recomputed forward would route freely)"
+    rollout_dtype = cfg.sampling.rollout_dtype
+    yield not (parallel == "fsdp" and rollout_dtype not in ("same", policy.dtype)), "parallel", \
+        f"fsdp samples with the sharded policy itself, in --dtype {policy.dtype}: a --rollout-dtype of " \
+        f"{rollout_dtype} would need a second full copy of the weights on every process; drop --rollout-dtype " \
+        f"(or set --dtype {rollout_dtype}), or use --parallel ddp"
+    yield policy.param_dtype in ("float32", policy.dtype), "param_dtype", \
+        f"must be float32 (mixed precision) or the compute --dtype {policy.dtype} (pure low precision)"
+    yield policy.param_dtype != "float16", "param_dtype", \
+        "float16 weights cannot be trained directly (Adam's eps 1e-8 rounds to 0 and every weight turns NaN); " \
+        "use the default float32 master weights with --dtype float16"
+    yield not (policy.dtype == "float16" and parallel == "fsdp"), "dtype", \
+        "float16 (loss scaling) is not supported with --parallel fsdp; use bfloat16"
+
+
+def _data_rules(cfg: TrainConfig):
+    data, rewards = cfg.data, cfg.rewards
+    yield data.dataset is not None or data.task in TASKS, "task", \
+        f"must be one of {', '.join(TASKS)} (or give --dataset)"
+    yield not rewards.reward_weights or len(rewards.reward_weights) == len(rewards.reward), "reward_weights", \
+        f"needs one weight per --reward ({len(rewards.reward)} rewards)"
+
+
+def _sampling_rules(cfg: TrainConfig):
+    s = cfg.sampling
+    yield s.max_new_tokens is None or s.min_new_tokens <= s.max_new_tokens, "min_new_tokens", \
+        "must be <= max_new_tokens"
+    vllm = s.rollout_engine == "vllm"
+    yield not (vllm and cfg.moe.routing_replay), "routing_replay", \
+        "cannot be combined with --rollout-engine vllm: this vLLM cannot return the experts it routed each token " \
+        "to (R3 needs its Model Runner V2); use --rollout-engine hf"
+    yield not (vllm and cfg.loss.old_logp == "sampling" and (s.top_p < 1 or s.top_k > 0 or s.min_new_tokens > 0)), \
+        "old_logp", "sampling with --rollout-engine vllm needs --top-p 1, --top-k 0 and --min-new-tokens 0: vLLM " \
+        "renormalises its log-probs over the tokens top-p/top-k keep and without the stop tokens it bans, which are " \
+        "then not the policy's (use --old-logp recompute or auto)"
+
+
+def _corrections_rules(cfg: TrainConfig):
+    yield not (corrects_mismatch(cfg) and cfg.loss.old_logp == "sampling"), "old_logp", \
+        "sampling cannot be combined with --rollout-is or --opsm-delta: the corrections compare the sampler's " \
+        "log-probs with the trainer's recomputed ones (use --old-logp recompute or auto)"
+
+
+def corrects_mismatch(cfg: TrainConfig) -> bool:
+    """A sampler/trainer mismatch correction is on: it needs both log-probs, the sampler's and
+    the trainer's recomputed ones."""
+    return cfg.corrections.rollout_is != "off" or cfg.corrections.opsm_delta is not None
+
+
+def checked(cfg: TrainConfig) -> TrainConfig:
+    """A copy of `cfg` with every value converted as its type checks it (lists -> tuples, ints -> floats)."""
+    return dataclasses.replace(cfg, **{f.name: check_value(f.name, getattr(cfg, f.name), f.name) for f in options()})
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """Validate, then fill the derived values: the clip range from the preset, the run directory ..."""
+    cfg = checked(cfg)
+    validate(cfg)
+    out = dataclasses.replace(cfg)
+    info = LOSSES[out.loss.algorithm]
+    out.loss.clip_low = info.clip_low if out.loss.clip_low is None else out.loss.clip_low
+    out.loss.clip_high = info.clip_high if out.loss.clip_high is None else out.loss.clip_high
+    if out.loss.old_logp == "auto":
+        out.loss.old_logp = _old_logp(out)
+    task = get_task(out.data.task) if out.data.dataset is None and out.data.task in TASKS else None
+    out.policy.model = out.policy.model or getattr(task, "default_model", "tiny")
+    out.run.steps = getattr(task, "default_steps", 60) if out.run.steps is None else out.run.steps
+    out.ppo.critic_lr = 10 * out.optim.lr if out.ppo.critic_lr is None else out.ppo.critic_lr
+    s = out.sampling
+    if s.max_new_tokens is None:
+        s.max_new_tokens = DatasetTask.default_max_new_tokens if out.data.dataset else \
+            get_task(out.data.task).default_max_new_tokens
+    if s.min_new_tokens > s.max_new_tokens:  # the task's default max_new_tokens is known only now
+        raise ConfigError(f"min_new_tokens: must be <= max_new_tokens, {s.max_new_tokens} (the "
+                          f"{'task' if cfg.sampling.max_new_tokens is None else 'given'} value) (got {s.min_new_tokens})")
+    if out.run.output_dir is None:
+        out.run.output_dir = str(Path("runs") / f"{out.loss.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return out
+
+
+def _old_logp(cfg: TrainConfig) -> str:
+    """--old-logp auto: the sampling pass's log-probs where they are the recomputation's (fp32, to 1e-5)."""
+    s = cfg.sampling
+    same_precision = cfg.policy.dtype == "float32" and s.rollout_dtype in ("same", "float32")
+    # vLLM renormalises its log-probs over the tokens top-p/top-k keep, and over the non-stop
+    # tokens for the first min_new_tokens (it bans them first): not the policy's distribution
+    full_distribution = s.rollout_engine == "hf" or (s.top_p == 1.0 and s.top_k == 0 and s.min_new_tokens == 0)
+    return "sampling" if same_precision and full_distribution and not corrects_mismatch(cfg) else "recompute"
+
+
+def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfig:
+    """The configuration a resumed run continues with: `saved` (its config.yaml), with the
+    options of `changed` that differ from it, when they are safe to change (`opt(..., resume=True)`
+    in gspo.config.sections: none of them alters the steps already taken; a longer --steps with a
+    decaying LR schedule stretches the schedule, though)."""
+    if changed is None:
+        return saved
+    new, old = absolute_paths(resolve(dataclasses.replace(changed, output_dir=saved.run.output_dir))), resolve(saved)
+    diff = [f.name for f in options() if getattr(new, f.name) != getattr(old, f.name)]
+    unsafe = [name for name in diff if name not in RESUME_SAFE]
+    if unsafe:
+        flags = ", ".join("--" + n.replace("_", "-") for n in unsafe)
+        raise ConfigError(f"--resume: {flags} cannot change in a resumed run (the steps already taken used the saved "
+                          f"value); options that can: {', '.join('--' + n.replace('_', '-') for n in RESUME_SAFE)}")
+    return dataclasses.replace(saved, **{name: getattr(new, name) for name in diff})
+
+
+def absolute_paths(cfg: TrainConfig) -> TrainConfig:
+    """Paths made absolute (model and data directories, reward files and reward-model
+    directories, the run directory), so a run directory and its checkpoints work from any
+    working directory. Hub ids and built-in names are left as they are (they are no paths)."""
+
+    def absolute(p):
+        return str(Path(p).expanduser().resolve()) if p is not None and Path(p).expanduser().exists() else p
+
+    def reward(r: str) -> str:
+        target, colon, attr = r.rpartition(":")
+        if colon and Path(target).exists():  # path/to/file.py:function
+            return f"{absolute(target)}:{attr}"
+        return absolute(r) if not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
+
+    rewards = tuple(reward(r) for r in cfg.rewards.reward)
+    out = str(Path(cfg.run.output_dir).expanduser().absolute()) if cfg.run.output_dir not in (None, "-") else cfg.run.output_dir
+    model = cfg.policy.model if cfg.policy.model in BUILTIN_MODELS else absolute(cfg.policy.model)
+    return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.data.dataset),
+                               eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards, output_dir=out)
+
+
+__all__ = ["absolute_paths", "checked", "corrects_mismatch", "resolve", "resume_config", "validate"]
