@@ -101,3 +101,60 @@ def test_successor_presets_and_corrections_resolve():
     assert resolve(TrainConfig()).old_logp == "sampling"
     assert resolve(TrainConfig(rollout_is="token")).old_logp == "recompute"
     assert resolve(TrainConfig(opsm_delta=0.01)).old_logp == "recompute"
+
+
+def test_sections_are_handed_whole_and_options_read_by_name():
+    from gspo.config import SECTION_OF, Loss, Sampling
+
+    cfg = TrainConfig(loss=Loss(algorithm="grpo"), group_size=4)  # a section and an option by name
+    assert (cfg.loss.algorithm, cfg.sampling.group_size, cfg.group_size) == ("grpo", 4, 4)
+    cfg.group_size = 6  # set by name: the section's field
+    assert cfg.sampling.group_size == 6 and SECTION_OF["group_size"] == "sampling"
+    given = Sampling(group_size=3)
+    made = TrainConfig(sampling=given)
+    made.group_size = 5
+    assert given.group_size == 3  # a section given is copied, never shared
+    copy = dataclasses.replace(cfg, steps=7)  # dataclasses.replace takes option names too
+    assert (copy.steps, cfg.steps, copy.group_size) == (7, None, 6)
+    copy.temperature = 0.5
+    assert cfg.temperature == 1.0  # the copy's sections are its own
+    with pytest.raises(TypeError, match="unexpected option 'gruop_size'"):
+        TrainConfig(gruop_size=4)
+    with pytest.raises(AttributeError, match="no option 'gruop_size'"):
+        cfg.gruop_size
+
+
+def test_every_option_is_declared_once_with_its_facts():
+    from gspo.config import RESUME_SAFE, options, to_dict
+
+    fields = options()
+    assert len({f.name for f in fields}) == len(fields) == 93  # unique across sections: flat flags and keys
+    assert all(f.metadata["help"].strip() for f in fields)
+    assert list(to_dict(TrainConfig())) == [f.name for f in fields]  # config.yaml: section by section
+    assert {"steps", "device", "save_every", "vllm_sleep"} <= set(RESUME_SAFE) and "lr" not in RESUME_SAFE
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"prompts_per_step": 0}, "prompts_per_step: must be >= 1 (got 0)"),          # ge=1
+    ({"temperature": 0.0}, "temperature: must be > 0 (got 0.0)"),                 # gt=0
+    ({"top_p": 1.5}, "top_p: must be in (0, 1] (got 1.5)"),                       # gt=0, le=1
+    ({"lora_dropout": 1.0}, "lora_dropout: must be in [0, 1) (got 1.0)"),         # ge=0, lt=1
+    ({"gamma": -0.1}, "gamma: must be in [0, 1] (got -0.1)"),                     # ge=0, le=1
+    ({"critic_lr": None}, None),                                                  # None passes a bound
+])
+def test_bounds_come_from_the_option_and_say_which(changes, message):
+    if message is None:
+        resolve(TrainConfig(**changes))
+        return
+    with pytest.raises(ConfigError) as e:
+        resolve(TrainConfig(**changes))
+    assert str(e.value) == message
+
+
+def test_the_flags_stay_flat_and_group_by_section():
+    from gspo.argv import parse
+
+    cfg = parse(TrainConfig, ["--group-size", "4", "--clip-low", "0.1", "--no-progress", "--stop-token", "a", "b"],
+                "gspo train")
+    assert (cfg.sampling.group_size, cfg.loss.clip_low, cfg.run.progress, cfg.sampling.stop_token) == \
+        (4, 0.1, False, ("a", "b"))
