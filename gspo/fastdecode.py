@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import transformers
+from packaging.version import Version
 
 from gspo.lmhead import fused_head
 from gspo.reporting import warn
@@ -41,6 +43,9 @@ Tensor = torch.Tensor
 FAST_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 BLOCK = 64  # KV-cache columns added beyond the prompt at first; the cache doubles when full
 CHECK_TOL = {torch.float32: 1e-3, torch.float64: 1e-6}  # bf16/fp16: 0.25
+# the KV cache's name, as a forward's argument and on its output: transformers 5.24 renamed
+# past_key_values to cache (the old name still works there, with a FutureWarning every call site sees)
+CACHE = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
 
 
 class HFDecoder:
@@ -54,13 +59,12 @@ class HFDecoder:
 
     def _forward(self, ids, attn, pos):
         if self.backbone is None:
-            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=1)
-            self.cache = out.past_key_values
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                             **{CACHE: self.cache})
+            self.cache = getattr(out, CACHE)
             return out.logits[:, -1]
-        out = self.backbone(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=self.cache,
-                            use_cache=True)
-        self.cache = out.past_key_values
+        out = self.backbone(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **{CACHE: self.cache})
+        self.cache = getattr(out, CACHE)
         return F.linear(out.last_hidden_state[:, -1], self.head.weight)  # (B, V)
 
     def prefill(self, ids: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
