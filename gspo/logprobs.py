@@ -33,8 +33,6 @@ from gspo.lmhead import chunked_logprobs, fused_head
 from gspo.moe import NO_ROUTING
 from gspo.sequences import Rollout, position_ids_from_mask
 
-# Rollout (gspo.rollout) is read here, never imported: this module stays below the samplers
-
 Tensor = torch.Tensor
 
 

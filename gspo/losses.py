@@ -26,7 +26,6 @@ token's log-prob) and the value loss, which lives with the critic (`gspo.value`)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable
 
@@ -252,22 +251,6 @@ def gmpo_loss(
     return TokenLoss(per_token, seq_ratio.unsqueeze(-1).expand_as(mask), clipped_low, clipped_high)
 
 
-class _TokenLosses(Mapping):
-    """name -> per-token loss function: a live view of LOSSES (a loss registered later is in it)."""
-
-    def __getitem__(self, name: str) -> Callable[..., TokenLoss]:
-        return LOSSES[name].fn
-
-    def __iter__(self):
-        return iter(LOSSES)
-
-    def __len__(self) -> int:
-        return len(LOSSES)
-
-
-TOKEN_LOSSES: Mapping[str, Callable[..., TokenLoss]] = _TokenLosses()
-
-
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
     """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ; `(B, T)` in, `(B, T)` out.
 
@@ -394,5 +377,5 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
     }
 
 
-__all__ = ["AGG_MODES", "KL_ESTIMATORS", "LOSSES", "LossInfo", "TOKEN_LOSSES", "register_loss", "TokenLoss", "aggregate", "agg_count", "kl_penalty",
+__all__ = ["AGG_MODES", "KL_ESTIMATORS", "LOSSES", "LossInfo", "register_loss", "TokenLoss", "aggregate", "agg_count", "kl_penalty",
            "apply_opsm", "opsm_keep", "policy_loss", "rollout_is_weights", "sequence_log_ratio"]

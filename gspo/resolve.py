@@ -30,9 +30,8 @@ from gspo.tasks import TASKS, get_task
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Raise ConfigError with a one-line message for the first bad value (its type, its bounds, then the rules)."""
-    for f in options():
-        check_value(f.name, getattr(cfg, f.name), f.name)
+    """Raise ConfigError with a one-line message for the first bad value of a config whose types
+    are checked (`checked`): its bounds, then the rules."""
     for f in options():
         if msg := bounds_error(f.metadata["bounds"], getattr(cfg, f.name)):
             _fail(cfg, f.name, msg)
@@ -125,10 +124,10 @@ def checked(cfg: TrainConfig) -> TrainConfig:
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
-    """Validate, then fill the derived values: the clip range from the preset, the run directory ..."""
-    cfg = checked(cfg)
-    validate(cfg)
-    out = dataclasses.replace(cfg)
+    """Check (types, bounds, rules), then fill the derived values: the clip range from the preset,
+    the run directory ... `cfg` itself is left as it is."""
+    out = checked(cfg)  # a copy, filled in below
+    validate(out)
     info = LOSSES[out.loss.algorithm]
     out.loss.clip_low = info.clip_low if out.loss.clip_low is None else out.loss.clip_low
     out.loss.clip_high = info.clip_high if out.loss.clip_high is None else out.loss.clip_high
@@ -139,12 +138,13 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     out.run.steps = getattr(task, "default_steps", 60) if out.run.steps is None else out.run.steps
     out.ppo.critic_lr = 10 * out.optim.lr if out.ppo.critic_lr is None else out.ppo.critic_lr
     s = out.sampling
-    if s.max_new_tokens is None:
+    task_length = s.max_new_tokens is None
+    if task_length:
         s.max_new_tokens = DatasetTask.default_max_new_tokens if out.data.dataset else \
             get_task(out.data.task).default_max_new_tokens
     if s.min_new_tokens > s.max_new_tokens:  # the task's default max_new_tokens is known only now
         raise ConfigError(f"min_new_tokens: must be <= max_new_tokens, {s.max_new_tokens} (the "
-                          f"{'task' if cfg.sampling.max_new_tokens is None else 'given'} value) (got {s.min_new_tokens})")
+                          f"{'task' if task_length else 'given'} value) (got {s.min_new_tokens})")
     if out.run.output_dir is None:
         out.run.output_dir = str(Path("runs") / f"{out.loss.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}")
     return out

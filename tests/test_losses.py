@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.losses import AGG_MODES, TOKEN_LOSSES, aggregate, kl_penalty, policy_loss
+from gspo.losses import AGG_MODES, LOSSES, aggregate, kl_penalty, policy_loss
 from gspo.config import Loss
 
 D = torch.float64
@@ -169,10 +169,10 @@ def test_bad_inputs_raise():
 def test_one_registration_adds_a_loss():
     # A loss is one decorated function: register_loss puts it in LOSSES, and what the code derives
     # from the registry picks it up with nothing else edited: policy_loss runs it for
-    # Loss(algorithm=name) (with the section's clip range), TOKEN_LOSSES lists it, and resolve
+    # Loss(algorithm=name) (with the section's clip range), LOSSES lists it, and resolve
     # fills its preset clip range. The toy loss is -3·Â·log π per token.
     from gspo.config import TrainConfig
-    from gspo.losses import LOSSES, TokenLoss, register_loss
+    from gspo.losses import TokenLoss, register_loss
     from gspo.resolve import resolve
 
     seen = []
@@ -184,7 +184,7 @@ def test_one_registration_adds_a_loss():
         return TokenLoss(-3.0 * advantages.unsqueeze(-1) * logp, torch.ones_like(logp), none, none)
 
     try:
-        assert "toy" in TOKEN_LOSSES and TOKEN_LOSSES["toy"] is toy
+        assert "toy" in LOSSES and LOSSES["toy"].fn is toy
         cfg = resolve(TrainConfig(algorithm="toy"))
         assert (cfg.loss.clip_low, cfg.loss.clip_high) == (0.125, 0.375)
         # logp = [-1, -2], Â = 2: per-token loss [6, 12], seq-mean-token-mean 9; gradient -3·2/2 = -3 per token
@@ -196,7 +196,7 @@ def test_one_registration_adds_a_loss():
         assert seen == [(0.125, 0.375)] and m["loss/policy"] == 9.0
     finally:
         del LOSSES["toy"]
-    assert "toy" not in TOKEN_LOSSES
+    assert "toy" not in LOSSES
     with pytest.raises(ValueError, match="unknown policy loss 'toy'"):
         policy_loss(logp, logp.detach(), t([2.0]), t([[1.0, 1.0]]), cfg.loss)
 
@@ -229,7 +229,7 @@ def test_aggregate_ignores_empty_rows(mode):
     close(aggregate(values, mask, mode, max_len=4), AGG_EXPECTED[mode])
 
 
-@pytest.mark.parametrize("name", list(TOKEN_LOSSES))
+@pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_every_loss_uses_the_requested_mode(name, mode):
     # On-policy (logp == old_logp) every ratio is 1, nothing clips, and each token's term is
@@ -315,7 +315,7 @@ def test_gspo_token_equals_gspo_with_sequence_advantages(seed, clip):
     close(lp1.grad, lp2.grad)
 
 
-@pytest.mark.parametrize("name", list(TOKEN_LOSSES))
+@pytest.mark.parametrize("name", list(LOSSES))
 def test_on_policy_every_ratio_is_one_and_nothing_clips(name):
     logp, _, adv, mask = _random_batch(0)
     _, m = policy_loss(logp, logp.clone(), adv, mask, L(name, 3e-4, 4e-4))
@@ -324,7 +324,7 @@ def test_on_policy_every_ratio_is_one_and_nothing_clips(name):
     assert m["kl/old_new"] == 0.0
 
 
-@pytest.mark.parametrize("name", list(TOKEN_LOSSES))
+@pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_padding_changes_nothing(name, mode):
     logp, old, adv, mask = _random_batch(1, spread=0.3)
@@ -463,7 +463,7 @@ def extreme_batches(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(batch=extreme_batches(), name=st.sampled_from(list(TOKEN_LOSSES)), mode=st.sampled_from(AGG_MODES),
+@given(batch=extreme_batches(), name=st.sampled_from(list(LOSSES)), mode=st.sampled_from(AGG_MODES),
        est=st.sampled_from(["k1", "k2", "k3"]))
 def test_extreme_inputs_stay_finite(batch, name, mode, est):
     logp, old, adv, mask = batch

@@ -15,6 +15,7 @@ run directory ...) are gspo.resolve's. The package (this module and its sections
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 
@@ -38,8 +39,9 @@ def options() -> list[dataclasses.Field]:
     return [f for cls, _ in SECTIONS.values() for f in dataclasses.fields(cls)]
 
 
+@functools.cache
 def option_types() -> dict[str, object]:
-    """Option name -> its type annotation, resolved."""
+    """Option name -> its type annotation, resolved (once: treat the mapping as read-only)."""
     return {name: hint for cls, _ in SECTIONS.values() for name, hint in typing.get_type_hints(cls).items()}
 
 
