@@ -32,6 +32,26 @@ def tiny_random(char_tokenizer):
     return random_tiny_model(char_tokenizer)
 
 
+def _run_then_exit(rank, fn, *args):
+    # gloo's threads can abort a finished process at interpreter exit ('terminate called
+    # without an active exception', about 1 run in 3 here): the worker's results are written,
+    # so it leaves with os._exit, as gspo's own torchrun workers do (gspo.cli.entry)
+    import sys
+
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn(fn, *args, nprocs=2):
+    """torch.multiprocessing.spawn of `fn(rank, *args)`, each process ending with os._exit(0)
+    once `fn` returns (an exception in `fn` is reported as spawn reports it)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_run_then_exit, args=(fn, *args), nprocs=nprocs, join=True)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from gspo import checkpoint as ckpt
 from gspo.distributed import Dist
 from gspo.metrics import Max, Mean, Min, reduce_across
+from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow
 
@@ -213,9 +214,7 @@ def _reduce_worker(rank: int, init_file: str, out_dir: str):
 
 
 def test_reduce_metrics_and_loss_scales_by_hand(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_reduce_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_reduce_worker, str(tmp_path / "init"), str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     assert r0["metrics"] == r1["metrics"]
     kinds = {k: kind for k, (kind, _) in r0["metrics"].items()}
@@ -290,9 +289,7 @@ def _head_worker(rank: int, init_file: str, out_dir: str, parallel: str):
 def test_chunked_lm_head_under_ddp_and_fsdp(tmp_path, parallel):
     # the training forward under DDP and FSDP goes through the chunked LM head (no tokens x
     # vocabulary logits), with the head's full weight (a plain tensor, not an FSDP shard)
-    import torch.multiprocessing as mp
-
-    mp.spawn(_head_worker, args=(str(tmp_path / "init"), str(tmp_path), parallel), nprocs=2, join=True)
+    spawn(_head_worker, str(tmp_path / "init"), str(tmp_path), parallel)
     for r in (0, 1):
         out = torch.load(tmp_path / f"{r}.pt")
         assert out["seen"] in ([("chunked", (8, 64), "Tensor")], [("chunked", (8, 64), "Parameter")])  # 2 rows x 4 tokens

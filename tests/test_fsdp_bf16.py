@@ -11,6 +11,7 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo.distributed import Dist
+from tests.conftest import spawn
 from tests.test_distributed import metrics, one_process, torchrun
 
 pytestmark = pytest.mark.slow
@@ -92,12 +93,10 @@ def test_fsdp_bf16_sampler_records_the_bf16_copys_logprobs(tmp_path):
     # the sharded policy, gathered in bf16 by its MixedPrecisionPolicy, samples what a bf16
     # copy of the weights samples in one process: the same tokens and log-probs. The tolerance
     # separates the precisions: an fp32 sampler's log-probs are > 1e-2 away on these tokens
-    import torch.multiprocessing as mp
-
     from gspo.models import load_policy, low_precision_copy
     from gspo.rollout import generate, sampling_params
 
-    mp.spawn(_bf16_sampler_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_bf16_sampler_worker, str(tmp_path / "init"), str(tmp_path))
     policy, tok = load_policy("tiny")
     prompts, params = [tok(p)["input_ids"] for p in PROMPTS_BF16], sampling_params(tok, group_size=4, max_new_tokens=8)
     fp32, bf16 = (generate(m, prompts, params, generator=torch.Generator().manual_seed(0))  # all 16 rows at once

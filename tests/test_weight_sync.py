@@ -15,6 +15,7 @@ import torch
 
 from gspo.models import add_lora, load_policy, unwrap
 from gspo.vllm_engine import checkpoint_weights
+from tests.conftest import spawn
 
 
 def whole_state_dict(policy) -> dict:
@@ -130,9 +131,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
 
 
 def test_fsdp_gathers_one_parameter_at_a_time(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_fsdp_worker, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_fsdp_worker, str(tmp_path / "init"), str(tmp_path))
     want = whole_state_dict(lora_policy())  # one process, unsharded
     for rank in (0, 1):
         res = torch.load(tmp_path / f"{rank}.pt", weights_only=False)
