@@ -22,6 +22,7 @@ from gspo.logprobs import Split, passes, token_logprobs
 from gspo.metrics import reduce_across
 from gspo.moe import expert_counts
 from gspo.rollout import Rollout
+from gspo.scoring import Scored  # noqa: F401 (a scored rollout's rows: prepare's input)
 
 Tensor = torch.Tensor
 
@@ -61,17 +62,6 @@ class Batch:
         return {"old_logp": cut(self.old_logp), "advantages": cut(self.advantages), "ref_logp": cut(self.ref_logp),
                 "old_values": cut(self.old_values), "returns": cut(self.returns), "routing": routing,
                 "is_weights": cut(self.is_weights), "rollout_logp": cut(self.rollout.logp)}
-
-
-@dataclass
-class Scored:
-    """A scored rollout's rows, as gspo.trainer's `score` leaves them."""
-
-    rewards: Tensor  # (B,) weighted sum of all rewards
-    parts: dict  # name -> (B,) each reward's values
-    examples: list  # (B / G,) the prompts' Examples
-    completions: list[str]  # (B,) decoded completions
-    episodes: Episodes | None = None  # multi-turn
 
 
 def prepare(run, ro: Rollout, scored: Scored) -> Batch:

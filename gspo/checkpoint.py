@@ -195,7 +195,9 @@ def save_run(run, step: int) -> None:
     stands. Under FSDP the gathers are collectives: every process takes part, rank 0 writes."""
     dist = run.dist
     rngs = dist.gather_objects(rng_state())  # every process's, in rank order
+    pending = [p.on("cpu") for p in run.pipeline.drain()] if run.pipeline is not None else []
     state = {"step": step, "rng": rngs[dist.rank], "rng_per_rank": rngs, "world_size": dist.world,
+             "policy_version": step, "pending_per_rank": dist.gather_objects(pending),  # batches sampled, not trained
              "eval_before": run.eval_before, "evals": run.evals, "wall_seconds": time.time() - run.t_start}
     optimizers = {}
     for t in run.trainables:  # "optimizer"/"scheduler", and a separate critic's "critic_optimizer"/...
@@ -241,6 +243,8 @@ def restore_run(run) -> None:
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
     run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
+    pending = state.get("pending_per_rank") or [[]]
+    run.pending = [p.on(dist.device) for p in pending[dist.rank]] if len(pending) == dist.world else []
     done = is_complete(run.run_dir, run.start_step)  # the final evaluation ran after this checkpoint was written
     if done is not None and done.get("steps") == run.start_step:
         run.evals = [e for e in done.get("evals", []) if e["step"] <= run.start_step]

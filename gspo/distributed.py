@@ -55,6 +55,8 @@ class Dist:
     parallel: str = "none"  # "none" (one process), "ddp" or "fsdp"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: object = None
+    group: object = None  # the trainer processes' group; None: the whole world (no rollout ranks)
+    link: object = None  # with rollout ranks (`init`): the gloo group over every rank that carries their traffic
 
     @property
     def enabled(self) -> bool:
@@ -79,14 +81,14 @@ class Dist:
         if not self.enabled:
             return t
         parts = [None] * self.world
-        torch_dist.all_gather_object(parts, t.detach().cpu())
+        torch_dist.all_gather_object(parts, t.detach().cpu(), group=self.group)
         return torch.cat(parts).to(t.device)
 
     def gather_objects(self, obj) -> list:
         if not self.enabled:
             return [obj]
         parts = [None] * self.world
-        torch_dist.all_gather_object(parts, obj)
+        torch_dist.all_gather_object(parts, obj, group=self.group)
         return parts
 
     def broadcast_object(self, obj):
@@ -94,7 +96,7 @@ class Dist:
         if not self.enabled:
             return obj
         box = [obj]
-        torch_dist.broadcast_object_list(box, src=0)
+        torch_dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 
     def all_min(self, t: Tensor) -> Tensor:
@@ -107,7 +109,7 @@ class Dist:
         if not self.enabled:
             return t
         out = self._comm(t)
-        torch_dist.all_reduce(out, op=op)
+        torch_dist.all_reduce(out, op=op, group=self.group)
         return out.to(t.device)
 
     def max_int(self, n: int) -> int:
@@ -116,7 +118,7 @@ class Dist:
 
     def barrier(self) -> None:
         if self.enabled:
-            torch_dist.barrier()
+            torch_dist.barrier(group=self.group)
 
     def average_grads(self, params) -> None:
         """All-reduce the gradients of replicated parameters and divide by the world size
@@ -147,9 +149,9 @@ class Dist:
     def close(self, clean: bool = True) -> None:
         """Leave the process group; `clean`: after a barrier, so that no process tears down its
         connections while another still uses them (skipped after an error: it could hang)."""
-        if self.enabled and torch_dist.is_initialized():
-            if clean:
-                torch_dist.barrier()
+        if (self.enabled or self.link is not None) and torch_dist.is_initialized():
+            if clean and self.enabled:
+                torch_dist.barrier(group=self.group)
             torch_dist.destroy_process_group()
             gc.collect()  # collective work objects freed now, not by gloo's threads at interpreter exit
 
@@ -211,8 +213,10 @@ def _launcher_argv() -> list[str]:
         return []
 
 
-def init(parallel: str, device: str) -> Dist:
-    """Join the process group torchrun set up (a single-process Dist without torchrun)."""
+def init(parallel: str, device: str, rollout_ranks: int = 0) -> Dist:
+    """Join the process group torchrun set up (a single-process Dist without torchrun).
+    rollout_ranks: the last N ranks of the world are rollout workers (gspo.pipeline.serve_rank):
+    the trainer processes are the others, their collectives on a group of their own."""
     from gspo.models import resolve_device
 
     world = world_size_from_env()
@@ -225,9 +229,48 @@ def init(parallel: str, device: str) -> Dist:
         torch.cuda.set_device(dev)
     elif dev.type != "cpu":
         raise ValueError(f"device {device!r}: multi-process training runs on cpu (gloo) or cuda (nccl)")
-    if not torch_dist.is_initialized():
-        torch_dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
-    from torch.distributed.device_mesh import init_device_mesh
+    if not rollout_ranks:
+        if not torch_dist.is_initialized():
+            torch_dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                          device_id=dev if dev.type == "cuda" else None)
+        from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(dev.type, (world,)) if parallel == "fsdp" else None
-    return Dist(rank=rank, world=world, local_rank=local_rank, parallel=parallel, device=dev, mesh=mesh)
+        mesh = init_device_mesh(dev.type, (world,)) if parallel == "fsdp" else None
+        return Dist(rank=rank, world=world, local_rank=local_rank, parallel=parallel, device=dev, mesh=mesh)
+    trainers = world - rollout_ranks
+    if trainers < 1:
+        raise ValueError(f"rollout_workers: {rollout_ranks} rollout ranks leave no trainer process in a torchrun world "
+                         f"of {world}")
+    group, link = rollout_world(trainers, "nccl" if dev.type == "cuda" else "gloo")
+    mesh = None
+    if parallel == "fsdp" and trainers > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(group, dev.type)
+    return Dist(rank=rank, world=trainers, local_rank=local_rank, parallel=parallel if trainers > 1 else "none",
+                device=dev, mesh=mesh, group=group, link=link)
+
+
+def rollout_world(trainers: int, backend: str) -> tuple[object, object]:
+    """Every rank of a world with rollout ranks calls this, in the same order: the process group,
+    then the trainers' group (ranks 0 .. trainers-1) and the gloo group rollouts travel on."""
+    if not torch_dist.is_initialized():
+        torch_dist.init_process_group(backend)
+    group = torch_dist.new_group(list(range(trainers)), backend=backend)
+    link = torch_dist.new_group(list(range(world_size_from_env())), backend="gloo")
+    return group, link
+
+
+def rollout_rank(rollout_ranks: int) -> int | None:
+    """This process's index among the rollout ranks (the last N of a torchrun world), or None."""
+    world, rank = world_size_from_env(), int(os.environ.get("RANK", "0"))
+    return rank - (world - rollout_ranks) if world > 1 and rollout_ranks and rank >= world - rollout_ranks else None
+
+
+def worker_devices(cfg, dist: Dist) -> list[str]:
+    """This trainer process's workers' devices: --rollout-devices as given (N entries, the same for
+    every process) or N per process in rank order (N x processes entries); default its own device."""
+    n, given = cfg.async_rl.rollout_workers, list(cfg.async_rl.rollout_devices)
+    if len(given) == n * dist.world and dist.world > 1:
+        return given[dist.rank * n:(dist.rank + 1) * n]
+    return given or [str(dist.device)] * n

@@ -51,7 +51,8 @@ def wrap(model, dist, *, find_unused: bool = False, mixed: torch.dtype | None = 
 
         no_sync_buffers = {"forward_sync_buffers": False} if "forward_sync_buffers" in \
             inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False}  # torch < 2.13
-        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused, **no_sync_buffers)
+        return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=find_unused,
+                                       process_group=dist.group, **no_sync_buffers)
     if dist.parallel == "fsdp":
         shard(model, dist, mixed=mixed)
     return model
@@ -154,6 +155,10 @@ def load_optimizer_state(model, optimizer, state: dict, dist) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
+    if dist.group is not None:  # with rollout ranks: torch's broadcast_from_rank0 would use the whole world
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=dist.broadcast_object(state),
+                                 options=StateDictOptions(full_state_dict=True))
+        return
     # rank 0 holds the full state and sends each process its shard; the others pass nothing
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

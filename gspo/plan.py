@@ -38,6 +38,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `routing_replay` | Routing Replay forces the old experts in the ratio's forward (bool) |
 | `env` | the multi-turn environment's class name, or None (single-turn completions) |
 | `max_turns` | model turns per episode at most (1 without an environment) |
+| `rollouts` | `{"max_staleness", "workers", "devices", "mode"}`: batches sampled up to K versions late, by N rollout workers on these devices; mode `"this process"`, `"processes"` (each trainer process starts its N) or `"ranks"` (the torchrun world's last N ranks) (gspo.pipeline) |
 | `warnings` | the run's start-up notes (`run.notes`: every fallback from what was asked), plus any the plan finds |
 
 Left out: facts decided during the run (the compact decode step's first-step check can still
@@ -48,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo import fastdecode
+from gspo import distributed, fastdecode
 from gspo.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.rollout import PolicySampler
 
@@ -57,9 +58,19 @@ def plan(run) -> dict:
     """The resolved plan of a built run (gspo.run.Run) as plain JSON values; see the module docstring."""
     cfg, dist = run.cfg, run.dist
     fsdp = dist.enabled and dist.parallel == "fsdp"
-    engine = "hf" if isinstance(run.sampler, PolicySampler) else cfg.sampling.rollout_engine
+    workers = cfg.async_rl.rollout_workers
+    engine = "hf" if isinstance(run.sampler, PolicySampler) and not workers else cfg.sampling.rollout_engine
     weights = _dtype(run.policy) or cfg.policy.param_dtype
     sampler, sampler_dtype = _sampler(run, engine, fsdp, weights)
+    devices = distributed.worker_devices(cfg, dist)
+    if workers:  # the trainer's own sampler never samples: the workers' copies do
+        sampler_dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
+        ranks = dist.link is not None  # the torchrun world's last N ranks, else processes each trainer starts
+        devices = list(cfg.async_rl.rollout_devices) or ["their own"] if ranks else devices
+        where = f"the torchrun world's last {workers} rank(s)" if ranks else \
+            f"{workers} rollout worker process(es) per trainer process"
+        sampler = (f"{where} ({', '.join(devices)}), each with its own {'vLLM engine' if engine == 'vllm' else 'copy'} "
+                   f"in {sampler_dtype}")
     decode, decode_why = _decode(run, engine, fsdp)
     chunked = _chunked_head(run.policy, fsdp)
     vocab = _base(run.policy).get_output_embeddings().weight.shape[0] if chunked else None
@@ -71,6 +82,8 @@ def plan(run) -> dict:
                         "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
     return {
         "engine": engine,
+        "rollouts": {"max_staleness": cfg.async_rl.max_staleness, "workers": workers, "devices": devices,
+                     "mode": "ranks" if dist.link is not None else "processes" if workers else "this process"},
         "processes": dist.world,
         "parallel": dist.parallel if dist.enabled else "none",
         "weights_dtype": weights,
@@ -121,6 +134,11 @@ def describe(p: dict, warnings: bool = True) -> str:
         + ("; gradient checkpointing" if p["gradient_checkpointing"] else ""),
         f"  {lora}; {moe}; {env}",
     ]
+    r = p["rollouts"]
+    if r["max_staleness"] or r["workers"]:
+        by = {"ranks": f"the torchrun world's last {r['workers']} rank(s)",
+              "processes": f"{r['workers']} worker process(es) per trainer process"}.get(r["mode"], "this process")
+        lines.append(f"  rollouts: at most {r['max_staleness']} version(s) stale, sampled by {by}")
     if warnings:
         lines += [f"  warning: {' '.join(w.split())}" for w in p["warnings"]]
     return "\n".join(lines)

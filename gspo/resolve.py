@@ -35,7 +35,7 @@ def validate(cfg: TrainConfig) -> None:
     for f in options():
         if msg := bounds_error(f.metadata["bounds"], getattr(cfg, f.name)):
             _fail(cfg, f.name, msg)
-    for rules in (_loss_rules, _policy_rules, _data_rules, _sampling_rules, _corrections_rules):
+    for rules in (_loss_rules, _policy_rules, _data_rules, _sampling_rules, _corrections_rules, _async_rules):
         for ok, name, msg in rules(cfg):
             if not ok:
                 _fail(cfg, name, msg)
@@ -112,6 +112,19 @@ def _corrections_rules(cfg: TrainConfig):
         "log-probs with the trainer's recomputed ones (use --old-logp recompute or auto)"
 
 
+def _async_rules(cfg: TrainConfig):
+    a = cfg.async_rl
+    yield not a.rollout_devices or a.rollout_workers and len(a.rollout_devices) % a.rollout_workers == 0, \
+        "rollout_devices", f"needs one device per rollout worker ({a.rollout_workers} workers; under torchrun, or " \
+        "one per worker of every process, in rank order)"
+    yield all(d == "cpu" or d.split(":")[0] == "cuda" for d in a.rollout_devices), "rollout_devices", \
+        "each must be cpu, cuda or cuda:N"
+    yield not (a.drop_uniform_groups and cfg.sampling.group_size < 2), "drop_uniform_groups", \
+        "needs --group-size >= 2 (a group of one is always uniform)"
+    yield not (a.drop_uniform_groups and (cfg.episodes.env or cfg.data.task == "calculator")), "drop_uniform_groups", \
+        "cannot be combined with multi-turn episodes yet (their refill rounds would need their episodes joined)"
+
+
 def corrects_mismatch(cfg: TrainConfig) -> bool:
     """A sampler/trainer mismatch correction is on: it needs both log-probs, the sampler's and
     the trainer's recomputed ones."""
@@ -157,7 +170,10 @@ def _old_logp(cfg: TrainConfig) -> str:
     # vLLM renormalises its log-probs over the tokens top-p/top-k keep, and over the non-stop
     # tokens for the first min_new_tokens (it bans them first): not the policy's distribution
     full_distribution = s.rollout_engine == "hf" or (s.top_p == 1.0 and s.top_k == 0 and s.min_new_tokens == 0)
-    return "sampling" if same_precision and full_distribution and not corrects_mismatch(cfg) else "recompute"
+    # stale batches (--max-staleness > 0): pi_old is the proximal policy, the weights that train
+    # the batch, recomputed (AReaL's decoupled objective); --rollout-is then corrects proximal vs behaviour
+    fresh = cfg.async_rl.max_staleness == 0
+    return "sampling" if same_precision and full_distribution and fresh and not corrects_mismatch(cfg) else "recompute"
 
 
 def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfig:

@@ -38,15 +38,13 @@ from gspo.lifecycle import check_no_writer
 from gspo.env import episode_env, tool_schemas
 from gspo.critic import NoCritic, make_critic
 from gspo.logprobs import TokenLogprobs, supports_packing
-from gspo.models import (DTYPES, AdapterLoad, add_lora, disable_dropout, enable_checkpointing, load_policy,
-                         load_tokenizer, low_precision_copy, prepare_tokenizer, quiet_peft, resolve_model_path, unwrap)
-from gspo.moe import NO_ROUTING, MoEError, NoRouting, Routing, is_moe
+from gspo.models import DTYPES, disable_dropout, enable_checkpointing, load_policy, unwrap
+from gspo.moe import NO_ROUTING, NoRouting, Routing
 from gspo.optim import Trainable, make_optimizers
-from gspo.rewards import Reward, load_rewards
+from gspo.rewards import Reward
 from gspo.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
-from gspo.tasks import build_task
-from gspo.tasks.base import SystemPrompt
-from gspo.vllm_engine import VLLMSampler
+from gspo.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,  # noqa: F401 (the API, cli)
+                           task_and_rewards, task_for)
 
 FIT_SAMPLE = 256  # prompts whose lengths _fit_lengths checks
 
@@ -81,6 +79,8 @@ class Run:
     eval_before: dict | None = None
     evals: list[dict] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
+    pending: list = field(default_factory=list)  # sampled batches not yet trained (gspo.produce.Produced), restored
+    pipeline: object = None  # where each step's batch comes from (gspo.pipeline, gspo.workers)
 
     def autocast(self):
         """Mixed precision: forwards compute in --dtype over float32 master weights."""
@@ -112,22 +112,6 @@ class AlreadyComplete(Exception):
         super().__init__(f"the run is complete ({summary.get('steps')} steps)")
 
 
-@dataclass
-class Inputs:
-    """What the Python API (gspo.Trainer) passes as objects instead of names and paths."""
-
-    model: object = None  # a transformers PreTrainedModel (its directory, a str, goes into the config)
-    tokenizer: object = None
-    train_dataset: object = None  # a list of dicts or a datasets.Dataset
-    eval_dataset: object = None
-    reward_funcs: list | None = None  # callables (completions, **columns) -> list[float], and/or reward names
-    env: type | None = None  # the environment class of multi-turn episodes (gspo.env)
-
-    @property
-    def model_object(self):
-        return self.model if isinstance(self.model, torch.nn.Module) else None
-
-
 def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs: Inputs | None = None) -> Run:
     """Check everything and build the run; nothing is written.
 
@@ -143,13 +127,14 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     default_length = resume is None and cfg.sampling.max_new_tokens is None  # the task's default: may be capped to the model
     cfg, dist = _start(cfg, fresh=resume is None)
     inputs = inputs or Inputs()
-    task = _task(cfg, inputs)
+    _check_workers(cfg, inputs, dist)
+    task = task_for(cfg, inputs)
     reference = _reference(cfg, inputs, dist.device)  # the initial policy, before any weight is loaded or trained
-    policy, tokenizer = _load_policy(cfg, resume_from, dist.device, inputs)
+    policy, tokenizer = load_policy_for(cfg, resume_from, dist.device, inputs)
     _check_chat_template(cfg, task, tokenizer)
     env, max_turns = episode_env(inputs.env or cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
     cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
-    rewards = _rewards(cfg, task, inputs, dist.device)  # learned reward models load on the policy's device
+    rewards = rewards_for(cfg, task, inputs, dist.device)  # learned reward models load on the policy's device
     disable_dropout(policy)  # training forwards compute the log-probs the no-grad passes do
     if cfg.policy.gradient_checkpointing:
         enable_checkpointing(unwrap(policy))
@@ -167,11 +152,13 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
     cfg = resolve(cfg)
     if fresh:
         cfg = absolute_paths(cfg)  # the run directory works from any working directory
-    world = distributed.world_size_from_env()
+    ranks = distributed.world_size_from_env()
+    rollout_ranks = cfg.async_rl.rollout_workers if ranks > 1 else 0  # under torchrun: the world's last N ranks
+    world = ranks - rollout_ranks
     if cfg.sampling.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: must be divisible by the number of processes, {world}, so that "
                           f"each process samples whole groups (got {cfg.sampling.prompts_per_step})")
-    dist = distributed.init(cfg.run.parallel, cfg.run.device)  # a single process without torchrun
+    dist = distributed.init(cfg.run.parallel, cfg.run.device, rollout_ranks)  # a single process without torchrun
     cfg = dataclasses.replace(cfg, output_dir=dist.broadcast_object(cfg.run.output_dir))  # rank 0's timestamp
     run_dir = Path(cfg.run.output_dir)
     if dist.is_main:
@@ -186,11 +173,28 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
     return cfg, dist
 
 
+def _check_workers(cfg: TrainConfig, inputs: Inputs, dist: Dist) -> None:
+    """Rollout workers build their own copy of the sampling side from names: Python objects
+    cannot reach them."""
+    held = [name for name in ("model", "tokenizer", "train_dataset", "reward_funcs", "env")
+            if getattr(inputs, name) is not None and not (name == "model" and inputs.model_object is None)]
+    given, n = len(cfg.async_rl.rollout_devices), cfg.async_rl.rollout_workers
+    if given and given not in (n, n * dist.world):
+        raise ConfigError(f"rollout_devices: needs {n} devices (the same for every process) or {n * dist.world} (the "
+                          f"{n} of each of the {dist.world} processes, in rank order) (got {given})")
+    if cfg.async_rl.rollout_workers and held:
+        raise ConfigError(f"rollout_workers: the workers build the model, data, rewards and environment from names and "
+                          f"paths; this run passes {', '.join(held)} as Python objects (save them and pass paths, or "
+                          "use --rollout-workers 0 with --max-staleness)")
+
+
 def _training_side(run: Run, inputs: Inputs) -> None:
     """The sampler, MoE routing hooks, PPO's critic, the DDP/FSDP wrappers and the trainables
     (the policy's optimizer and LR schedule, and a separate critic's)."""
     cfg, dist, policy = run.cfg, run.dist, run.policy
-    run.sampler, run.routing = _sampler_and_routing(cfg, policy, dist, inputs)
+    # with rollout workers the trainer's own sampler is the policy itself (no engine, no copy): it never samples
+    own = dataclasses.replace(cfg, rollout_engine="hf", rollout_dtype="same") if cfg.async_rl.rollout_workers else cfg
+    run.sampler, run.routing = sampler_and_routing(own, policy, dist, inputs)
     run.critic = make_critic(cfg, policy, run.resume_from, dist.device, from_object=inputs.model_object is not None)
     mixed = DTYPES[cfg.policy.dtype] if cfg.policy.param_dtype != cfg.policy.dtype else None  # FSDP gathers parameters in it
     if isinstance(run.sampler, PolicySampler) and dist.enabled and dist.parallel == "fsdp":  # read before sharding
@@ -244,25 +248,10 @@ def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainCon
     return cfg, last
 
 
-def task_and_rewards(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[object, list[Reward]]:
+def task_andrewards_for(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[object, list[Reward]]:
     """The task (built-in, the user's dataset file, or in-memory rows; validated) and its rewards."""
-    task = _task(cfg, inputs or Inputs())
-    return task, _rewards(cfg, task, inputs or Inputs())
-
-
-def _task(cfg: TrainConfig, inputs: Inputs):
-    specs = tuple(inputs.reward_funcs or cfg.rewards.reward)
-    task = build_task(cfg.data, specs, cfg.eval.eval_size, train_rows=inputs.train_dataset,
-                      eval_rows=inputs.eval_dataset)
-    return task if cfg.data.system_prompt is None else SystemPrompt(task, cfg.data.system_prompt)  # training, eval, `gspo eval`
-
-
-def _rewards(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:
-    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's)."""
-    return load_rewards(list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards),
-                        list(cfg.rewards.reward_weights) or None, format_pattern=cfg.rewards.format_pattern,
-                        max_new_tokens=cfg.sampling.max_new_tokens, device=device or cfg.run.device,
-                        reward_model_device=cfg.rewards.reward_model_device, batch_size=cfg.rewards.reward_model_batch_size)
+    task = task_for(cfg, inputs or Inputs())
+    return task, rewards_for(cfg, task, inputs or Inputs())
 
 
 def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool,
@@ -312,70 +301,3 @@ def _reference(cfg: TrainConfig, inputs: Inputs, device: torch.device):
         reference, _ = load_policy(cfg.policy.model, dtype=DTYPES[cfg.policy.dtype], device=device, revision=cfg.policy.revision,
                                    with_tokenizer=False)
     return reference.eval().requires_grad_(False)
-
-
-@quiet_peft()  # peft's deprecation warning when it wraps a model is not the user's
-def _load_policy(cfg: TrainConfig, resume_from: Path | None, device: torch.device, inputs: Inputs):
-    """The policy to train and its tokenizer: the model (a directory, or the API's model
-    object), or the checkpoint's weights (a LoRA checkpoint: its base plus the saved adapter)."""
-    dtype = DTYPES[cfg.policy.param_dtype]  # float32 master weights unless pure low precision is asked for
-    obj = inputs.model_object
-    if resume_from is not None and cfg.lora.lora_r > 0:
-        if obj is None:
-            return load_policy(str(resume_from), dtype=dtype, device=device, revision=cfg.policy.revision,
-                               adapter=AdapterLoad(cfg.policy.model, trainable=True))
-        from peft import PeftModel
-
-        policy = PeftModel.from_pretrained(obj.to(device=device, dtype=dtype), resume_from, is_trainable=True)
-        return policy, inputs.tokenizer or load_tokenizer(resume_from)
-    if resume_from is not None:
-        return load_policy(str(resume_from), dtype=dtype, device=device)
-    if obj is not None:
-        policy, tokenizer = obj.to(device=device, dtype=dtype), prepare_tokenizer(inputs.tokenizer, "tokenizer")
-    else:
-        policy, tokenizer = load_policy(cfg.policy.model, dtype=dtype, device=device, revision=cfg.policy.revision,
-                                        with_tokenizer=inputs.tokenizer is None)
-        if inputs.tokenizer is not None:
-            tokenizer = prepare_tokenizer(inputs.tokenizer, "tokenizer")
-    if cfg.lora.lora_r > 0:
-        policy = add_lora(policy, r=cfg.lora.lora_r, alpha=cfg.lora.lora_alpha, dropout=cfg.lora.lora_dropout,
-                          target_modules=list(cfg.lora.lora_target_modules), revision=cfg.policy.revision)
-    return policy, tokenizer
-
-
-def _sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) -> tuple[Sampler, Routing | NoRouting]:
-    """The sampler (the policy, or a copy in the sampling precision made before any hook is
-    installed: --rollout-dtype, else the compute --dtype; under FSDP always the policy, sampling
-    in --dtype) and, for MoE models, the routing hooks (drift is always measured)."""
-    rollout_dtype = DTYPES[cfg.policy.dtype] if cfg.sampling.rollout_dtype == "same" else DTYPES[cfg.sampling.rollout_dtype]
-    if cfg.sampling.rollout_engine == "vllm":
-        if inputs.model_object is not None:
-            raise ConfigError("rollout_engine: vllm loads the model from its directory; pass model= as a path "
-                              "(or save_pretrained it first)")
-        return _vllm_sampler(cfg, policy, dist, rollout_dtype), \
-            (Routing(policy, cfg.policy.model) if is_moe(policy) else NO_ROUTING)
-    # FSDP: the policy itself (sharded next), gathered for each rollout in the compute dtype (its
-    # MixedPrecisionPolicy's param dtype), never a full copy per process; rollout_dtype == dtype there
-    fsdp = dist.enabled and dist.parallel == "fsdp"
-    model = policy if fsdp or rollout_dtype == DTYPES[cfg.policy.param_dtype] else low_precision_copy(policy, rollout_dtype)
-    sampler = PolicySampler(model, dist=dist)
-    if not is_moe(policy):
-        if cfg.moe.routing_replay or cfg.moe.router_aux_loss_coef > 0:
-            option = "--routing-replay" if cfg.moe.routing_replay else "--router-aux-loss-coef"
-            raise MoEError(f"{option}: {cfg.policy.model} is not a Mixture-of-Experts model with router modules "
-                           "(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE style)")
-        return sampler, NO_ROUTING
-    routing = Routing(policy, cfg.policy.model)
-    if cfg.loss.old_logp == "sampling":  # the experts used while sampling are the old policy's
-        sampler.routing = routing if model is policy else Routing(model, cfg.policy.model)
-    return sampler, routing
-
-
-def _vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
-    """A colocated vLLM engine over the model's directory (the base model for LoRA); the
-    policy's weights are loaded into it before every rollout."""
-    max_len = cfg.vllm.vllm_max_model_len or int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    path = resolve_model_path(cfg.policy.model, revision=cfg.policy.revision)  # a Hub id: its snapshot directory
-    return VLLMSampler(str(path), dataclasses.replace(cfg.vllm, vllm_max_model_len=max_len), dtype=name,
-                       seed=cfg.run.seed, dist=dist)

@@ -4,13 +4,17 @@
 
 gspo.rewards (verifiable rewards by name, user functions) and gspo.reward_model (learned reward
 models) both raise RewardError and read completions with completion_text; the tasks' own rewards
-(gspo.tasks) are per_completion functions. gspo.rewards re-exports all three.
+(gspo.tasks) are per_completion functions. gspo.rewards re-exports all three. `Scored` holds a
+scored rollout's rows (gspo.produce makes them, gspo.batch.prepare reads them).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any, Callable
+
+from torch import Tensor
 
 RewardFn = Callable[..., list]
 
@@ -44,3 +48,14 @@ def per_completion(fn: Callable[..., float]) -> RewardFn:
 
     batched.per_completion = fn
     return batched
+
+
+@dataclass
+class Scored:
+    """A scored rollout's rows, as gspo.trainer's `score` leaves them."""
+
+    rewards: Tensor  # (B,) weighted sum of all rewards
+    parts: dict  # name -> (B,) each reward's values
+    examples: list  # (B / G,) the prompts' Examples
+    completions: list[str]  # (B,) decoded completions
+    episodes: object | None = None  # gspo.episodes.Episodes  # multi-turn

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -40,17 +39,19 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
-from gspo.batch import Batch, Scored, expert_load, prepare
-from gspo.config import to_dict
+from gspo.batch import Batch, Scored, expert_load, prepare  # noqa: F401 (Scored: importable here)
+from gspo.config import TrainConfig, to_dict
+from gspo.configfile import load_yaml
 from gspo.evaluation import EvalOptions, evaluate
 from gspo.losses import agg_count, policy_loss
 from gspo.logprobs import MicroBatch, Split, passes
 from gspo.metrics import Mean, combine, reduce_across
 from gspo.plan import describe, plan
 from gspo.reporting import Progress, Reporter, samples_rows, warn
-from gspo.rewards import Reward, RewardError, TrainerState, score_completions
-from gspo.episodes import Draws, EpisodeSpec, Episodes, run_episodes
-from gspo.rollout import Rollout, cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
+from gspo.rewards import RewardError, TrainerState
+from gspo.episodes import EpisodeSpec
+from gspo.pipeline import Pipeline, make_pipeline, serve_rank
+from gspo.produce import rollout, score, step_generator, with_env_rewards  # noqa: F401 (the loop's parts, importable here)
 from gspo.lifecycle import Guard, Interrupted
 from gspo.run import AlreadyComplete, Run, build_run
 from gspo.steplog import step_row
@@ -76,6 +77,10 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
     keep: called with the finished run (gspo.api.Trainer keeps its trained policy).
     """
     t_start = time.time()
+    saved = Path(resume or ".") / "config.yaml"
+    asked = cfg if cfg is not None else load_yaml(saved) if resume is not None and saved.exists() else TrainConfig()
+    if distributed.rollout_rank(asked.async_rl.rollout_workers) is not None:  # the torchrun world's last N ranks
+        return serve_rank(asked.async_rl.rollout_workers, asked.run.device)
     try:
         run = build_run(cfg, resume, inputs)  # raises on any bad input; nothing written yet
     except AlreadyComplete as done:
@@ -95,6 +100,8 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
                               f"{distributed.command_line(['train', '--resume', str(run.run_dir)])}") from e
         raise
     finally:
+        if run.pipeline is not None:
+            run.pipeline.close()  # rollout workers stop, whatever ended the run
         guard.release()
     run.dist.close()
     if keep is not None:
@@ -116,6 +123,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
             ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
         run.eval_before = run_eval(run)
         run.evals = [{"step": 0, **run.eval_before}]
+    run.pipeline = make_pipeline(run, run.pending)  # rollout workers start here (the weights are the restored ones)
     reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.start_step,
                         wandb_project=cfg.run.wandb_project) if main else None
     bar = Progress(cfg, run.start_step, log) if main else None
@@ -208,78 +216,27 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     process samples and scores its contiguous share of the step's prompts; `batch` holds its
     rows; advantages and metrics are those of the global batch.
     """
-    cfg, dist = run.cfg, run.dist
+    cfg = run.cfg
     t0 = time.perf_counter()
-    n = cfg.sampling.prompts_per_step // dist.world
-    examples = run.task.train_batch(step, cfg.sampling.prompts_per_step, cfg.run.seed)[dist.rank * n:(dist.rank + 1) * n]
-    ro, completions, completion_ids, episodes = rollout(run, examples, step)
+    if run.pipeline is None:  # train_step called alone: the trainer's process samples
+        run.pipeline = Pipeline(run)
+    produced, async_metrics = run.pipeline.take(step)  # sampled now, or K versions ago (gspo.pipeline)
     t_rollout = time.perf_counter() - t0
-    rewards, parts = score_completions(run.rewards, examples, completions, completion_ids, cfg.sampling.group_size,
-                                       TrainerState(step - 1, cfg.run.steps))
-    rewards, parts = with_env_rewards(rewards, parts, episodes)  # (B,)
-    batch = prepare(run, ro, Scored(rewards, parts, examples, completions, episodes))
+    batch = prepare(run, produced.rollout, produced.scored)
     t1 = time.perf_counter()
     history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"))
     t_update = time.perf_counter() - t1
     metrics = step_row(run, step, batch, history)
+    t_step = time.perf_counter() - t0
     metrics.update({
         "time/rollout_seconds": t_rollout,
         "time/update_seconds": t_update,
-        "time/step_seconds": time.perf_counter() - t0,
+        "time/step_seconds": t_step,
+        "time/tokens_per_second": float(run.dist.all_sum(batch.rollout.completion_mask.sum().double().cpu())) / t_step,
+        **(async_metrics if cfg.async_rl.max_staleness or cfg.async_rl.rollout_workers
+           or cfg.async_rl.drop_uniform_groups else {}),
     })
     return metrics, batch
-
-
-def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:
-    """A CPU generator that is a function of (seed, step, purpose) alone: a resumed run, or a
-    run split across processes, draws the same numbers for the same step."""
-    digest = hashlib.sha256(f"gspo-{seed}-{step}-{purpose}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
-
-
-def rollout(run: Run, examples: list, step: int) -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
-    """Sample cfg.sampling.group_size completions per example with the run's sampler, from the current
-    policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
-    an environment) the episodes (gspo.episodes: the texts are then each episode's final model
-    turn). Several processes: these are rows (offset, total) of the global batch (see
-    gspo.rollout.generate)."""
-    cfg, dist, G = run.cfg, run.dist, run.cfg.sampling.group_size
-    params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.sampling.max_new_tokens,
-                             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                             min_new_tokens=cfg.sampling.min_new_tokens)
-    run.sampler.sync(run.policy)
-    rows = (dist.rank * len(examples) * G, cfg.sampling.prompts_per_step * G)
-    if run.env is not None:
-        spec = EpisodeSpec.from_config(cfg, run.env, run.max_turns)
-        draws = Draws(lambda turn: step_generator(cfg.run.seed, step, f"sample-turn-{turn}" if turn else "sample"),
-                      rows, dist)
-        ro, ep = run_episodes(run.sampler, run.tokenizer, examples, spec, params, draws)
-        run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
-        return ro, ep.final_texts, ep.final_ids, ep
-    prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.data.max_prompt_length)
-    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample"), rows=rows)
-    run.sampler.end_rollout()  # vLLM: sleeps after the last sample
-    ro = cut_at_stop_strings(ro, run.tokenizer, cfg.sampling.stop_string)
-    texts, ids = decode_completions(run.tokenizer, ro)
-    return ro, texts, ids, None
-
-
-def score(rewards: list[Reward], examples, completions: list[str], completion_ids, group_size: int,
-          episodes: Episodes | None = None):
-    """Weighted reward of each completion (B,) and each reward's values; row b is example b // G.
-    Episodes: plus the environment's rewards over the episode (its own part, `env`). (A training
-    step's rewards also get the trainer's state, the steps done and the run's steps, as TRL's do.)"""
-    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size)
-    return with_env_rewards(total, parts, episodes)
-
-
-def with_env_rewards(total: list[float], parts: dict, episodes: Episodes | None) -> tuple[Tensor, dict]:
-    """The rewards' total as a tensor (B,), plus (episodes) the environment's over each episode."""
-    total = torch.tensor(total, dtype=torch.float32)
-    if episodes is not None:
-        parts["env"] = episodes.env_reward.tolist()
-        total = total + episodes.env_reward
-    return total, parts
 
 
 # ----------------------------------------------------------------------------------------------

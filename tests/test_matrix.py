@@ -1,8 +1,8 @@
 """The configuration matrix: every combination of the options that combine runs, or is refused in
 one line before anything is written (docs/matrix.md).
 
-The full product of the factors below is 3·3·2·3·2·2·2·7·4·2 = 48,384 runs; a covering array
-of strength 2 (every pair of levels of every two factors in at least one cell) has 31: 24 run
+The full product of the factors below is 3·3·2·3·2·2·2·7·4·2·3 = 72,576 runs; a covering array
+of strength 2 (every pair of levels of every two factors in at least one cell) has 28: 21 run
 in this process, 7 under torchrun (printed by `python tests/test_matrix.py`). It is built here
 by a small greedy algorithm (AETG-style: each new cell is the best of a few seeded random
 candidates, each candidate filled factor by factor with the level that covers the most pairs not
@@ -49,6 +49,7 @@ FACTORS = {  # factor -> its levels; the first level is the cheapest, which ties
     "algorithm": ["gspo", "grpo", "gspo_token", "ppo", "cispo", "sapo", "gmpo"],
     "rollout_is": ["off", "token", "sequence", "geometric"],
     "opsm": ["off", "on"],
+    "rollouts": ["sync", "lag", "workers"],  # --max-staleness 1, without and with a rollout worker
 }
 NOT_PAIRED = {("layout", "algorithm"), ("layout", "rollout_is"), ("layout", "opsm")}  # see the docstring
 REFUSED = [  # (the levels that are refused together, a fragment of the one-line message)
@@ -119,7 +120,7 @@ def covering_array(seed: int = SEED) -> list[dict]:
 
 
 CELLS = covering_array()
-TOY = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "0",
+TOY = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "4", "--eval-size", "0",
        "--num-minibatches", "2", "--no-progress", "--seed", "0"]
 
 
@@ -140,23 +141,38 @@ def flags(cell: dict) -> list[str]:
     out += ["--algorithm", cell["algorithm"]]
     out += ["--rollout-is", cell["rollout_is"]] if cell["rollout_is"] != "off" else []
     out += ["--opsm-delta", "0.5"] if cell["opsm"] == "on" else []
+    out += {"sync": [], "lag": ["--max-staleness", "1"],
+            "workers": ["--max-staleness", "1", "--rollout-workers", "1"]}[cell["rollouts"]]
     return out
 
 
+def toy(cell: dict) -> list[str]:
+    """The toy sizes: 2 steps when batches are stale (step 2 trains a batch of version 0)."""
+    return [*TOY, "--steps", "2"] if cell["rollouts"] != "sync" else [*TOY, "--steps", "1"]
+
+
+def nproc(cell: dict) -> int:
+    """Processes to start: 2 trainers under torchrun, plus the rollout rank of a workers cell."""
+    return 1 if cell["layout"] == "1" else 3 if cell["rollouts"] == "workers" else 2
+
+
 def command(cell: dict, out: Path) -> str:
-    launcher = ("torchrun --standalone --nproc-per-node=2 -m gspo train" if cell["layout"] != "1"
+    launcher = (f"torchrun --standalone --nproc-per-node={nproc(cell)} -m gspo train" if cell["layout"] != "1"
                 else "gspo train")
-    return " ".join([launcher, *flags(cell), *TOY, "--output-dir", str(out)])
+    return " ".join([launcher, *flags(cell), *toy(cell), "--output-dir", str(out)])
 
 
 def check_ran(cell: dict, run: Path, err: str):
     """A cell that ran: its checkpoint, a finite loss, and the plan it asked for."""
     name = " ".join(flags(cell))
     assert "Traceback" not in err, f"{name}: {err[-3000:]}"
-    assert (run / "checkpoints" / "step-000001").is_dir(), name
+    steps = 1 if cell["rollouts"] == "sync" else 2
+    assert (run / "checkpoints" / f"step-{steps:06d}").is_dir(), name
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["step"] for r in rows] == [1], name
-    assert rows[0]["loss/policy"] is not None and math.isfinite(rows[0]["loss/policy"]), name
+    assert [r["step"] for r in rows] == list(range(1, steps + 1)), name
+    assert all(r["loss/policy"] is not None and math.isfinite(r["loss/policy"]) for r in rows), name
+    if cell["rollouts"] != "sync":  # step 2 trains with version 1 the batch version 0 sampled
+        assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0], name
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     dtype = "float32" if cell["precision"] == "fp32" else "bfloat16"
     weights = "bfloat16" if cell["precision"] == "bf16-pure" else "float32"
@@ -166,14 +182,15 @@ def check_ran(cell: dict, run: Path, err: str):
     assert cfg["model"] == ("tiny-moe" if moe else "tiny-tool" if cell["turns"] == "calculator" else "tiny"), name
     assert cfg["lora_r"] == (4 if cell["lora"] == "on" else 0), name
     corrects = cell["rollout_is"] != "off" or cell["opsm"] == "on"
-    if corrects or dtype != "float32":
-        assert cfg["old_logp"] == "recompute", name  # auto resolves so: the corrections need both log-probs
+    if corrects or dtype != "float32" or cell["rollouts"] != "sync":
+        assert cfg["old_logp"] == "recompute", name  # auto resolves so: the corrections need both log-probs,
+        # and stale batches take the proximal policy's
     plan = json.loads((run / "summary.json").read_text()).get("plan")
     if plan is None:  # gspo.plan not yet in summary.json: what config.yaml says is all there is
         return
     want = {
         "engine": "hf",
-        "processes": 1 if cell["layout"] == "1" else 2,
+        "processes": 1 if cell["layout"] == "1" else 2,  # the trainer processes (a rollout rank is not one)
         "parallel": "none" if cell["layout"] == "1" else cell["layout"],
         "weights_dtype": weights,
         "compute_dtype": dtype,
@@ -185,6 +202,9 @@ def check_ran(cell: dict, run: Path, err: str):
     assert {k: plan.get(k) for k in want} == want, name
     assert (plan["lora"] or {}).get("r") == (4 if cell["lora"] == "on" else None), name
     assert (plan["env"] is not None) == (cell["turns"] == "calculator"), name
+    mode = {"sync": "this process", "lag": "this process",
+            "workers": "processes" if cell["layout"] == "1" else "ranks"}[cell["rollouts"]]
+    assert plan["rollouts"]["mode"] == mode and plan["rollouts"]["max_staleness"] == (cell["rollouts"] != "sync"), name
     if corrects:
         assert plan["old_logp"] == "recompute", name
     if cell["packing"] == "on" and moe:  # asked and refused: a reason, and said as a warning
@@ -206,7 +226,7 @@ def run_in_process(cell: dict, run: Path, capsys, extra=()) -> tuple[int, str]:
     from gspo.cli import main
 
     capsys.readouterr()
-    rc = main(["train", *flags(cell), *extra, *TOY, "--output-dir", str(run)])
+    rc = main(["train", *flags(cell), *extra, *toy(cell), "--output-dir", str(run)])
     return rc, capsys.readouterr().err
 
 
@@ -228,7 +248,7 @@ ONE = [pytest.param(c, id=f"cell{i:02d}", marks=marks(i)) for i, c in enumerate(
 TWO = [pytest.param(c, id=f"cell{i:02d}-{c['layout']}", marks=[pytest.mark.slow, *marks(i)])
        for i, c in enumerate(CELLS) if c["layout"] != "1"]
 BASE = {"layout": "1", "precision": "fp32", "turns": "single", "model": "dense", "lora": "off", "micro": "off",
-        "packing": "off", "algorithm": "gspo", "rollout_is": "off", "opsm": "off"}
+        "packing": "off", "algorithm": "gspo", "rollout_is": "off", "opsm": "off", "rollouts": "sync"}
 REFUSALS = [pytest.param({**BASE, **levels}, [], fragment, id="refused-" + "-".join(levels.values()))
             for levels, fragment in REFUSED]
 REFUSALS += [pytest.param({**BASE, **levels}, extra, fragment, id="refused" + "".join(extra))
@@ -239,7 +259,7 @@ def test_the_array_covers_every_pair_and_holds_no_refused_cell():
     assert not required_pairs() - set().union(*map(pairs_of, CELLS))
     assert not any(refused(c) for c in CELLS)
     assert covering_array() == CELLS  # deterministic for its seed
-    assert (len(CELLS), len(TWO)) == (31, 7)  # docs/matrix.md; the product of the levels is 48,384
+    assert (len(CELLS), len(TWO)) == (28, 7)  # docs/matrix.md; the product of the levels is 72,576
     # every refused pair is run on its own (as a refusal cell), so every pair of levels is exercised
     assert all(refused(c) for c in [p.values[0] for p in REFUSALS][:len(REFUSED)])
 
@@ -265,8 +285,8 @@ def test_refused_cell(cell, extra, fragment, tmp_path, capsys):
 @pytest.mark.parametrize("cell", TWO)
 def test_two_process_cell(cell, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "gspo", "train",
-           *flags(cell), *TOY, "--output-dir", str(run)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc(cell)}", "-m", "gspo",
+           "train", *flags(cell), *toy(cell), "--output-dir", str(run)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     expect(cell, res.returncode, res.stderr, run)
 

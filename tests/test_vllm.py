@@ -290,6 +290,22 @@ def test_multi_turn_episodes_sample_on_vllm(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_vllm_engine_samples_multi_turn_episodes_in_a_rollout_worker(tmp_path):
+    # --rollout-workers 1: the engine lives in the worker's process and gets each step's weights
+    # from the trainer; batch 2 is sampled by version 0 while step 1 trains (K = 1): staleness
+    # of step t is min(t-1, 1), and the episodes ran in the worker (tool calls, environment tokens)
+    run = tmp_path / "run"
+    r = gspo("train", "--task", "calculator", "--model", "tiny-tool", *FAST, "--steps", "2", "--rollout-engine",
+             "vllm", "--rollout-workers", "1", "--max-staleness", "1", "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rollouts: at most 1 version(s) stale, sampled by 1 worker process(es)" in r.stdout
+    m = rows(run)
+    assert [x["async/staleness_max"] for x in m] == [0.0, 1.0]
+    assert [x["async/staleness_mean"] for x in m] == [0.0, 1.0]
+    assert m[0]["episode/turns"] > 1.2 and m[0]["episode/env_tokens"] > 10 and m[0]["episode/tool_calls"] > 0.2
+
+
+@pytest.mark.slow
 def test_qwen25_recipe_runs_on_its_vllm_engine(tmp_path):
     # examples/recipes/qwen2.5-0.5b-instruct-gsm8k.yaml as written, its vLLM engine included, one
     # step on CPU: its hub ids served offline by a tiny Qwen2 and a GSM8K-shaped dataset, and only

@@ -19,15 +19,16 @@ import functools
 import typing
 from dataclasses import dataclass, field
 
-from gspo.config.sections import (PPO, VLLM, ConfigError, Corrections, Data, Episodes, Eval, Loss, LoRA, MoE, Optim,
-                                  Policy, Rewards, RunOptions, Sampling, bounds_error, opt)
+from gspo.config.sections import (PPO, VLLM, AsyncRL, ConfigError, Corrections, Data, Episodes, Eval, Loss, LoRA, MoE,
+                                  Optim, Policy, Rewards, RunOptions, Sampling, bounds_error, opt)
 
 # the sections in the order of `gspo train --help` and config.yaml: attribute -> (class, help title)
 SECTIONS: dict[str, tuple[type, str]] = {
     "policy": (Policy, "model"), "lora": (LoRA, "LoRA"), "data": (Data, "data"), "rewards": (Rewards, "rewards"),
     "loss": (Loss, "algorithm"), "corrections": (Corrections, "sampler/trainer mismatch corrections"),
     "ppo": (PPO, "PPO's value model"), "sampling": (Sampling, "sampling"), "vllm": (VLLM, "vLLM engine"),
-    "episodes": (Episodes, "multi-turn episodes"), "moe": (MoE, "Mixture-of-Experts"), "optim": (Optim, "optimiser"),
+    "episodes": (Episodes, "multi-turn episodes"),
+    "async_rl": (AsyncRL, "asynchronous rollouts"), "moe": (MoE, "Mixture-of-Experts"), "optim": (Optim, "optimiser"),
     "eval": (Eval, "evaluation"), "run": (RunOptions, "run: length, seed, logging and devices"),
 }
 # every option: name -> its section's attribute (names are unique across sections)
@@ -62,6 +63,7 @@ class TrainConfig:
     sampling: Sampling = field(default_factory=Sampling)
     vllm: VLLM = field(default_factory=VLLM)
     episodes: Episodes = field(default_factory=Episodes)
+    async_rl: AsyncRL = field(default_factory=AsyncRL)
     moe: MoE = field(default_factory=MoE)
     optim: Optim = field(default_factory=Optim)
     eval: Eval = field(default_factory=Eval)

@@ -178,7 +178,8 @@ class Loss:
     old_logp: Literal["auto", "recompute", "sampling"] = opt("auto",
         "Old-policy log-probs: recompute with a training forward pass before the updates, or reuse the "
         "sampling pass's (paper §5.4). auto: sampling when the policy itself samples in float32 (the two "
-        "agree to 1e-5), else recompute.")
+        "agree to 1e-5), else recompute. Under --max-staleness: recompute is the proximal anchor (the weights "
+        "that train the batch), sampling the behaviour one (the weights that sampled it); auto: recompute.")
     mask_truncated_completions: bool = opt(False,
         "Leave completions cut by --max-new-tokens out of the loss (they still count for the group's "
         "advantages), as TRL's mask_truncated_completions.")
@@ -294,6 +295,28 @@ class Episodes:
         "Per-turn advantages: each model turn's tokens get the group-normalised reward from that turn on (the "
         "environment's turn rewards from there plus the final reward), for token-level losses (gspo_token, "
         "grpo, cispo, sapo); off: one advantage per episode.")
+
+
+@dataclass
+class AsyncRL:
+    """Asynchronous RL: rollouts sampled by older weights, by rollout workers in processes of their own."""
+
+    max_staleness: int = opt(0,
+        "Policy versions (steps) a batch's sampling weights may lag the weights it trains (K): batch t is "
+        "sampled by version max(0, t-1-K), while versions t-K .. t-1 train (0 = synchronous). docs/async.md.",
+        ge=0)
+    rollout_workers: int = opt(0,
+        "Sampler processes of their own (0 = the trainer's process samples, K versions late): each gets the "
+        "new weights after every step, one tensor at a time, and samples and scores whole batches. Under "
+        "torchrun: the world's last N ranks. A resumed run may change it (the batches are the same).", ge=0,
+        resume=True)
+    rollout_devices: tuple[str, ...] = opt((),
+        "The device of each rollout worker (cpu, cuda:N; N per trainer process, or N x processes in rank order); "
+        "default: the trainer's --device (under torchrun: each rollout rank's own).", resume=True)
+    drop_uniform_groups: bool = opt(False,
+        "Replace groups whose rewards are all equal (no signal) by groups with signal from fresh prompts "
+        "(DAPO's dynamic sampling); what is still uniform after --resample-rounds is left out of the loss.")
+    resample_rounds: int = opt(2, "--drop-uniform-groups: further sampling rounds at most per batch.", ge=0)
 
 
 @dataclass
