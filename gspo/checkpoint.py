@@ -245,6 +245,7 @@ def restore_run(run) -> None:
     run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
     pending = state.get("pending_per_rank") or [[]]
     run.pending = [p.on(dist.device) for p in pending[dist.rank]] if len(pending) == dist.world else []
+    run.pending_dropped = 0 if len(pending) == dist.world else sum(map(len, pending))  # another process count
     done = is_complete(run.run_dir, run.start_step)  # the final evaluation ran after this checkpoint was written
     if done is not None and done.get("steps") == run.start_step:
         run.evals = [e for e in done.get("evals", []) if e["step"] <= run.start_step]

@@ -80,6 +80,7 @@ class Run:
     evals: list[dict] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
     pending: list = field(default_factory=list)  # sampled batches not yet trained (gspo.produce.Produced), restored
+    pending_dropped: int = 0  # ... saved by another number of processes: sampled again
     pipeline: object = None  # where each step's batch comes from (gspo.pipeline, gspo.workers)
 
     def autocast(self):

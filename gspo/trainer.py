@@ -118,6 +118,9 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     if run.resume_from is not None:
         ckpt.restore_run(run)
         log(f"resuming {run.run_dir} from step {run.start_step}")
+        if run.pending_dropped and main:
+            warn(f"--resume: the checkpoint's {run.pending_dropped} sampled batches were split over another number of "
+                 "processes; they are sampled again from its weights (less stale, within --max-staleness)")
     else:
         if main:
             ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs

@@ -447,3 +447,16 @@ def test_fsdp_run_resumes_with_a_rollout_rank_added(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     same(metrics(tmp_path / "whole"), metrics(cut))
     same_weights(weights(tmp_path / "whole"), weights(cut))
+
+
+def test_a_resume_on_another_number_of_processes_says_it_samples_again(runs, tmp_path):
+    # the k1 run's step-2 checkpoint holds batch 3 (version 1), one process's; resumed by 2
+    # processes, that batch cannot be split as theirs: it is sampled again, and the run says so
+    from tests.test_distributed import torchrun
+
+    cut = _truncated_copy(runs["k1"], tmp_path / "cut", 2)
+    r = torchrun("--resume", str(cut))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the checkpoint's 1 sampled batches were split over another number of processes" in r.stderr
+    # batch 3 is sampled again by version 2 at step 3 (staleness 0), batch 4 by version 2 (1)
+    assert staleness(metrics(cut)) == [0.0, 1.0, 0.0, 1.0]
