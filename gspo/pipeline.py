@@ -181,13 +181,21 @@ class Side:
 
 
 def sampling_side(cfg, device: torch.device) -> Side:
-    """A worker's copy of the run's sampling side, from the trainer's resolved configuration."""
+    """A worker's copy of the run's sampling side, from the trainer's resolved configuration.
+    gspo's sampler without LoRA: the worker's policy is held in the sampling dtype and samples
+    itself (the trainer's process keeps float32 master weights and a copy in that dtype: the same
+    values, rounded alike, at half the memory). With LoRA (PEFT keeps the adapters of a bf16 base
+    in float32, unlike the copy) and for a vLLM engine the policy is in --param-dtype."""
     inputs = Inputs()
     task = task_for(cfg, inputs)
-    policy, tokenizer = load_policy_for(cfg, None, device, inputs)
+    own = cfg
+    if cfg.sampling.rollout_engine == "hf" and cfg.lora.lora_r == 0:
+        dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
+        own = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype, rollout_dtype="same")
+    policy, tokenizer = load_policy_for(own, None, device, inputs)
     disable_dropout(policy)
     env, max_turns = episode_env(cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
-    sampler, _ = sampler_and_routing(cfg, policy, Dist(device=device), inputs)
+    sampler, _ = sampler_and_routing(own, policy, Dist(device=device), inputs)
     rewards = rewards_for(cfg, task, inputs, device)
     return Side(cfg, Dist(device=device), task, tokenizer, policy, sampler, rewards, env, max_turns,
                 stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))

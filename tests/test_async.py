@@ -460,3 +460,21 @@ def test_a_resume_on_another_number_of_processes_says_it_samples_again(runs, tmp
     assert "the checkpoint's 1 sampled batches were split over another number of processes" in r.stderr
     # batch 3 is sampled again by version 2 at step 3 (staleness 0), batch 4 by version 2 (1)
     assert staleness(metrics(cut)) == [0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("extra", [["--dtype", "bfloat16"], ["--dtype", "bfloat16", "--lora-r", "4"]],
+                         ids=["bf16", "bf16-lora"])
+def test_a_bf16_worker_samples_what_the_trainers_bf16_copy_samples(tmp_path, extra):
+    # the trainer keeps float32 master weights and samples with a bf16 copy; a worker holds its
+    # policy in bf16 itself (LoRA: float32 + a bf16 copy, as PEFT keeps a bf16 base's adapters in
+    # float32): either way the same bf16 values, so the same batches and the same training
+    args = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "0", "--no-progress", "--steps", "2",
+            "--save-every", "0", "--max-staleness", "1", *extra]
+    for name, more in (("lag", []), ("worker", ["--rollout-workers", "1"])):
+        r = gspo(*args, *more, "--output-dir", str(tmp_path / name))
+        assert r.returncode == 0, r.stderr[-3000:]
+    same(metrics(tmp_path / "lag"), metrics(tmp_path / "worker"))
+    from safetensors.torch import load_file
+
+    file = "adapter_model.safetensors" if "--lora-r" in extra else "model.safetensors"
+    same_weights(*(load_file(ckpt.latest_checkpoint(tmp_path / n) / file) for n in ("lag", "worker")))
