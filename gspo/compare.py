@@ -10,9 +10,13 @@ Every configuration trains from the same model on the same task with the same se
 same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). Then:
 
 - `compare.json`: configuration name -> {"accuracy", "accuracy_before", "accuracy_best", "clip_frac_mean",
-  "drift_mean", "drift_in_ratio_mean", "mismatch_mean", "diverged", "wall_seconds", "seeds": {...}}, averaged
-  over seeds; drift values are null for dense models.
-- `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, and the plots.
+  "drift_mean", "drift_in_ratio_mean", "mismatch_mean", "wall_seconds", "eval_n", "diverged",
+  "diverged_count", "seeds": {...}}, averaged over seeds, each averaged `<name>` with a sibling
+  `<name>_ci95`, the half-width of its 95% interval (Student t over the seeds: gspo.stats; null with
+  one seed); drift values are null for dense models.
+- `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, the plots, and the
+  noise in words: one evaluation's own (binomial over the held-out problems), and which
+  differences of final accuracy are outside the seeds' noise (paired over the seeds).
 - `reward_accuracy.png` (Fig. 1 in miniature), `clip_fraction.png` (Fig. 2, log scale),
   `drift.png` (expert drift per update; Fig. 3's subject), `mismatch.png` (the sampler/trainer
   log-prob gap, when a configuration recomputes the old log-probs).
@@ -40,6 +44,7 @@ from gspo import checkpoint as ckpt
 from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.resolve import resolve
+from gspo.stats import ci95, eval_noise, outside_noise, paired_ci95
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -170,7 +175,22 @@ def summarise(run_dir: Path) -> dict:
         "reward_last10_mean": _mean([r.get("reward/mean") for r in rows[-10:]]),
         "diverged": bool(nonfinite or (evals and final is not None and final < max(evals) - COLLAPSE_POINTS)),
         "wall_seconds": summary["wall_seconds"],
+        "eval_n": summary["eval_after"].get("n") or 0,  # held-out problems each accuracy is measured on
     }
+
+
+def aggregate(per_seed: dict[int, dict]) -> dict:
+    """One configuration's figures over its seeds: each the mean, with `<name>_ci95` the half-width
+    of its 95% interval (Student t over the seeds, gspo.stats; None with one seed); `diverged`:
+    whether any seed diverged, `diverged_count`: how many; `seeds`: every seed's own figures."""
+    agg = {}
+    for k in next(iter(per_seed.values())):
+        values = [v[k] for v in per_seed.values()]
+        if k == "diverged":
+            agg.update(diverged=any(values), diverged_count=sum(map(bool, values)))
+        else:
+            agg[k], agg[f"{k}_ci95"] = ci95(values)
+    return {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
 
 
 @dataclass(frozen=True)
@@ -218,12 +238,7 @@ def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir:
             train(cfg, resume=resume, log=log)
         results.setdefault(name, {})[seed] = summarise(run)
 
-    report = {}
-    for name, per_seed in results.items():
-        keys = next(iter(per_seed.values())).keys()
-        agg = {k: (any(v[k] for v in per_seed.values()) if k == "diverged" else _mean([v[k] for v in per_seed.values()]))
-               for k in keys}
-        report[name] = {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
+    report = {name: aggregate(per_seed) for name, per_seed in results.items()}
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
     if variance.models and not (out / "variance.json").exists():
         from gspo.variance import ratio_variance, write_variance
@@ -275,6 +290,38 @@ def _fmt(x, pct=False):
     return f"{100 * x:.1f}%" if pct else f"{x:.4g}"
 
 
+def _pm(half, pct=False) -> str:
+    """' ± half' of a 95% interval (points for an accuracy); '' without one."""
+    return "" if half is None else f" ± {100 * half:.1f}" if pct else f" ± {half:.2g}"
+
+
+def noise_lines(report: dict) -> list[str]:
+    """The report's noise, in words: one evaluation's own, and which final-accuracy differences
+    between configurations are outside the seeds' noise (paired over the seeds they share)."""
+    lines = ["## Noise", "",
+             "Figures are means over seeds; ± is the half-width of their 95% interval (Student t over the seeds, "
+             "`<name>_ci95` in compare.json)."]
+    n = max((r.get("eval_n") or 0 for r in report.values()), default=0)
+    accs = [r["accuracy"] for r in report.values() if r.get("accuracy") is not None]
+    if n and accs:
+        worst = max(eval_noise(a, int(n)) for a in accs)
+        lines.append(f"One held-out accuracy is measured on {int(n)} problems: its own 95% interval is up to "
+                     f"±{100 * worst:.1f} points (binomial, at these accuracies), whatever the training.")
+    names = list(report)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            seeds = sorted(set(report[a]["seeds"]) & set(report[b]["seeds"]))
+            mean, half = paired_ci95([report[a]["seeds"][s]["accuracy"] for s in seeds],
+                                     [report[b]["seeds"][s]["accuracy"] for s in seeds])
+            if mean is None:
+                continue
+            verdict = {True: "outside the noise", False: "within the noise",
+                       None: "one seed: no interval"}[outside_noise(mean, half)]
+            lines.append(f"- {a} - {b}: {100 * mean:+.1f}{_pm(half, True)} points of final accuracy (paired over "
+                         f"{len(seeds)} seeds): {verdict}.")
+    return lines + [""]
+
+
 def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], seconds: float) -> None:
     lines = [
         "# gspo compare",
@@ -289,10 +336,10 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
     ]
     for name, r in report.items():
         lines.append(f"| {name} | {_fmt(r['accuracy_before'], True)} -> {_fmt(r['accuracy_best'], True)} -> "
-                     f"{_fmt(r['accuracy'], True)} | "
+                     f"{_fmt(r['accuracy'], True)}{_pm(r.get('accuracy_ci95'), True)} | "
                      f"{_fmt(r['clip_frac_mean'])} | {_fmt(r['drift_mean'])} | {_fmt(r['drift_in_ratio_mean'])} | "
                      f"{_fmt(r.get('mismatch_mean'))} | "
-                     f"{'yes' if r['diverged'] else 'no'} | {r['wall_seconds']:.0f} s |")
+                     f"{r.get('diverged_count', int(r['diverged']))}/{len(r['seeds'])} | {r['wall_seconds']:.0f} s |")
     if "gspo" in report and "grpo" in report and report["grpo"]["clip_frac_mean"]:
         ratio = report["gspo"]["clip_frac_mean"] / report["grpo"]["clip_frac_mean"]
         lines += ["", f"GSPO clips {ratio:.0f}x the fraction of tokens GRPO clips (the paper: about 100x)."]
@@ -301,7 +348,8 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
         "`moe/drift`: share of (token, layer) top-k expert sets the current router picks that differ from "
         "the old policy's, averaged over updates; `moe/drift_in_ratio`: the same for the experts actually "
         "used to compute the ratio (0 under Routing Replay). \"Diverged\": a non-finite loss, or the final "
-        f"held-out accuracy more than {100 * COLLAPSE_POINTS:.0f} points below the run's best.",
+        f"held-out accuracy more than {100 * COLLAPSE_POINTS:.0f} points below the run's best; counted per "
+        "seed (`diverged_count`), and `diverged` if any seed did.",
         "",
         "![reward and accuracy](reward_accuracy.png)",
         "",
@@ -314,6 +362,7 @@ def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], sec
         "only with --old-logp recompute).",
         "",
     ]
+    lines += noise_lines(report)
     if (out / "variance.md").exists():  # the no-training measurement (gspo.variance)
         table = (out / "variance.md").read_text().split("\n", 2)[2]  # without its title
         lines += ["## Importance-ratio variance by response length", "", table, "![variance](variance.png)", ""]
