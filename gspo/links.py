@@ -31,6 +31,14 @@ def _send(obj, dst: int, group) -> None:
     torch_dist.send_object_list([obj], dst=dst, group=group)
 
 
+def _get(q, timeout: float):
+    """The next item of queue `q`, or None after `timeout` seconds without one."""
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return None
+
+
 def _recv(src: int, group):
     box = [None]
     torch_dist.recv_object_list(box, src=src, group=group)
@@ -58,10 +66,7 @@ class LocalLink:
         self.requests[w].put(msg)
 
     def recv(self, timeout: float):
-        try:
-            return self.results.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        return _get(self.results, timeout)
 
     def check(self) -> None:
         for w, p in enumerate(self.procs):
@@ -96,10 +101,8 @@ class QueueEnd:
 
     def next(self, timeout: float):
         """The next request; None after `timeout` seconds without one; ("stop",) once the trainer is gone."""
-        try:
-            return self.requests.get(timeout=timeout)
-        except queue.Empty:
-            return ("stop",) if os.getppid() != self.parent else None
+        msg = _get(self.requests, timeout)
+        return ("stop",) if msg is None and os.getppid() != self.parent else msg
 
     def put(self, msg, dest=None) -> None:
         self.results.put(msg)
@@ -134,10 +137,7 @@ class RankLink:
             _send(msg, self.first + w, self.group)
 
     def recv(self, timeout: float):
-        try:
-            return self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        return _get(self.inbox, timeout)
 
     def check(self) -> None:
         for w, why in self.failed.items():
@@ -168,18 +168,14 @@ class RankEnd:
             try:
                 msg = _recv(0, self.group)
             except Exception:  # trainer rank 0 is gone
-                self.inbox.put(None)
+                self.inbox.put(("stop",))
                 return
             self.inbox.put(msg)
             if msg[0] == "stop":
                 return
 
     def next(self, timeout: float):
-        try:
-            msg = self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        return ("stop",) if msg is None else msg
+        return _get(self.inbox, timeout)
 
     def put(self, msg, dest: int) -> None:
         _send(msg, dest, self.group)

@@ -119,8 +119,6 @@ class Pipeline:
         stale = (version - versions)[live].long()  # (n,) policy versions behind, per token
         counts = dist.all_sum(torch.bincount(stale, minlength=self.lag + 1)[: self.lag + 1].double())  # (K+1,)
         top = dist.all_max(stale.max().reshape(1).double() if stale.numel() else torch.zeros(1, dtype=torch.float64))
-        groups = dist.all_sum(torch.tensor([produced.groups[k] for k in sorted(produced.groups) if k != "groups/rounds"],
-                                           dtype=torch.float64))
         total = counts.sum().clamp(min=1)
         out = {
             "async/staleness_mean": float((counts * torch.arange(self.lag + 1)).sum() / total),
@@ -133,10 +131,12 @@ class Pipeline:
             "async/worker_idle_seconds": produced.idle,
             "async/overlap": self.overlap(produced, waited),
         }
-        if self.run.cfg.async_rl.drop_uniform_groups:
-            names = [k for k in sorted(produced.groups) if k != "groups/rounds"]
-            out.update({k: float(v) for k, v in zip(names, groups)})
-            out["groups/rounds"] = float(dist.max_int(int(produced.groups["groups/rounds"])))
+        if self.run.cfg.async_rl.drop_uniform_groups:  # counts over the global batch; rounds: the most any process ran
+            g = produced.groups
+            dropped, resampled = dist.all_sum(torch.tensor([g["groups/dropped"], g["groups/resampled"]],
+                                                           dtype=torch.float64)).tolist()
+            out.update({"groups/dropped": dropped, "groups/resampled": resampled,
+                        "groups/rounds": float(dist.max_int(int(g["groups/rounds"])))})
         return out
 
     def overlap(self, produced: Produced, waited: float) -> float:

@@ -66,7 +66,8 @@ def plan(run) -> dict:
     if workers:  # the trainer's own sampler never samples: the workers' copies do
         sampler_dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
         ranks = dist.link is not None  # the torchrun world's last N ranks, else processes each trainer starts
-        devices = list(cfg.async_rl.rollout_devices) or ["their own"] if ranks else devices
+        if ranks:
+            devices = list(cfg.async_rl.rollout_devices) or ["their own"]
         where = f"the torchrun world's last {workers} rank(s)" if ranks else \
             f"{workers} rollout worker process(es) per trainer process"
         sampler = (f"{where} ({', '.join(devices)}), each with its own {'vLLM engine' if engine == 'vllm' else 'copy'} "

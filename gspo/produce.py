@@ -144,29 +144,21 @@ def _drop_uniform(side, step: int, ro: Rollout, scored: Scored) -> tuple[Rollout
     """Replace uniform groups by groups with signal from further rounds; mask out what remains.
     Every process runs as many rounds (sampling may be collective: FSDP gathers)."""
     cfg, dist, G = side.cfg, side.dist, side.cfg.sampling.group_size
-    first_uniform = int(uniform_groups(scored.rewards, G).sum())
-    rounds, pool = 1, [(ro, scored)]
+    flat = uniform_groups(scored.rewards, G).tolist()  # (N,) the first round's groups without signal
+    pool, spare = [(ro, scored)], []  # the rounds' (rollout, scored); (round, group) of the refills' groups with signal
     for r in range(1, cfg.async_rl.resample_rounds + 1):
-        signal = sum(int((~uniform_groups(s.rewards, G)).sum()) for _, s in pool[1:])
-        if dist.max_int(max(0, first_uniform - signal)) == 0:
+        if dist.max_int(max(0, sum(flat) - len(spare))) == 0:
             break
         pool.append(_round(side, step, r))
-        rounds += 1
-    picks, spare = [], [(k, g) for k, (_, s) in enumerate(pool[1:], 1) for g in range(s.rewards.numel() // G)
-                        if not uniform_groups(s.rewards, G)[g]]
-    replaced = 0
-    for g, flat in enumerate(uniform_groups(scored.rewards, G).tolist()):
-        if flat and spare:
-            picks.append(spare.pop(0))
-            replaced += 1
-        else:
-            picks.append((0, g))
+        spare += [(r, g) for g, u in enumerate(uniform_groups(pool[-1][1].rewards, G).tolist()) if not u]
+    replaced = min(sum(flat), len(spare))
+    picks = [spare.pop(0) if u and spare else (0, g) for g, u in enumerate(flat)]
     ro, scored = _gather_groups(pool, picks, G)
     still = uniform_groups(scored.rewards, G).repeat_interleave(G)  # (B,)
     keep = (~still).to(ro.completion_mask.device, ro.completion_mask.dtype)  # (B,) 0 on groups still uniform
     ro.completion_mask = ro.completion_mask * keep[:, None]
     return ro, scored, {"groups/dropped": float(still.sum() // G), "groups/resampled": float(replaced),
-                        "groups/rounds": float(rounds)}
+                        "groups/rounds": float(len(pool))}
 
 
 def _gather_groups(pool: list[tuple[Rollout, Scored]], picks: list[tuple[int, int]], G: int) -> tuple[Rollout, Scored]:
@@ -193,13 +185,13 @@ def _pad(ro: Rollout, P: int, T: int) -> Rollout:
     p, t = P - ro.prompt_ids.shape[1], T - ro.completion_ids.shape[1]
     if p == 0 and t == 0:
         return ro
-    left = lambda x, v=0: torch.nn.functional.pad(x, (p, 0), value=v)  # noqa: E731
-    right = lambda x, v=0: torch.nn.functional.pad(x, (0, t), value=v)  # noqa: E731
-    out = dataclasses.replace(ro, prompt_ids=left(ro.prompt_ids),
-                              prompt_mask=left(ro.prompt_mask), completion_ids=right(ro.completion_ids),
-                              completion_mask=right(ro.completion_mask), logp=right(ro.logp))
+    left = lambda x: torch.nn.functional.pad(x, (p, 0))  # noqa: E731
+    right = lambda x: torch.nn.functional.pad(x, (0, t))  # noqa: E731
+    out = dataclasses.replace(ro, prompt_ids=left(ro.prompt_ids), prompt_mask=left(ro.prompt_mask),
+                              completion_ids=right(ro.completion_ids), completion_mask=right(ro.completion_mask),
+                              logp=right(ro.logp))
     if ro.routing is not None:  # (B, P+T, L, k): -1 where nothing was fed
         r = ro.routing
         pad = lambda n: r.new_full((r.shape[0], n, *r.shape[2:]), -1)  # noqa: E731
-        out.routing = torch.cat([pad(p), r[:, :ro.prompt_ids.shape[1]], r[:, ro.prompt_ids.shape[1]:], pad(t)], 1)
+        out.routing = torch.cat([pad(p), r, pad(t)], 1)
     return out

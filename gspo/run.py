@@ -249,12 +249,6 @@ def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainCon
     return cfg, last
 
 
-def task_andrewards_for(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[object, list[Reward]]:
-    """The task (built-in, the user's dataset file, or in-memory rows; validated) and its rewards."""
-    task = task_for(cfg, inputs or Inputs())
-    return task, rewards_for(cfg, task, inputs or Inputs())
-
-
 def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool,
                  env=None) -> tuple[TrainConfig, list[str]]:
     """Prompt + completion must fit the model's positions: a given --max-new-tokens that does

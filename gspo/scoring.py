@@ -52,10 +52,10 @@ def per_completion(fn: Callable[..., float]) -> RewardFn:
 
 @dataclass
 class Scored:
-    """A scored rollout's rows, as gspo.trainer's `score` leaves them."""
+    """A scored rollout's rows, as gspo.produce leaves them."""
 
     rewards: Tensor  # (B,) weighted sum of all rewards
     parts: dict  # name -> (B,) each reward's values
     examples: list  # (B / G,) the prompts' Examples
     completions: list[str]  # (B,) decoded completions
-    episodes: object | None = None  # gspo.episodes.Episodes  # multi-turn
+    episodes: object | None = None  # multi-turn: the gspo.episodes.Episodes

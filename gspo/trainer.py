@@ -77,10 +77,11 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
     keep: called with the finished run (gspo.api.Trainer keeps its trained policy).
     """
     t_start = time.time()
-    saved = Path(resume or ".") / "config.yaml"
-    asked = cfg if cfg is not None else load_yaml(saved) if resume is not None and saved.exists() else TrainConfig()
-    if distributed.rollout_rank(asked.async_rl.rollout_workers) is not None:  # the torchrun world's last N ranks
-        return serve_rank(asked.async_rl.rollout_workers, asked.run.device)
+    if distributed.world_size_from_env() > 1:  # under torchrun the world's last --rollout-workers ranks sample
+        saved = Path(resume or ".") / "config.yaml"
+        asked = cfg if cfg is not None else load_yaml(saved) if resume is not None and saved.exists() else TrainConfig()
+        if distributed.rollout_rank(asked.async_rl.rollout_workers) is not None:
+            return serve_rank(asked.async_rl.rollout_workers, asked.run.device)
     try:
         run = build_run(cfg, resume, inputs)  # raises on any bad input; nothing written yet
     except AlreadyComplete as done:
