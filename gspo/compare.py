@@ -2,6 +2,8 @@
 
     gspo compare                                   # GSPO, GRPO, GRPO + Routing Replay on tiny-moe
     gspo compare --preset length                   # long answers (chain task), + the ratio variance by length
+    gspo compare --preset staleness                # losses x fixed lags K (gspo.studies; docs/staleness.md)
+    gspo compare --preset precision                # sampler + trainer in fp32 / bf16 / fp16 (docs/precision.md)
     gspo compare --configs gspo grpo --seeds 0 1 --steps 40
     gspo compare --configs gspo "grpo-hot:algorithm=grpo,lr=3e-4"
     from gspo.compare import compare; compare(base_config, ["gspo", "grpo"], seeds=[0], out_dir="runs/cmp")
@@ -9,9 +11,12 @@
 Every configuration trains from the same model on the same task with the same seeds (so the
 same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). Then:
 
-- `compare.json`: configuration name -> {"accuracy", "accuracy_before", "accuracy_best", "clip_frac_mean",
-  "drift_mean", "drift_in_ratio_mean", "mismatch_mean", "wall_seconds", "eval_n", "diverged",
-  "diverged_count", "seeds": {...}}, averaged over seeds, each averaged `<name>` with a sibling
+- `compare.json`: configuration name -> {"accuracy", "accuracy_before", "accuracy_best",
+  "accuracy_curve_mean", "clip_frac_mean", "drift_mean", "drift_in_ratio_mean", "mismatch_mean",
+  "mismatch_seq_mean", "seq_log_abs_mean", "token_spread_mean", "staleness_mean", "is_truncated_mean",
+  "reward_last10_mean", "grad_norm_max", "wall_seconds", "eval_n", "diverged", "diverged_count",
+  "seeds": {...}}, averaged over seeds (the `_mean` figures: a metric's mean over the run's
+  steps; `grad_norm_max` its largest gradient norm), each averaged `<name>` with a sibling
   `<name>_ci95`, the half-width of its 95% interval (Student t over the seeds: gspo.stats; null with
   one seed); drift values are null for dense models.
 - `report.md`: the same as a table, the clip-fraction ratio of GSPO to GRPO, the plots, and the
@@ -20,6 +25,9 @@ same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). T
 - `reward_accuracy.png` (Fig. 1 in miniature), `clip_fraction.png` (Fig. 2, log scale),
   `drift.png` (expert drift per update; Fig. 3's subject), `mismatch.png` (the sampler/trainer
   log-prob gap, when a configuration recomputes the old log-probs).
+- with a Study (the `staleness` and `precision` presets: every configuration at every level of a
+  factor, named `<config>@<level>`): `study.json`, `study.md` and `<figure>_vs_<factor>.png`, the
+  figures against the factor (gspo.studies), also in report.md.
 - with `variance_models` (the `length` preset): `variance.md`, `variance.json`, `variance.png`,
   the importance-ratio variance by response length of one update (gspo.variance), also in report.md.
 
@@ -44,7 +52,9 @@ from gspo import checkpoint as ckpt
 from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.resolve import resolve
-from gspo.stats import ci95, eval_noise, outside_noise, paired_ci95
+from gspo.report import COLLAPSE_POINTS, write_report
+from gspo.stats import ci95
+from gspo.studies import Study
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -64,9 +74,15 @@ PRESETS: dict[str, dict] = {
     "gspo-seq-mask": {"algorithm": "gspo", "rollout_is": "geometric", "rollout_is_mode": "mask",
                       "rollout_is_low": 0.999, "rollout_is_high": 1.001},  # the per-token geometric gap within ±0.1%
     "gspo-opsm": {"algorithm": "gspo", "opsm_delta": 1e-3},
+    "grpo-tis": {"algorithm": "grpo", "rollout_is": "token"},
+    # pi_old = the behaviour policy (the sampler's own log-probs) under --max-staleness; the others
+    # (old_logp auto) anchor stale batches on the proximal policy, recomputed (docs/async.md)
+    **{f"{name}-behaviour": {**options, "old_logp": "sampling"} for name, options in (
+        ("gspo", {"algorithm": "gspo"}), ("grpo", {"algorithm": "grpo"}),
+        ("grpo-rr", {"algorithm": "grpo", "routing_replay": True}), ("cispo", {"algorithm": "cispo"}),
+        ("sapo", {"algorithm": "sapo"}), ("gmpo", {"algorithm": "gmpo"}))},
 }
 DEFAULT_CONFIGS = ("gspo", "grpo", "grpo-rr")
-COLLAPSE_POINTS = 0.10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +94,11 @@ class ComparePreset:
     base: dict
     variance_models: tuple[str, ...] = ()
     about: str = ""
+    axis: str | None = None  # a study along a factor (gspo.studies.AXES): every configuration at every level
 
+
+# the studies' runs: the paper preset's (80 steps of tiny-moe on arithmetic, 500 held-out problems)
+STUDY_BASE = {"model": "tiny-moe", "steps": 80, "eval_every": 10, "eval_size": 500}
 
 COMPARE_PRESETS = {
     "paper": ComparePreset(DEFAULT_CONFIGS, {"model": "tiny-moe", "steps": 80, "eval_every": 10},
@@ -90,6 +110,15 @@ COMPARE_PRESETS = {
          "eval_size": 100, "lr": 2e-4, "samples_per_step": 2},
         variance_models=("tiny-long-moe", "tiny-long"),
         about="GSPO, GRPO, GRPO + RR, GSPO-token on tiny-long-moe, chain (long answers); ratio variance"),
+    # batch t sampled by the policy K versions older than the one it trains (fixed lag); docs/staleness.md
+    "staleness": ComparePreset(
+        ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour"), STUDY_BASE, axis="staleness",
+        about="GSPO, GRPO, GRPO + RR, CISPO (pi_old proximal) and GSPO (behaviour) at lags K = 0, 2, 8; "
+              "tiny-moe, arithmetic"),
+    # sampler and trainer computing in fp32 / bf16 / fp16 (fp32 master weights); docs/precision.md
+    "precision": ComparePreset(
+        ("gspo", "grpo", "gspo-tis", "grpo-tis"), {**STUDY_BASE, "steps": 60}, axis="precision",
+        about="GSPO, GRPO, with and without TIS, sampler and trainer in fp32 / bf16 / fp16; tiny-moe, arithmetic"),
 }
 
 
@@ -109,6 +138,8 @@ def compare_help() -> str:
             f"  --configs NAME ...   presets: {', '.join(PRESETS)}; or name:key=value,key=value\n"
             "                       (default: the preset's)\n"
             "  --seeds N ...        seeds (default: 0 1 2); results are averaged over them\n"
+            "  --lags K ...         the staleness preset's fixed lags (default: 0 2 8; the full grid: 0 1 2 4 8)\n"
+            "  --precisions D ...   the precision preset's dtypes (default: float32 bfloat16 float16)\n"
             "  --variance-responses N  responses sampled for the length preset's ratio variance (default 512)\n"
             "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
             "                       compare resumes when given the same directory\n"
@@ -140,21 +171,6 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-    return [p[0] for p in pts], [p[1] for p in pts]
-
-
-def _seed_mean(series: list[tuple[list, list]]) -> tuple[list, list]:
-    """Average several (steps, values) series over the steps they share."""
-    by_step: dict[int, list[float]] = {}
-    for xs, ys in series:
-        for x, y in zip(xs, ys):
-            by_step.setdefault(x, []).append(y)
-    steps = sorted(s for s, v in by_step.items() if len(v) == len(series))
-    return steps, [statistics.fmean(by_step[s]) for s in steps]
-
-
 def summarise(run_dir: Path) -> dict:
     rows = ckpt.read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -168,11 +184,18 @@ def summarise(run_dir: Path) -> dict:
         "accuracy": final,
         "accuracy_before": summary["eval_before"]["accuracy"],
         "accuracy_best": max(evals + [final], default=None, key=lambda a: -1 if a is None else a),  # the best reached
+        "accuracy_curve_mean": _mean(evals),  # the mean over the run's evaluations: how fast it learned
         "clip_frac_mean": _mean([r.get("clip/frac") for r in rows]),
         "drift_mean": _mean([r.get("moe/drift") for r in rows]),
         "drift_in_ratio_mean": _mean([r.get("moe/drift_in_ratio") for r in rows]),
         "mismatch_mean": _mean([r.get("mismatch/token_abs") for r in rows]),
+        "mismatch_seq_mean": _mean([r.get("mismatch/seq_log_ratio") for r in rows]),
+        "seq_log_abs_mean": _mean([r.get("ratio/seq_log_abs") for r in rows]),
+        "token_spread_mean": _mean([r.get("ratio/token_spread") for r in rows]),
+        "staleness_mean": _mean([r.get("async/staleness_mean", 0.0) for r in rows]),
+        "is_truncated_mean": _mean([r.get("is/truncated_frac") for r in rows]),  # with --rollout-is truncate
         "reward_last10_mean": _mean([r.get("reward/mean") for r in rows[-10:]]),
+        "grad_norm_max": max((r["grad_norm"] for r in rows if not bad(r.get("grad_norm"))), default=None),
         "diverged": bool(nonfinite or (evals and final is not None and final < max(evals) - COLLAPSE_POINTS)),
         "wall_seconds": summary["wall_seconds"],
         "eval_n": summary["eval_after"].get("n") or 0,  # held-out problems each accuracy is measured on
@@ -203,41 +226,25 @@ class VarianceRun:
     responses: int = 512
 
 
-def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir: str | Path, log=print,
-            variance: VarianceRun = VarianceRun()) -> dict:
+def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *, seeds: list[int],
+            out_dir: str | Path, log=print, variance: VarianceRun = VarianceRun()) -> dict:
     """Train every configuration for every seed; write compare.json, report.md and the plots.
+    configs: preset names, `name:key=value,...` specs or (name, options) pairs; or a Study, whose
+    configurations run at every level of its factor, tabled and plotted against it (gspo.studies).
     variance: with models, also measure the ratio variance by response length (variance.md,
     .json, .png)."""
-    from gspo.trainer import train
-
     out = Path(out_dir)
-    specs = [parse_config(c) for c in configs]
+    study = configs if isinstance(configs, Study) else None
+    specs = study.expand() if study else [c if isinstance(c, tuple) else parse_config(c) for c in configs]
     names = [n for n, _ in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"configuration names repeat: {', '.join(names)}")
     if out.exists() and any(out.iterdir()) and not (out / "runs").is_dir():
         raise FileExistsError(f"{out}: exists, is not empty, and is not a gspo compare directory")
-    # validate every configuration before training any of them
-    cfgs = {}
-    for name, overrides in specs:
-        for seed in seeds:
-            cfg = dataclasses.replace(base, **{**overrides, "seed": seed,
-                                               "output_dir": str(out / "runs" / f"{name}-seed{seed}")})
-            resolve(cfg)  # raises on a bad value before anything trains
-            cfgs[(name, seed)] = cfg
+    cfgs = _configs(base, specs, seeds, out)  # every configuration checked before any of them trains
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results: dict[str, dict] = {}
-    for (name, seed), cfg in cfgs.items():
-        run = Path(cfg.run.output_dir)
-        if (run / "summary.json").exists():
-            log(f"[compare] {name} seed {seed}: already done, reusing {run}")
-        else:
-            log(f"[compare] {name} seed {seed}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
-            resume = run if ckpt.latest_checkpoint(run) is not None else None
-            train(cfg, resume=resume, log=log)
-        results.setdefault(name, {})[seed] = summarise(run)
-
+    results = _train_all(cfgs, log)
     report = {name: aggregate(per_seed) for name, per_seed in results.items()}
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
     if variance.models and not (out / "variance.json").exists():
@@ -246,124 +253,42 @@ def compare(base: TrainConfig, configs: list[str], *, seeds: list[int], out_dir:
         log(f"[compare] ratio variance by response length: {', '.join(variance.models)}")
         write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=variance.responses, log=log)
                         for m in variance.models], out)
-    _plots(out, names, seeds)
-    _report_md(out, base, report, seeds, time.time() - t0)
+    write_report(out, base, report, seeds, time.time() - t0, study=study)
     return report
 
 
-def _plots(out: Path, names: list[str], seeds: list[int]) -> None:
-    from gspo.plot import plot_panels
-
-    rows = {n: [ckpt.read_jsonl(out / "runs" / f"{n}-seed{s}" / "metrics.jsonl") for s in seeds] for n in names}
-    evals = {n: [json.loads((out / "runs" / f"{n}-seed{s}" / "summary.json").read_text())["evals"] for s in seeds]
-             for n in names}
-
-    def mean_of(metric):
-        return {n: _seed_mean([_series(r, metric) for r in rows[n]]) for n in names}
-
-    acc = {n: _seed_mean([([e["step"] for e in ev], [e["accuracy"] for e in ev]) for ev in evals[n]]) for n in names}
-    smooth = max(1, len(next(iter(rows.values()))[0]) // 20)
-    plot_panels({"reward/mean": mean_of("reward/mean"), "held-out accuracy": acc}, out / "reward_accuracy.png",
-                smooth_n=smooth, title="training reward and held-out accuracy")
-    # a moving average: single steps of GRPO often clip nothing, and a log axis cannot show 0
-    plot_panels({"clip/frac": mean_of("clip/frac")}, out / "clip_fraction.png", log_y=["clip/frac"],
-                smooth_n=max(5, smooth), title=f"fraction of clipped tokens (log scale, {max(5, smooth)}-step average)")
-    gap = {n: v for n, v in mean_of("mismatch/token_abs").items() if v[0]}
-    if gap:  # a sampler in another precision or engine: how far its log-probs are from the trainer's
-        plot_panels({"mismatch/token_abs": gap}, out / "mismatch.png", smooth_n=smooth,
-                    title="sampler/trainer mismatch: mean |log π_rollout - log π_old| per token")
-    else:
-        (out / "mismatch.png").unlink(missing_ok=True)
-    drift = {n: v for n, v in mean_of("moe/drift").items() if v[0]}
-    if not drift:  # a dense model: no routers, no drift (report.md says so)
-        (out / "drift.png").unlink(missing_ok=True)
-        return
-    drift_used = {f"{n} (experts used in the ratio)": v for n, v in mean_of("moe/drift_in_ratio").items()
-                  if v[0] and any(y == 0 for y in v[1])}
-    plot_panels({"moe/drift": {**drift, **drift_used}}, out / "drift.png",
-                title="expert drift: share of (token, layer) top-k sets changed vs the old policy")
+def _configs(base: TrainConfig, specs: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict:
+    """(name, seed) -> the run's configuration, each resolved once (a bad value raises here)."""
+    cfgs = {}
+    for name, overrides in specs:
+        for seed in seeds:
+            cfg = dataclasses.replace(base, **{**overrides, "seed": seed,
+                                               "output_dir": str(out / "runs" / f"{name}-seed{seed}")})
+            resolve(cfg)
+            cfgs[(name, seed)] = cfg
+    return cfgs
 
 
-def _fmt(x, pct=False):
-    if x is None:
-        return "n/a"
-    return f"{100 * x:.1f}%" if pct else f"{x:.4g}"
+def _train_all(cfgs: dict, log) -> dict[str, dict]:
+    """Train each run not done yet (resuming an interrupted one); configuration -> seed -> its
+    figures. Two configurations that resolve to the same run (`gspo@K0` and `gspo-behaviour@K0`:
+    at K = 0 both anchors are the sampling pass) train once; the second's directory links to it."""
+    from gspo.trainer import train
 
-
-def _pm(half, pct=False) -> str:
-    """' ± half' of a 95% interval (points for an accuracy); '' without one."""
-    return "" if half is None else f" ± {100 * half:.1f}" if pct else f" ± {half:.2g}"
-
-
-def noise_lines(report: dict) -> list[str]:
-    """The report's noise, in words: one evaluation's own, and which final-accuracy differences
-    between configurations are outside the seeds' noise (paired over the seeds they share)."""
-    lines = ["## Noise", "",
-             "Figures are means over seeds; ± is the half-width of their 95% interval (Student t over the seeds, "
-             "`<name>_ci95` in compare.json)."]
-    n = max((r.get("eval_n") or 0 for r in report.values()), default=0)
-    accs = [r["accuracy"] for r in report.values() if r.get("accuracy") is not None]
-    if n and accs:
-        worst = max(eval_noise(a, int(n)) for a in accs)
-        lines.append(f"One held-out accuracy is measured on {int(n)} problems: its own 95% interval is up to "
-                     f"±{100 * worst:.1f} points (binomial, at these accuracies), whatever the training.")
-    names = list(report)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            seeds = sorted(set(report[a]["seeds"]) & set(report[b]["seeds"]))
-            mean, half = paired_ci95([report[a]["seeds"][s]["accuracy"] for s in seeds],
-                                     [report[b]["seeds"][s]["accuracy"] for s in seeds])
-            if mean is None:
-                continue
-            verdict = {True: "outside the noise", False: "within the noise",
-                       None: "one seed: no interval"}[outside_noise(mean, half)]
-            lines.append(f"- {a} - {b}: {100 * mean:+.1f}{_pm(half, True)} points of final accuracy (paired over "
-                         f"{len(seeds)} seeds): {verdict}.")
-    return lines + [""]
-
-
-def _report_md(out: Path, base: TrainConfig, report: dict, seeds: list[int], seconds: float) -> None:
-    lines = [
-        "# gspo compare",
-        "",
-        f"Model `{base.policy.model or 'the task default'}`, task `{base.data.dataset or base.data.task}`, "
-        f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, {base.loss.num_minibatches} minibatches per rollout, seeds "
-        f"{', '.join(map(str, seeds))}; {seconds / 60:.1f} minutes in all.",
-        "",
-        "| configuration | held-out accuracy (before -> best -> after) | mean clip/frac | mean moe/drift | "
-        "mean moe/drift_in_ratio | mean mismatch/token_abs | diverged | wall time |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for name, r in report.items():
-        lines.append(f"| {name} | {_fmt(r['accuracy_before'], True)} -> {_fmt(r['accuracy_best'], True)} -> "
-                     f"{_fmt(r['accuracy'], True)}{_pm(r.get('accuracy_ci95'), True)} | "
-                     f"{_fmt(r['clip_frac_mean'])} | {_fmt(r['drift_mean'])} | {_fmt(r['drift_in_ratio_mean'])} | "
-                     f"{_fmt(r.get('mismatch_mean'))} | "
-                     f"{r.get('diverged_count', int(r['diverged']))}/{len(r['seeds'])} | {r['wall_seconds']:.0f} s |")
-    if "gspo" in report and "grpo" in report and report["grpo"]["clip_frac_mean"]:
-        ratio = report["gspo"]["clip_frac_mean"] / report["grpo"]["clip_frac_mean"]
-        lines += ["", f"GSPO clips {ratio:.0f}x the fraction of tokens GRPO clips (the paper: about 100x)."]
-    lines += [
-        "",
-        "`moe/drift`: share of (token, layer) top-k expert sets the current router picks that differ from "
-        "the old policy's, averaged over updates; `moe/drift_in_ratio`: the same for the experts actually "
-        "used to compute the ratio (0 under Routing Replay). \"Diverged\": a non-finite loss, or the final "
-        f"held-out accuracy more than {100 * COLLAPSE_POINTS:.0f} points below the run's best; counted per "
-        "seed (`diverged_count`), and `diverged` if any seed did.",
-        "",
-        "![reward and accuracy](reward_accuracy.png)",
-        "",
-        "![clip fraction](clip_fraction.png)",
-        "",
-        "![drift](drift.png)" if (out / "drift.png").exists() else "No drift plot: the model is dense (no routers).",
-        "",
-        "![mismatch](mismatch.png)" if (out / "mismatch.png").exists() else
-        "No mismatch plot: every configuration samples with the policy itself (mismatch/token_abs is logged "
-        "only with --old-logp recompute).",
-        "",
-    ]
-    lines += noise_lines(report)
-    if (out / "variance.md").exists():  # the no-training measurement (gspo.variance)
-        table = (out / "variance.md").read_text().split("\n", 2)[2]  # without its title
-        lines += ["## Importance-ratio variance by response length", "", table, "![variance](variance.png)", ""]
-    ckpt.atomic_write_text(out / "report.md", "\n".join(lines))
+    results: dict[str, dict] = {}
+    trained: dict[str, Path] = {}  # the resolved configuration (without its directory) -> its run
+    for (name, seed), cfg in cfgs.items():
+        run = Path(cfg.run.output_dir)
+        same = trained.setdefault(repr(dataclasses.replace(resolve(cfg), output_dir=None)), run)
+        if same != run:
+            log(f"[compare] {name} seed {seed}: the same run as {same.name}; linked")
+            if not run.is_symlink():
+                run.parent.mkdir(parents=True, exist_ok=True)
+                run.symlink_to(same.name, target_is_directory=True)
+        elif (run / "summary.json").exists():
+            log(f"[compare] {name} seed {seed}: already done, reusing {run}")
+        else:
+            log(f"[compare] {name} seed {seed}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
+            train(cfg, resume=run if ckpt.latest_checkpoint(run) is not None else None, log=log)
+        results.setdefault(name, {})[seed] = summarise(run)
+    return results

@@ -365,6 +365,11 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
     log_w = (logp - old_logp)[on].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (N,)
     # k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: w - 1 - log w, with w = π_θ/π_old
     kl_old_new = (torch.exp(log_w) - 1.0 - log_w).mean() if log_w.numel() else log_w.new_zeros(())
+    # how stale or off-policy the batch is, whatever the loss clips: |log s_i| per response, and each
+    # token's |log w_{i,t} - log s_i| (the spread of the token ratios around their sequence's ratio)
+    has = on.any(-1)  # (B,)
+    log_s = sequence_log_ratio(logp, old_logp, mask)  # (B,)
+    spread = ((logp - old_logp) - log_s[:, None]).abs()[on]  # (N,)
     empty = ratio.numel() == 0
     return {
         "clip/frac": Mean(low + high, tokens),
@@ -374,6 +379,8 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
         "ratio/min": Min("nan" if empty else ratio.min()),
         "ratio/max": Max("nan" if empty else ratio.max()),
         "kl/old_new": Mean(kl_old_new, tokens),
+        "ratio/seq_log_abs": Mean("nan" if empty else log_s[has].abs().mean(), float(has.sum())),
+        "ratio/token_spread": Mean("nan" if empty else spread.mean(), tokens),
     }
 
 

@@ -93,7 +93,40 @@ def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | P
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    output = Path(output)
+    return _save(fig, plt, Path(output))
+
+
+def plot_levels(series: dict[str, list[tuple[float | None, float | None]]], levels: list[str], output: str | Path, *,
+                labels: tuple[str, str], log_y: bool = False) -> Path:
+    """One figure against a factor's levels (evenly spaced, labelled): a line per configuration,
+    {label: [(mean, half-width of its 95% interval or None) per level]}, the intervals as error
+    bars; labels: the x axis's label and the figure's title. Written atomically as PNG."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("plotting needs matplotlib: pip install 'gspo[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (label, points) in enumerate(series.items()):
+        xs = [j + 0.04 * (i - len(series) / 2) for j, (m, _) in enumerate(points) if m is not None]  # side by side
+        ys = [m for m, _ in points if m is not None]
+        errs = [h or 0.0 for m, h in points if m is not None]
+        if xs:
+            ax.errorbar(xs, ys, yerr=errs, label=label, marker="o", ms=4, capsize=3)
+    if log_y and any(m for points in series.values() for m, _ in points):
+        ax.set_yscale("log")
+    ax.set_xticks(range(len(levels)), levels)
+    ax.set_xlabel(labels[0])
+    ax.set_title(labels[1], fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, plt, Path(output))
+
+
+def _save(fig, plt, output: Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.stem}.tmp{output.suffix}")
     fig.savefig(tmp, dpi=110)

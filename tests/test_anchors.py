@@ -96,6 +96,8 @@ def test_every_loss_ratio_is_anchored_on_old_logp(name):
     for key in ("ratio/mean", "ratio/min", "ratio/max"):
         assert float(m[key]) == 1.0, (key, float(m[key]))  # exp(0) exactly: not e^1 (rollout), not e^0.5 (behaviour)
     close(m["kl/old_new"], 0.0)
+    close(m["ratio/seq_log_abs"], 0.0)
+    close(m["ratio/token_spread"], 0.0)
     close(m["opsm/masked_frac"], 0.0)  # the rollout's log-probs were consumed, and dropped nothing
     close(grad, ON_POLICY_GRAD)
     # behaviour anchor: log w = [[0.5, 0], [0, 0]]
@@ -108,6 +110,10 @@ def test_every_loss_ratio_is_anchored_on_old_logp(name):
         close(m["ratio/max"], E(0.5))
     close(m["ratio/min"], 1.0)
     close(m["kl/old_new"], (E(0.5) - 1 - 0.5) / 4)  # k3 on token 00: e^0.5 - 1 - 0.5 = 0.148721, over 4 tokens
+    # whatever the loss: log s = [0.25, 0], so |log s| averages (0.25 + 0) / 2 = 0.125 over the 2 responses;
+    # |log w - log s| = [|0.5 - 0.25|, |0 - 0.25|, 0, 0] averages 0.5 / 4 = 0.125 over the 4 tokens
+    close(m["ratio/seq_log_abs"], 0.125)
+    close(m["ratio/token_spread"], 0.125)
     close(grad, BEHAVIOUR_GRAD[name])
 
 
