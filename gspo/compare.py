@@ -112,8 +112,8 @@ COMPARE_PRESETS = {
         about="GSPO, GRPO, GRPO + RR, GSPO-token on tiny-long-moe, chain (long answers); ratio variance"),
     # batch t sampled by the policy K versions older than the one it trains (fixed lag); docs/staleness.md
     "staleness": ComparePreset(
-        ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour"), STUDY_BASE, axis="staleness",
-        about="GSPO, GRPO, GRPO + RR, CISPO (pi_old proximal) and GSPO (behaviour) at lags K = 0, 2, 8; "
+        ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour", "grpo-behaviour"), STUDY_BASE, axis="staleness",
+        about="GSPO, GRPO, GRPO + RR, CISPO (pi_old proximal) and GSPO, GRPO (behaviour) at lags K = 0, 2, 8; "
               "tiny-moe, arithmetic"),
     # sampler and trainer computing in fp32 / bf16 / fp16 (fp32 master weights); docs/precision.md
     "precision": ComparePreset(

@@ -89,7 +89,13 @@ def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | P
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps and lengths are whole numbers
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel(xlabel)
-    axes[0, 0].legend(fontsize=8)
+    n = max(len(lines) for lines in panels.values())
+    if n > 12:  # a study's dozens of configurations: the legend in columns beside the panels
+        cols = math.ceil(n / 24)
+        fig.set_size_inches(7 + 2.4 * cols, max(2.6 * len(panels), 5.5))
+        axes[0, 0].legend(fontsize=6, ncol=cols, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        axes[0, 0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -108,20 +114,21 @@ def plot_levels(series: dict[str, list[tuple[float | None, float | None]]], leve
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(9.5, 3.8))
+    step = min(0.04, 0.5 / len(series))  # the configurations side by side at each level
     for i, (label, points) in enumerate(series.items()):
-        xs = [j + 0.04 * (i - len(series) / 2) for j, (m, _) in enumerate(points) if m is not None]  # side by side
+        xs = [j + step * (i - len(series) / 2) for j, (m, _) in enumerate(points) if m is not None]
         ys = [m for m, _ in points if m is not None]
         errs = [h or 0.0 for m, h in points if m is not None]
-        if xs:
-            ax.errorbar(xs, ys, yerr=errs, label=label, marker="o", ms=4, capsize=3)
+        if xs:  # past the 10 colours of the cycle, dashed lines
+            ax.errorbar(xs, ys, yerr=errs, label=label, marker="o", ms=4, capsize=3, ls="-" if i < 10 else "--")
     if log_y and any(m for points in series.values() for m, _ in points):
         ax.set_yscale("log")
     ax.set_xticks(range(len(levels)), levels)
     ax.set_xlabel(labels[0])
     ax.set_title(labels[1], fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return _save(fig, plt, Path(output))
 
