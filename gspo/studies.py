@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gspo.config import ConfigError
 from gspo.files import atomic_write_text, json_clean
 
 
@@ -46,8 +47,6 @@ class Axis:
         """A configuration's options at a level: the study's fixed ones, the configuration's over
         them, the level's last (a configuration that sets the factor itself is refused)."""
         if self.option in config:
-            from gspo.config import ConfigError
-
             raise ConfigError(f"--{self.option.replace('_', '-')} is the factor this study varies ({self.flag}); "
                               f"a configuration cannot set it")
         return {**self.fixed, **config, self.option: level}
@@ -110,8 +109,6 @@ class Study:
 
 def levels_arg(axis: Axis, values: list[str]) -> tuple:
     """--lags 0 2 8 / --precisions bfloat16 float16, checked (one line on a bad value)."""
-    from gspo.config import ConfigError
-
     try:
         levels = tuple(axis.parse(v) for v in values)
     except ValueError:
