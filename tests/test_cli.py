@@ -11,8 +11,10 @@ FAST = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "16", "--
 
 
 def gspo(*args, cwd=None):
+    # help text wraps at the terminal's width: pinned to 100 columns (what it is without a terminal),
+    # so the checks read the same words under pytest-xdist or in a narrow terminal
     return subprocess.run([sys.executable, "-m", "gspo", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}, timeout=300)
 
 
 @pytest.mark.slow
