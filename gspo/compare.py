@@ -258,29 +258,29 @@ def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *,
 
 
 def _configs(base: TrainConfig, specs: list[tuple[str, dict]], seeds: list[int], out: Path) -> dict:
-    """(name, seed) -> the run's configuration, each resolved once (a bad value raises here)."""
-    cfgs = {}
+    """(name, seed) -> (the run's configuration, the earlier run it resolves the same as or None),
+    each configuration resolved once (a bad value raises here). `gspo@K0` and `gspo-behaviour@K0`
+    are one run: at K = 0 both anchors are the sampling pass."""
+    cfgs, first = {}, {}  # first: the resolved configuration (without its directory) -> its run
     for name, overrides in specs:
         for seed in seeds:
-            cfg = dataclasses.replace(base, **{**overrides, "seed": seed,
-                                               "output_dir": str(out / "runs" / f"{name}-seed{seed}")})
-            resolve(cfg)
-            cfgs[(name, seed)] = cfg
+            run = out / "runs" / f"{name}-seed{seed}"
+            cfg = dataclasses.replace(base, **{**overrides, "seed": seed, "output_dir": str(run)})
+            twin = first.setdefault(repr(dataclasses.replace(resolve(cfg), output_dir=None)), run)
+            cfgs[(name, seed)] = (cfg, None if twin == run else twin)
     return cfgs
 
 
 def _train_all(cfgs: dict, log) -> dict[str, dict]:
     """Train each run not done yet (resuming an interrupted one); configuration -> seed -> its
-    figures. Two configurations that resolve to the same run (`gspo@K0` and `gspo-behaviour@K0`:
-    at K = 0 both anchors are the sampling pass) train once; the second's directory links to it."""
+    figures. A run that resolves the same as an earlier one is not trained again: its directory
+    links to the earlier one's."""
     from gspo.trainer import train
 
     results: dict[str, dict] = {}
-    trained: dict[str, Path] = {}  # the resolved configuration (without its directory) -> its run
-    for (name, seed), cfg in cfgs.items():
+    for (name, seed), (cfg, same) in cfgs.items():
         run = Path(cfg.run.output_dir)
-        same = trained.setdefault(repr(dataclasses.replace(resolve(cfg), output_dir=None)), run)
-        if same != run:
+        if same is not None:
             log(f"[compare] {name} seed {seed}: the same run as {same.name}; linked")
             if not run.is_symlink():
                 run.parent.mkdir(parents=True, exist_ok=True)

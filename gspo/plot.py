@@ -64,12 +64,7 @@ NOT_SMOOTHED = ("eval/accuracy", "held-out accuracy")
 def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | Path, *, smooth_n: int = 1,
                 log_y: list[str] | None = None, title: str | None = None, xlabel: str = "step") -> Path:
     """One panel per metric: {metric: {label: (steps, values)}}; written atomically as PNG."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotError("plotting needs matplotlib: pip install 'gspo[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     from matplotlib.ticker import MaxNLocator
 
     log_y = [m for m in panels if m.startswith(("clip/", "kl/"))] if log_y is None else log_y
@@ -99,7 +94,7 @@ def plot_panels(panels: dict[str, dict[str, tuple[list, list]]], output: str | P
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    return _save(fig, plt, Path(output))
+    return _save(fig, Path(output))
 
 
 def plot_levels(series: dict[str, list[tuple[float | None, float | None]]], levels: list[str], output: str | Path, *,
@@ -107,12 +102,7 @@ def plot_levels(series: dict[str, list[tuple[float | None, float | None]]], leve
     """One figure against a factor's levels (evenly spaced, labelled): a line per configuration,
     {label: [(mean, half-width of its 95% interval or None) per level]}, the intervals as error
     bars; labels: the x axis's label and the figure's title. Written atomically as PNG."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise PlotError("plotting needs matplotlib: pip install 'gspo[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     fig, ax = plt.subplots(figsize=(9.5, 3.8))
     step = min(0.04, 0.5 / len(series))  # the configurations side by side at each level
@@ -130,14 +120,26 @@ def plot_levels(series: dict[str, list[tuple[float | None, float | None]]], leve
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    return _save(fig, plt, Path(output))
+    return _save(fig, Path(output))
 
 
-def _save(fig, plt, output: Path) -> Path:
+def _pyplot():
+    """matplotlib.pyplot on its file-only backend (a PlotError naming the extra without it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise PlotError("plotting needs matplotlib: pip install 'gspo[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, output: Path) -> Path:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(f".{output.stem}.tmp{output.suffix}")
     fig.savefig(tmp, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     os.replace(tmp, output)
     return output
 

@@ -1,6 +1,6 @@
 """`gspo compare`'s report: report.md, and the plots of the runs against the training step.
 
-    write_report(out, base, report, names, seeds, seconds)   # after gspo.compare.compare trained the runs
+    write_report(out, base, report, seeds, seconds, study=None)   # after gspo.compare.compare trained the runs
 
 report.md: the table of every configuration's figures (means over seeds ± their 95% interval),
 the plots (reward_accuracy.png, clip_fraction.png, drift.png, mismatch.png), the noise in words
@@ -123,22 +123,23 @@ def noise_lines(report: dict, pairs: list[tuple[str, str]] | None = None,
     return lines + [""]
 
 
-def trained_minutes(out: Path, names: list[str], seeds: list[int]) -> tuple[int, float]:
-    """(runs, the sum of their wall times in minutes): the comparison's run directories that are
-    not links to another (trained by this invocation or an earlier one)."""
-    runs = [out / "runs" / f"{n}-seed{s}" for n in names for s in seeds]
-    runs = [d for d in runs if not d.is_symlink() and (d / "summary.json").exists()]
-    return len(runs), sum(json.loads((d / "summary.json").read_text())["wall_seconds"] for d in runs) / 60
+def trained_minutes(out: Path, report: dict) -> tuple[int, float]:
+    """(runs, the sum of their wall times in minutes): the comparison's runs (trained by this
+    invocation or an earlier one), a run directory linked to another's counted once."""
+    walls = [v["wall_seconds"] for name, r in report.items() for seed, v in r["seeds"].items()
+             if not (out / "runs" / f"{name}-seed{seed}").is_symlink()]
+    return len(walls), sum(walls) / 60
 
 
 def _report_md(out: Path, base, report: dict, seeds: list[int], seconds: float, study) -> None:
+    runs, minutes = trained_minutes(out, report)
     lines = [
         "# gspo compare",
         "",
         f"Model `{base.policy.model or 'the task default'}`, task `{base.data.dataset or base.data.task}`, "
         f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, {base.loss.num_minibatches} minibatches per rollout, seeds "
-        f"{', '.join(map(str, seeds))}; %d runs trained in %.1f minutes (their wall times), this report's "
-        f"invocation {seconds / 60:.1f} minutes." % trained_minutes(out, list(report), seeds),
+        f"{', '.join(map(str, seeds))}; {runs} runs trained in {minutes:.1f} minutes (their wall times), this "
+        f"report's invocation {seconds / 60:.1f} minutes.",
         "",
         "| configuration | held-out accuracy (before -> best -> after) | mean clip/frac | mean moe/drift | "
         "mean moe/drift_in_ratio | mean mismatch/token_abs | diverged | wall time |",
