@@ -248,6 +248,7 @@ def cmd_compare(args: list[str]) -> int:
     config_file, args = _take(args, "--config")
     preset_name, args = _take(args, "--preset")
     responses, args = _take(args, "--variance-responses")
+    jobs, args = _take(args, "--jobs")
     preset = COMPARE_PRESETS.get(preset_name or "paper")
     if preset is None:
         raise UsageError(f"--preset: unknown preset {preset_name!r}; presets: {', '.join(COMPARE_PRESETS)}")
@@ -257,6 +258,8 @@ def cmd_compare(args: list[str]) -> int:
         raise UsageError(f"--seeds: expected integers, got {' '.join(seeds_arg)}") from None
     if responses is not None and not (responses.isdigit() and int(responses) > 0):
         raise UsageError(f"--variance-responses: expected a positive integer, got {responses!r}")
+    if jobs is not None and not jobs.isdigit():
+        raise UsageError(f"--jobs: expected a number of runs at once (0: auto), got {jobs!r}")
     if any(a in ("-h", "--help") for a in args):
         print(compare_help())
     base = load_yaml(config_file) if config_file else TrainConfig(**preset.base)
@@ -264,7 +267,8 @@ def cmd_compare(args: list[str]) -> int:
     out = cfg.run.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
     study = _study(preset, configs, lags, precisions, args)
     report = compare(dataclasses.replace(cfg, output_dir=None), study or list(configs or preset.configs), seeds=seeds,
-                     out_dir=out, variance=VarianceRun(preset.variance_models, int(responses or 512)))
+                     out_dir=out, variance=VarianceRun(preset.variance_models, int(responses or 512)),
+                     jobs=int(jobs or 0))
     for name, r in report.items():
         drift = "" if r["drift_mean"] is None else f"  moe/drift {r['drift_mean']:.4f}"
         print(f"{name:>20}: accuracy {100 * r['accuracy']:.1f}%  clip/frac {r['clip_frac_mean']:.4g}{drift}"

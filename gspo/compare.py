@@ -14,7 +14,7 @@ same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). T
 - `compare.json`: configuration name -> {"accuracy", "accuracy_before", "accuracy_best",
   "accuracy_curve_mean", "clip_frac_mean", "drift_mean", "drift_in_ratio_mean", "mismatch_mean",
   "mismatch_seq_mean", "seq_log_abs_mean", "token_spread_mean", "staleness_mean", "is_truncated_mean",
-  "reward_last10_mean", "grad_norm_max", "wall_seconds", "eval_n", "diverged", "diverged_count",
+  "reward_last10_mean", "grad_norm_max", "wall_seconds", "eval_seconds", "eval_n", "diverged", "diverged_count",
   "seeds": {...}}, averaged over seeds (the `_mean` figures: a metric's mean over the run's
   steps; `grad_norm_max` its largest gradient norm), each averaged `<name>` with a sibling
   `<name>_ci95`, the half-width of its 95% interval (Student t over the seeds: gspo.stats; null with
@@ -51,6 +51,7 @@ from pathlib import Path
 from gspo import checkpoint as ckpt
 from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
+from gspo.jobs import plan_jobs, train_runs
 from gspo.resolve import resolve
 from gspo.report import COLLAPSE_POINTS, write_report
 from gspo.stats import ci95
@@ -141,6 +142,9 @@ def compare_help() -> str:
             "  --lags K ...         the staleness preset's fixed lags (default: 0 2 8; the full grid: 0 1 2 4 8)\n"
             "  --precisions D ...   the precision preset's dtypes (default: float32 bfloat16 float16)\n"
             "  --variance-responses N  responses sampled for the length preset's ratio variance (default 512)\n"
+            "  --jobs N             runs trained at once, each in its own process (default 0: one per core\n"
+            "                       up to 4 on a CPU, with the cores shared out as --threads; 1 on a GPU);\n"
+            "                       each run equals `gspo train` alone with its --threads (gspo.jobs)\n"
             "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
             "                       compare resumes when given the same directory\n"
             "Every gspo train option sets the base configuration over the preset's (stress length with\n"
@@ -198,6 +202,7 @@ def summarise(run_dir: Path) -> dict:
         "grad_norm_max": max((r["grad_norm"] for r in rows if not bad(r.get("grad_norm"))), default=None),
         "diverged": bool(nonfinite or (evals and final is not None and final < max(evals) - COLLAPSE_POINTS)),
         "wall_seconds": summary["wall_seconds"],
+        "eval_seconds": summary.get("eval_seconds"),  # of wall_seconds (runs before it was recorded: None)
         "eval_n": summary["eval_after"].get("n") or 0,  # held-out problems each accuracy is measured on
     }
 
@@ -227,12 +232,13 @@ class VarianceRun:
 
 
 def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *, seeds: list[int],
-            out_dir: str | Path, log=print, variance: VarianceRun = VarianceRun()) -> dict:
+            out_dir: str | Path, log=print, variance: VarianceRun = VarianceRun(), jobs: int = 1) -> dict:
     """Train every configuration for every seed; write compare.json, report.md and the plots.
     configs: preset names, `name:key=value,...` specs or (name, options) pairs; or a Study, whose
     configurations run at every level of its factor, tabled and plotted against it (gspo.studies).
     variance: with models, also measure the ratio variance by response length (variance.md,
-    .json, .png)."""
+    .json, .png). jobs: runs trained at once, each in a process of its own (0: gspo.jobs.plan_jobs
+    chooses; 1: one after another in this process)."""
     out = Path(out_dir)
     study = configs if isinstance(configs, Study) else None
     specs = study.expand() if study else [c if isinstance(c, tuple) else parse_config(c) for c in configs]
@@ -244,7 +250,7 @@ def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *,
     cfgs = _configs(base, specs, seeds, out)  # every configuration checked before any of them trains
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results = _train_all(cfgs, log)
+    results = _train_all(cfgs, log, jobs)
     report = {name: aggregate(per_seed) for name, per_seed in results.items()}
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
     if variance.models and not (out / "variance.json").exists():
@@ -271,12 +277,20 @@ def _configs(base: TrainConfig, specs: list[tuple[str, dict]], seeds: list[int],
     return cfgs
 
 
-def _train_all(cfgs: dict, log) -> dict[str, dict]:
-    """Train each run not done yet (resuming an interrupted one); configuration -> seed -> its
+def _train_all(cfgs: dict, log, jobs: int = 1) -> dict[str, dict]:
+    """Train each run not done yet (resuming an interrupted one), `jobs` at a time (0: as
+    gspo.jobs.plan_jobs chooses; each job in a process of its own); configuration -> seed -> its
     figures. A run that resolves the same as an earlier one is not trained again: its directory
     links to the earlier one's."""
-    from gspo.trainer import train
-
+    pending = []
+    for (name, seed), (cfg, same) in cfgs.items():
+        run = Path(cfg.run.output_dir)
+        if same is None and (run / "summary.json").exists():
+            log(f"[compare] {name} seed {seed}: already done, reusing {run}")
+        elif same is None:
+            pending.append((f"{name} seed {seed}", cfg, run if ckpt.latest_checkpoint(run) is not None else None))
+    if pending:
+        train_runs(pending, *plan_jobs(pending[0][1], len(pending), jobs), log=log)
     results: dict[str, dict] = {}
     for (name, seed), (cfg, same) in cfgs.items():
         run = Path(cfg.run.output_dir)
@@ -285,10 +299,5 @@ def _train_all(cfgs: dict, log) -> dict[str, dict]:
             if not run.is_symlink():
                 run.parent.mkdir(parents=True, exist_ok=True)
                 run.symlink_to(same.name, target_is_directory=True)
-        elif (run / "summary.json").exists():
-            log(f"[compare] {name} seed {seed}: already done, reusing {run}")
-        else:
-            log(f"[compare] {name} seed {seed}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
-            train(cfg, resume=run if ckpt.latest_checkpoint(run) is not None else None, log=log)
         results.setdefault(name, {})[seed] = summarise(run)
     return results

@@ -123,23 +123,25 @@ def noise_lines(report: dict, pairs: list[tuple[str, str]] | None = None,
     return lines + [""]
 
 
-def trained_minutes(out: Path, report: dict) -> tuple[int, float]:
-    """(runs, the sum of their wall times in minutes): the comparison's runs (trained by this
-    invocation or an earlier one), a run directory linked to another's counted once."""
-    walls = [v["wall_seconds"] for name, r in report.items() for seed, v in r["seeds"].items()
-             if not (out / "runs" / f"{name}-seed{seed}").is_symlink()]
-    return len(walls), sum(walls) / 60
+def trained_minutes(out: Path, report: dict) -> tuple[int, float, float]:
+    """(runs, the sum of their wall times in minutes, the share of it spent evaluating): the
+    comparison's runs (trained by this invocation or an earlier one), a run directory linked to
+    another's counted once."""
+    runs = [v for name, r in report.items() for seed, v in r["seeds"].items()
+            if not (out / "runs" / f"{name}-seed{seed}").is_symlink()]
+    wall = sum(v["wall_seconds"] for v in runs)
+    return len(runs), wall / 60, sum(v.get("eval_seconds") or 0.0 for v in runs) / wall if wall else 0.0
 
 
 def _report_md(out: Path, base, report: dict, seeds: list[int], seconds: float, study) -> None:
-    runs, minutes = trained_minutes(out, report)
+    runs, minutes, eval_share = trained_minutes(out, report)
     lines = [
         "# gspo compare",
         "",
         f"Model `{base.policy.model or 'the task default'}`, task `{base.data.dataset or base.data.task}`, "
         f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, {base.loss.num_minibatches} minibatches per rollout, seeds "
-        f"{', '.join(map(str, seeds))}; {runs} runs trained in {minutes:.1f} minutes (their wall times), this "
-        f"report's invocation {seconds / 60:.1f} minutes.",
+        f"{', '.join(map(str, seeds))}; {runs} runs trained in {minutes:.1f} minutes (their wall times; "
+        f"{100 * eval_share:.0f}% of it evaluating), this report's invocation {seconds / 60:.1f} minutes.",
         "",
         "| configuration | held-out accuracy (before -> best -> after) | mean clip/frac | mean moe/drift | "
         "mean moe/drift_in_ratio | mean mismatch/token_abs | diverged | wall time |",

@@ -79,6 +79,7 @@ class Run:
     eval_before: dict | None = None
     evals: list[dict] = field(default_factory=list)
     t_start: float = field(default_factory=time.time)
+    eval_seconds: float = 0.0  # spent evaluating in this process (summary.json's eval_seconds)
     pending: list = field(default_factory=list)  # sampled batches not yet trained (gspo.produce.Produced), restored
     pending_dropped: int = 0  # ... saved by another number of processes: sampled again
     pipeline: object = None  # where each step's batch comes from (gspo.pipeline, gspo.workers)

@@ -138,8 +138,10 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
             for trainable in run.trainables:  # the policy's LR schedule, and a separate critic's
                 trainable.scheduler.step()
             if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
+                t_eval = time.time()
                 ev = run_eval(run)
                 metrics["eval/accuracy"] = ev["accuracy"]
+                metrics["time/eval_seconds"] = time.time() - t_eval
                 run.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)
@@ -164,10 +166,20 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
 
 
 def run_eval(run: Run) -> dict:
-    """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none."""
+    """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none.
+    Its wall time adds to run.eval_seconds."""
     cfg = run.cfg
     if cfg.eval.eval_size == 0:
         return {"accuracy": None, "reward": None, "n": 0}
+    t0 = time.time()
+    try:
+        return _evaluate(run)
+    finally:
+        run.eval_seconds += time.time() - t0
+
+
+def _evaluate(run: Run) -> dict:
+    cfg = run.cfg
     with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
         return evaluate(run.policy, run.tokenizer, run.task, run.rewards, EvalOptions(
             n=cfg.eval.eval_size, max_new_tokens=cfg.sampling.max_new_tokens, stop=run.stop_ids,
@@ -194,6 +206,7 @@ def finish(run: Run, reporter: Reporter | None) -> dict:
         "eval_after": eval_after,
         "evals": run.evals,
         "wall_seconds": time.time() - run.t_start,
+        "eval_seconds": run.eval_seconds,  # of wall_seconds: the held-out evaluations (before, during, after)
         "final_checkpoint": str(last) if last else None,
         **({"world_size": dist.world, "parallel": dist.parallel} if dist.enabled else {}),
         "plan": plan(run),

@@ -1,0 +1,88 @@
+"""Independent training runs side by side: `gspo compare --jobs N`.
+
+    from gspo.jobs import plan_jobs, train_runs
+    jobs, threads = plan_jobs(base_config, pending=12)    # (2, 1) on a 2-core CPU machine
+    train_runs([(label, cfg, resume), ...], jobs, threads, log=print)
+
+Why. A comparison's runs share nothing: on a small CPU model one run keeps two cores only
+half busy (a decode step is many small operations), so two runs of one thread each finish the
+work of two runs of two threads in about two thirds of the time.
+
+What stays exact. Each run trains in its own spawned process with `threads` torch threads, and
+gives bit for bit what `gspo train` gives alone with the same `--threads` (tests/test_compare.py).
+The thread count itself is part of the arithmetic: torch splits a reduction across threads, so
+one thread and two round differently (~1e-6 on a log-prob) and seeded runs then drift apart.
+That is why the thread count is written into every run's configuration (`threads`), where a
+re-run reads it.
+
+Errors. The first run that fails stops the others from starting; those already training finish
+(each is resumable), and its error is raised with the run's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from pathlib import Path
+
+MAX_AUTO_JOBS = 4  # a tiny run holds ~1 GiB; more processes than this rarely pay on a laptop
+
+
+def plan_jobs(cfg, pending: int, jobs: int = 0, cores: int | None = None) -> tuple[int, int]:
+    """(jobs, torch threads per job; 0: torch's default) for `pending` runs of `cfg`. jobs 0 (auto):
+    one on a GPU (runs would share it), else one per core up to MAX_AUTO_JOBS (one per
+    `cfg.run.threads` cores when the configuration sets its threads). Several jobs share the cores
+    out (at least one thread each) unless the configuration sets its threads; one job keeps them."""
+    cores = cores or os.cpu_count() or 1
+    if jobs == 0:
+        on_cpu = cfg.run.device == "cpu"
+        jobs = max(1, min(pending, MAX_AUTO_JOBS, cores // (cfg.run.threads or 1))) if on_cpu else 1
+    jobs = max(1, min(jobs, pending))
+    return jobs, cfg.run.threads or (max(1, cores // jobs) if jobs > 1 else 0)
+
+
+def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: int, log=print) -> None:
+    """Train each (label, config, resume directory or None): in this process when jobs is 1,
+    else up to `jobs` at once in spawned processes, each run with `threads` torch threads."""
+    from gspo.trainer import train
+
+    if jobs <= 1 or len(runs) <= 1:
+        for label, cfg, resume in runs:
+            log(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
+            train(cfg, resume=resume, log=log)
+        return
+    log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
+        f"(each run equals `gspo train --threads {threads}` alone)")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_train_one, label, _for_job(cfg, threads), resume): label
+                   for label, cfg, resume in runs}
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in done if f.exception() is not None]
+        if failed:
+            for f in futures:
+                f.cancel()  # runs not started stay unstarted; those training finish (and are resumable)
+            wait(futures)
+            log(f"[compare] {futures[failed[0]]}: failed")
+            raise failed[0].exception()
+        for f in futures:
+            log(f"[compare] {futures[f]}: done in {f.result():.0f} s")
+
+
+def _for_job(cfg, threads: int):
+    """The run as one job of several: its thread count set (it shapes the arithmetic, so the
+    run's config.yaml keeps it), no progress bar (several would fight over the terminal)."""
+    return dataclasses.replace(cfg, threads=threads, progress=False)
+
+
+def _train_one(label: str, cfg, resume) -> float:
+    """A job's run (in its own process), its log lines prefixed with its label; its wall seconds."""
+    import time
+
+    from gspo.trainer import train
+
+    t0 = time.time()
+    print(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)", flush=True)
+    train(cfg, resume=resume, log=lambda line: print(f"[{label}] {line}", flush=True))
+    return time.time() - t0

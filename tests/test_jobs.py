@@ -1,0 +1,72 @@
+"""`gspo compare --jobs`: runs side by side in processes of their own, each equal to its run alone."""
+
+import json
+
+import pytest
+
+from gspo.cli import main
+from gspo.config import TrainConfig
+from gspo.jobs import MAX_AUTO_JOBS, plan_jobs
+
+
+@pytest.mark.parametrize("device,threads,cores,pending,jobs,want", [
+    ("cpu", 0, 2, 12, 0, (2, 1)),   # 2 cores: 2 jobs of 1 thread
+    ("cpu", 0, 8, 12, 0, (4, 2)),   # 8 cores: MAX_AUTO_JOBS (4) jobs, 8 // 4 = 2 threads each
+    ("cpu", 0, 16, 3, 0, (3, 5)),   # 3 runs: 3 jobs, 16 // 3 = 5 threads each
+    ("cpu", 2, 8, 12, 0, (4, 2)),   # --threads 2 on 8 cores: 8 // 2 = 4 jobs, the configuration's 2 threads
+    ("cpu", 4, 4, 12, 0, (1, 4)),   # --threads 4 on 4 cores: one job
+    ("cpu", 0, 2, 1, 0, (1, 0)),    # one run: in this process, torch's default threads
+    ("cuda", 0, 16, 12, 0, (1, 0)),  # a GPU: one job (runs would share it)
+    ("cpu", 0, 2, 12, 3, (3, 1)),   # --jobs 3 on 2 cores: 3 jobs, at least 1 thread each
+    ("cpu", 0, 2, 12, 1, (1, 0)),   # --jobs 1: one after another, as before
+])
+def test_plan_jobs(device, threads, cores, pending, jobs, want):
+    assert MAX_AUTO_JOBS == 4
+    cfg = TrainConfig(device=device, threads=threads)
+    assert plan_jobs(cfg, pending, jobs, cores=cores) == want
+
+
+def _steps(run):
+    """metrics.jsonl without the timings (they differ run to run)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "async/"))} for r in rows]
+
+
+BASE = ["--model", "tiny", "--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8",
+        "--eval-every", "1", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_runs_in_parallel_equal_each_run_alone(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert main(["compare", "--configs", "gspo", "grpo", "--seeds", "0", "--jobs", "2", *BASE,
+                 "--output-dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "2 runs, 2 at a time, 1 thread each" in said
+    for name, algorithm in (("gspo", "gspo"), ("grpo", "grpo")):
+        run = out / "runs" / f"{name}-seed0"
+        assert "threads: 1" in (run / "config.yaml").read_text()
+        alone = tmp_path / f"alone-{name}"
+        assert main(["train", "--algorithm", algorithm, "--seed", "0", "--threads", "1", *BASE,
+                     "--output-dir", str(alone)]) == 0
+        assert _steps(run) == _steps(alone)  # bit for bit: every logged number of every step
+        together, by_itself = (json.loads((d / "summary.json").read_text()) for d in (run, alone))
+        assert together["evals"] == by_itself["evals"] and together["eval_after"] == by_itself["eval_after"]
+    assert _steps(out / "runs" / "gspo-seed0") != _steps(out / "runs" / "grpo-seed0")  # the check can fail
+
+
+def test_a_failing_run_stops_the_comparison_in_one_line(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code = main(["compare", "--configs", "gspo", "bad:model=/nonexistent/model", "--seeds", "0", "--jobs", "2",
+                 *BASE, "--output-dir", str(out)])
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "[compare] bad seed 0: failed" in captured.out
+    assert "/nonexistent/model" in captured.err and "Traceback" not in captured.err
+    assert not (out / "compare.json").exists()
+
+
+def test_jobs_flag_is_checked(tmp_path, capsys):
+    assert main(["compare", "--jobs", "two", "--output-dir", str(tmp_path / "c")]) == 2
+    assert "--jobs: expected a number of runs at once (0: auto), got 'two'" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
