@@ -239,7 +239,7 @@ def cmd_compare(args: list[str]) -> int:
     import dataclasses
     import time
 
-    from gspo.compare import COMPARE_PRESETS, VarianceRun, compare, compare_help
+    from gspo.compare import COMPARE_PRESETS, CompareOptions, compare, compare_help
 
     configs, args = _take_many(args, "--configs")
     lags, args = _take_many(args, "--lags")
@@ -267,8 +267,8 @@ def cmd_compare(args: list[str]) -> int:
     out = cfg.run.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
     study = _study(preset, configs, lags, precisions, args)
     report = compare(dataclasses.replace(cfg, output_dir=None), study or list(configs or preset.configs), seeds=seeds,
-                     out_dir=out, variance=VarianceRun(preset.variance_models, int(responses or 512)),
-                     jobs=int(jobs or 0))
+                     out_dir=out, options=CompareOptions(preset.variance_models, int(responses or 512),
+                                                         int(jobs or 0)))
     for name, r in report.items():
         drift = "" if r["drift_mean"] is None else f"  moe/drift {r['drift_mean']:.4f}"
         print(f"{name:>20}: accuracy {100 * r['accuracy']:.1f}%  clip/frac {r['clip_frac_mean']:.4g}{drift}"

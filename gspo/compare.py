@@ -222,23 +222,25 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
 
 
 @dataclass(frozen=True)
-class VarianceRun:
-    """The ratio-variance measurement a comparison adds (gspo.variance): the ratio variance by
-    response length of each of `models` under the base configuration, from `responses` sampled
-    responses per model."""
+class CompareOptions:
+    """How a comparison runs beyond its configurations. variance_models: also measure the ratio
+    variance by response length of each of these models under the base configuration
+    (gspo.variance), from `variance_responses` sampled responses per model. jobs: runs trained at
+    once, each in a process of its own (0: gspo.jobs.plan_jobs chooses; 1: one after another in
+    this process)."""
 
-    models: tuple[str, ...] = ()
-    responses: int = 512
+    variance_models: tuple[str, ...] = ()
+    variance_responses: int = 512
+    jobs: int = 1
 
 
 def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *, seeds: list[int],
-            out_dir: str | Path, log=print, variance: VarianceRun = VarianceRun(), jobs: int = 1) -> dict:
+            out_dir: str | Path, log=print, options: CompareOptions = CompareOptions()) -> dict:
     """Train every configuration for every seed; write compare.json, report.md and the plots.
     configs: preset names, `name:key=value,...` specs or (name, options) pairs; or a Study, whose
     configurations run at every level of its factor, tabled and plotted against it (gspo.studies).
-    variance: with models, also measure the ratio variance by response length (variance.md,
-    .json, .png). jobs: runs trained at once, each in a process of its own (0: gspo.jobs.plan_jobs
-    chooses; 1: one after another in this process)."""
+    options: the ratio variance by response length (variance.md, .json, .png) and the runs at
+    once (CompareOptions)."""
     out = Path(out_dir)
     study = configs if isinstance(configs, Study) else None
     specs = study.expand() if study else [c if isinstance(c, tuple) else parse_config(c) for c in configs]
@@ -250,15 +252,16 @@ def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *,
     cfgs = _configs(base, specs, seeds, out)  # every configuration checked before any of them trains
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    results = _train_all(cfgs, log, jobs)
+    results = _train_all(cfgs, log, options.jobs)
     report = {name: aggregate(per_seed) for name, per_seed in results.items()}
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
-    if variance.models and not (out / "variance.json").exists():
+    models = options.variance_models
+    if models and not (out / "variance.json").exists():
         from gspo.variance import ratio_variance, write_variance
 
-        log(f"[compare] ratio variance by response length: {', '.join(variance.models)}")
-        write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=variance.responses, log=log)
-                        for m in variance.models], out)
+        log(f"[compare] ratio variance by response length: {', '.join(models)}")
+        write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=options.variance_responses,
+                                       log=log) for m in models], out)
     write_report(out, base, report, seeds, time.time() - t0, study=study)
     return report
 
