@@ -51,7 +51,7 @@ from pathlib import Path
 from gspo import checkpoint as ckpt
 from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
-from gspo.jobs import plan_jobs, train_runs
+from gspo.jobs import plan_jobs, ratio_variances, train_runs
 from gspo.resolve import resolve
 from gspo.report import COLLAPSE_POINTS, write_report
 from gspo.stats import ci95
@@ -257,11 +257,12 @@ def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *,
     ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
     models = options.variance_models
     if models and not (out / "variance.json").exists():
-        from gspo.variance import ratio_variance, write_variance
+        from gspo.variance import write_variance
 
         log(f"[compare] ratio variance by response length: {', '.join(models)}")
-        write_variance([ratio_variance(dataclasses.replace(base, model=m), responses=options.variance_responses,
-                                       log=log) for m in models], out)
+        cfgs = [dataclasses.replace(base, model=m) for m in models]
+        write_variance(ratio_variances(cfgs, options.variance_responses,
+                                       *plan_jobs(base, len(cfgs), options.jobs), log=log), out)
     write_report(out, base, report, seeds, time.time() - t0, study=study)
     return report
 

@@ -55,19 +55,38 @@ def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: 
         return
     log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
         f"(each run equals `gspo train --threads {threads}` alone)")
+    seconds = in_processes([(label, _train_one, (label, _for_job(cfg, threads), resume)) for label, cfg, resume in runs],
+                           jobs, log)
+    for (label, _, _), s in zip(runs, seconds):
+        log(f"[compare] {label}: done in {s:.0f} s")
+
+
+def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=print) -> list[dict]:
+    """gspo.variance.ratio_variance of each configuration (one per model), side by side as
+    train_runs trains (each with `threads` threads) when jobs > 1."""
+    from gspo.variance import ratio_variance
+
+    if jobs <= 1 or len(cfgs) <= 1:
+        return [ratio_variance(cfg, responses=responses, log=log) for cfg in cfgs]
+    return in_processes([(cfg.policy.model, _variance_one, (_for_job(cfg, threads), responses)) for cfg in cfgs],
+                        jobs, log)
+
+
+def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print) -> list:
+    """Each (label, module-level function, its arguments) in up to `jobs` spawned processes; their
+    results, in order. The first call that fails stops the calls not yet started (those running
+    finish) and its error is raised, after a `[compare] LABEL: failed` line."""
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_train_one, label, _for_job(cfg, threads), resume): label
-                   for label, cfg, resume in runs}
+        futures = [pool.submit(fn, *args) for _, fn, args in calls]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [f for f in done if f.exception() is not None]
+        failed = [i for i, f in enumerate(futures) if f in done and f.exception() is not None]
         if failed:
             for f in futures:
-                f.cancel()  # runs not started stay unstarted; those training finish (and are resumable)
+                f.cancel()  # calls not started stay unstarted; runs training finish (and are resumable)
             wait(futures)
-            log(f"[compare] {futures[failed[0]]}: failed")
-            raise failed[0].exception()
-        for f in futures:
-            log(f"[compare] {futures[f]}: done in {f.result():.0f} s")
+            log(f"[compare] {calls[failed[0]][0]}: failed")
+            raise futures[failed[0]].exception()
+        return [f.result() for f in futures]
 
 
 def _for_job(cfg, threads: int):
@@ -86,3 +105,10 @@ def _train_one(label: str, cfg, resume) -> float:
     print(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)", flush=True)
     train(cfg, resume=resume, log=lambda line: print(f"[{label}] {line}", flush=True))
     return time.time() - t0
+
+
+def _variance_one(cfg, responses: int) -> dict:
+    """A job's ratio-variance measurement (gspo.variance), its log lines prefixed with its model."""
+    from gspo.variance import ratio_variance
+
+    return ratio_variance(cfg, responses=responses, log=lambda line: print(f"[{cfg.policy.model}] {line}", flush=True))

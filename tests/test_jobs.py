@@ -6,7 +6,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import TrainConfig
-from gspo.jobs import MAX_AUTO_JOBS, plan_jobs
+from gspo.jobs import MAX_AUTO_JOBS, plan_jobs, ratio_variances
 
 
 @pytest.mark.parametrize("device,threads,cores,pending,jobs,want", [
@@ -70,3 +70,14 @@ def test_jobs_flag_is_checked(tmp_path, capsys):
     assert main(["compare", "--jobs", "two", "--output-dir", str(tmp_path / "c")]) == 2
     assert "--jobs: expected a number of runs at once (0: auto), got 'two'" in capsys.readouterr().err
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.slow
+def test_ratio_variances_side_by_side_equal_each_alone():
+    cfgs = [TrainConfig(model=m, prompts_per_step=4, group_size=4, max_new_tokens=8, progress=False, threads=1)
+            for m in ("tiny", "tiny-moe")]
+    together = ratio_variances(cfgs, 32, jobs=2, threads=1, log=lambda line: None)
+    alone = ratio_variances(cfgs, 32, jobs=1, threads=1, log=lambda line: None)
+    assert [r["model"] for r in together] == ["tiny", "tiny-moe"]  # in order
+    assert together == alone
+    assert together[0] != together[1]  # the check can fail
