@@ -51,7 +51,7 @@ from pathlib import Path
 from gspo import checkpoint as ckpt
 from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
-from gspo.jobs import plan_jobs, ratio_variances, train_runs
+from gspo.jobs import for_job, in_processes, plan_jobs
 from gspo.resolve import resolve
 from gspo.report import COLLAPSE_POINTS, write_report
 from gspo.stats import ci95
@@ -305,3 +305,51 @@ def _train_all(cfgs: dict, log, jobs: int = 1) -> dict[str, dict]:
                 run.symlink_to(same.name, target_is_directory=True)
         results.setdefault(name, {})[seed] = summarise(run)
     return results
+
+
+def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: int, log=print) -> None:
+    """Train each (label, config, resume directory or None): in this process when jobs is 1,
+    else up to `jobs` at once in spawned processes, each run with `threads` torch threads."""
+    from gspo.trainer import train
+
+    if jobs <= 1 or len(runs) <= 1:
+        for label, cfg, resume in runs:
+            log(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
+            train(cfg, resume=resume, log=log)
+        return
+    log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
+        f"(each run equals `gspo train --threads {threads}` alone)")
+    seconds = in_processes([(label, _train_one, (label, for_job(cfg, threads), resume)) for label, cfg, resume in runs],
+                           jobs, log)
+    for (label, _, _), s in zip(runs, seconds):
+        log(f"[compare] {label}: done in {s:.0f} s")
+
+
+def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=print) -> list[dict]:
+    """gspo.variance.ratio_variance of each configuration (one per model), side by side as
+    train_runs trains (each with `threads` threads) when jobs > 1."""
+    from gspo.variance import ratio_variance
+
+    if jobs <= 1 or len(cfgs) <= 1:
+        return [ratio_variance(cfg, responses=responses, log=log) for cfg in cfgs]
+    return in_processes([(cfg.policy.model, _variance_one, (for_job(cfg, threads), responses)) for cfg in cfgs],
+                        jobs, log)
+
+
+def _train_one(label: str, cfg, resume) -> float:
+    """A job's run (in its own process), its log lines prefixed with its label; its wall seconds."""
+    import time
+
+    from gspo.trainer import train
+
+    t0 = time.time()
+    print(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)", flush=True)
+    train(cfg, resume=resume, log=lambda line: print(f"[{label}] {line}", flush=True))
+    return time.time() - t0
+
+
+def _variance_one(cfg, responses: int) -> dict:
+    """A job's ratio-variance measurement (gspo.variance), its log lines prefixed with its model."""
+    from gspo.variance import ratio_variance
+
+    return ratio_variance(cfg, responses=responses, log=lambda line: print(f"[{cfg.policy.model}] {line}", flush=True))

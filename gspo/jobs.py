@@ -1,15 +1,16 @@
-"""Independent training runs side by side: `gspo compare --jobs N`.
+"""Independent runs side by side, each in a process of its own: `gspo compare --jobs N`.
 
-    from gspo.jobs import plan_jobs, train_runs
+    from gspo.jobs import for_job, in_processes, plan_jobs
     jobs, threads = plan_jobs(base_config, pending=12)    # (2, 1) on a 2-core CPU machine
-    train_runs([(label, cfg, resume), ...], jobs, threads, log=print)
+    in_processes([(label, fn, (for_job(cfg, threads), ...)), ...], jobs)   # fn: a module-level function
+    # gspo.compare's train_runs and ratio_variances are built on these
 
 Why. A comparison's runs share nothing: on a small CPU model one run keeps two cores only
 half busy (a decode step is many small operations), so two runs of one thread each finish the
 work of two runs of two threads in about two thirds of the time.
 
 What stays exact. Each run trains in its own spawned process with `threads` torch threads, and
-gives bit for bit what `gspo train` gives alone with the same `--threads` (tests/test_compare.py).
+gives bit for bit what `gspo train` gives alone with the same `--threads` (tests/test_jobs.py).
 The thread count itself is part of the arithmetic: torch splits a reduction across threads, so
 one thread and two round differently (~1e-6 on a log-prob) and seeded runs then drift apart.
 That is why the thread count is written into every run's configuration (`threads`), where a
@@ -25,7 +26,6 @@ import dataclasses
 import multiprocessing
 import os
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
-from pathlib import Path
 
 MAX_AUTO_JOBS = 4  # a tiny run holds ~1 GiB; more processes than this rarely pay on a laptop
 
@@ -41,35 +41,6 @@ def plan_jobs(cfg, pending: int, jobs: int = 0, cores: int | None = None) -> tup
         jobs = max(1, min(pending, MAX_AUTO_JOBS, cores // (cfg.run.threads or 1))) if on_cpu else 1
     jobs = max(1, min(jobs, pending))
     return jobs, cfg.run.threads or (max(1, cores // jobs) if jobs > 1 else 0)
-
-
-def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: int, log=print) -> None:
-    """Train each (label, config, resume directory or None): in this process when jobs is 1,
-    else up to `jobs` at once in spawned processes, each run with `threads` torch threads."""
-    from gspo.trainer import train
-
-    if jobs <= 1 or len(runs) <= 1:
-        for label, cfg, resume in runs:
-            log(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
-            train(cfg, resume=resume, log=log)
-        return
-    log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
-        f"(each run equals `gspo train --threads {threads}` alone)")
-    seconds = in_processes([(label, _train_one, (label, _for_job(cfg, threads), resume)) for label, cfg, resume in runs],
-                           jobs, log)
-    for (label, _, _), s in zip(runs, seconds):
-        log(f"[compare] {label}: done in {s:.0f} s")
-
-
-def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=print) -> list[dict]:
-    """gspo.variance.ratio_variance of each configuration (one per model), side by side as
-    train_runs trains (each with `threads` threads) when jobs > 1."""
-    from gspo.variance import ratio_variance
-
-    if jobs <= 1 or len(cfgs) <= 1:
-        return [ratio_variance(cfg, responses=responses, log=log) for cfg in cfgs]
-    return in_processes([(cfg.policy.model, _variance_one, (_for_job(cfg, threads), responses)) for cfg in cfgs],
-                        jobs, log)
 
 
 def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print) -> list:
@@ -89,26 +60,7 @@ def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print) -
         return [f.result() for f in futures]
 
 
-def _for_job(cfg, threads: int):
+def for_job(cfg, threads: int):
     """The run as one job of several: its thread count set (it shapes the arithmetic, so the
     run's config.yaml keeps it), no progress bar (several would fight over the terminal)."""
     return dataclasses.replace(cfg, threads=threads, progress=False)
-
-
-def _train_one(label: str, cfg, resume) -> float:
-    """A job's run (in its own process), its log lines prefixed with its label; its wall seconds."""
-    import time
-
-    from gspo.trainer import train
-
-    t0 = time.time()
-    print(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)", flush=True)
-    train(cfg, resume=resume, log=lambda line: print(f"[{label}] {line}", flush=True))
-    return time.time() - t0
-
-
-def _variance_one(cfg, responses: int) -> dict:
-    """A job's ratio-variance measurement (gspo.variance), its log lines prefixed with its model."""
-    from gspo.variance import ratio_variance
-
-    return ratio_variance(cfg, responses=responses, log=lambda line: print(f"[{cfg.policy.model}] {line}", flush=True))
