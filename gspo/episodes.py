@@ -18,11 +18,15 @@ episodes each, exactly as a single-turn rollout; later turns: one completion per
 from its conversation so far, prompt + every token since). The model's turn, decoded with
 special tokens skipped, goes to its environment's `step`; the messages that come back are
 rendered by the chat template (gspo.env.observation_text) and appended as tokens, and the
-next turn starts after them. An episode ends when the environment says done, after
-`max_turns` model turns, or when its turn was cut by max_new_tokens or the episode's token
-budget (the spec's `max_tokens`, model and environment tokens after the prompt): then it is flagged
-truncated. One ended by `max_turns` (the environment not done) is not truncated, its last turn
-having ended, but is flagged `turn_limit`.
+next turn starts after them. gspo's own sampler keeps each episode's KV cache between turns,
+so a later turn feeds only its last sampled token and the environment's tokens
+(gspo.turncache); an inference engine's prefix cache does the same.
+
+An episode ends when the environment says done, after `max_turns` model turns, or when its
+turn was cut by max_new_tokens or the episode's token budget (the spec's `max_tokens`, model
+and environment tokens after the prompt): then it is flagged truncated. One ended by
+`max_turns` (the environment not done) is not truncated, its last turn having ended, but is
+flagged `turn_limit`.
 
 Randomness (`Draws`): turn k of the step draws from its own generator (`generator_for(k)`) and
 each episode from its global row index (`rows`), so a run split across processes samples exactly

@@ -8,6 +8,9 @@
         model(input_ids, ...)
     drift(cap.natural(B, S), old, mask)       # share of (token, layer) top-k sets that changed
     with NO_ROUTING.capture() as cap:         # a dense model's: records nothing (cap.indices(...) is None)
+    with held() as records:                   # what forwards here route is held back from the capture ...
+        model(input_ids, ...)
+    keep(records)                             # ... until kept (a step computed twice records once)
 
 A run holds a `Routing` for an MoE model and `NO_ROUTING` (a `NoRouting`, the null object)
 for a dense one, so its forwards capture unconditionally; `routing.moe` says which, and
@@ -58,6 +61,35 @@ def find_routers(model) -> list[tuple[str, torch.nn.Module]]:
 
 def is_moe(model) -> bool:
     return bool(find_routers(model))
+
+
+_held: list | None = None  # inside `held()`: the records its forwards made, not yet in their captures
+
+
+@contextlib.contextmanager
+def held():
+    """Routing recorded by the forwards in this block is held back from its capture: yields the
+    list of records, which `keep` adds to their captures (or nothing does). A decode step that is
+    computed twice, to check one way against the other (gspo.fastdecode), records only one."""
+    global _held
+    previous, _held = _held, []
+    try:
+        yield _held
+    finally:
+        _held = previous
+
+
+def keep(records: list) -> None:
+    """Record what a `held()` block held back (into an enclosing `held()` block's, if any)."""
+    for target, entry in records:
+        _record(target, entry)
+
+
+def _record(target: list, entry: Tensor) -> None:
+    if _held is None:
+        target.append(entry)
+    else:
+        _held.append((target, entry))
 
 
 def _gates(logits: Tensor, indices: Tensor, normalise: bool) -> Tensor:
@@ -143,18 +175,18 @@ class Routing:
                 return None
             logits, scores, indices = output
             norm = self._normalises(i, module, logits, scores, indices)
-            cap.natural[i].append(indices.detach())
+            _record(cap.natural[i], indices.detach())
             if cap.keep_logits:
-                cap.logits[i].append(logits)
+                _record(cap.logits[i], logits)
             if cap.forced is None:
-                cap.used[i].append(indices.detach())
+                _record(cap.used[i], indices.detach())
                 return None
             forced = cap.forced[:, i].to(indices.device).long()  # (N, k)
             if forced.shape != indices.shape:
                 raise MoEError(f"routing replay: recorded routing has {tuple(forced.shape)} slots for layer {i}, "
                                f"the forward pass routes {tuple(indices.shape)}")
             forced = torch.where(forced < 0, indices, forced)  # unrecorded rows route freely
-            cap.used[i].append(forced)
+            _record(cap.used[i], forced)
             return logits, _gates(logits, forced, norm).to(scores.dtype), forced
 
         return hook

@@ -20,7 +20,10 @@ log-prob (as in TRL and verl), so recorded and recomputed log-probs agree.
 The sampling loop (`generate`) prefills each distinct prompt once and shares its KV cache
 across the G samples of its group, computes logits only for the last position, decodes
 Llama-family models with a compact step (gspo.fastdecode), samples by inverse CDF, and runs
-under `torch.inference_mode` (the returned tensors are ordinary ones).
+under `torch.inference_mode` (the returned tensors are ordinary ones). `PolicySampler` keeps
+each row's KV cache from one `sample` to the next until `end_rollout`, so a later turn of
+multi-turn episodes feeds only the tokens its cache lacks (gspo.turncache; `keep_cache=False`:
+every turn prefilled whole), with the same tokens and log-probs.
 
 Left out: beam search.
 """
@@ -37,6 +40,7 @@ from gspo import parallel
 from gspo.fastdecode import decoder, describe
 from gspo.moe import NO_ROUTING
 from gspo.sequences import Rollout, left_pad, position_ids_from_mask  # noqa: F401 (re-exported)
+from gspo.turncache import Start, TurnCache
 
 Tensor = torch.Tensor
 
@@ -102,23 +106,32 @@ class PolicySampler:
     model per process), its parameters gathered for the rollout, those of `root` (the FSDP root
     that holds `model`; default `model` itself), in the root's MixedPrecisionPolicy dtype: the
     compute --dtype, as a copy in it would sample.
+    keep_cache: keep each row's KV cache from one `sample` to the next, so that a later turn of
+    multi-turn episodes feeds only its new tokens (gspo.turncache); `end_rollout` and `sync` drop
+    it. False: every `sample` prefills its prompts whole.
     """
 
-    def __init__(self, model, *, routing=NO_ROUTING, dist=None, root=None):
+    def __init__(self, model, *, routing=NO_ROUTING, dist=None, root=None, keep_cache: bool = True):
         self.model, self.routing, self.dist, self.root = model, routing, dist, root
+        self.turns = TurnCache() if keep_cache else None
 
     def end_rollout(self) -> None:
-        """Nothing to release: the sampler is the policy (or a copy kept between rollouts)."""
+        """The rollout is over: the KV cache kept for its next turn is dropped (the sampler itself
+        is the policy, or a copy kept between rollouts)."""
+        if self.turns is not None:
+            self.turns.drop()
 
     def sync(self, policy) -> None:
+        self.end_rollout()
         if self.model is not policy:
             with torch.no_grad():
                 for dst, src in zip(self.model.parameters(), policy.parameters()):
                     dst.copy_(src)
 
     def sample(self, prompts, params, *, generator=None, rows=None) -> "Rollout":
+        turns = self.turns.begin(self.model) if self.turns is not None else None  # (FSDP: the sharded weights)
         with parallel.gathered(self.root or self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
-            return generate(self.model, prompts, params, generator=generator, routing=self.routing, rows=rows)
+            return _sample(self.model, prompts, params, (generator, rows), self.routing, turns)
 
 
 def fsdp_sampling_note(model, dtype: torch.dtype, max_len: int) -> str:
@@ -242,9 +255,17 @@ def generate(model, prompts: list[list[int]], params: SamplingParams, *, generat
     routing: a gspo.moe.Routing on `model`: record the experts every token used while
     sampling into `Rollout.routing` (for Routing Replay with sampling-time log-probs); NO_ROUTING: none.
     """
+    return _sample(model, prompts, params, (generator, rows), routing)
+
+
+def _sample(model, prompts: list[list[int]], params: SamplingParams, draws: tuple, routing=NO_ROUTING,
+            turns=None) -> Rollout:
+    """`generate` with draws = (generator, rows); with `turns` (a PolicySampler's
+    gspo.turncache.TurnCache) a later turn may go on from the rows' kept KV caches, and then
+    its routing is not assembled (`Rollout.routing` None: episodes drop it anyway)."""
     with routing.capture() as cap, torch.inference_mode():  # a dense model's (NO_ROUTING) records nothing
-        ro = _generate(model, prompts, params, generator, rows)
-        if routing.moe:
+        ro, resumed = _generate(model, prompts, params, draws, turns)
+        if routing.moe and not resumed:
             ro.routing = _assemble_routing(cap, ro, len(prompts))
     # ordinary tensors from here on: inference tensors cannot take part in autograd later
     # (old log-probs and replayed expert ids meet the training graph)
@@ -265,29 +286,53 @@ def _assemble_routing(cap, ro: Rollout, n_prompts: int) -> Tensor:
     return out
 
 
-def _generate(model, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None,
-              rows: tuple[int, int] | None) -> Rollout:
-    device = next(model.parameters()).device
+def _generate(model, prompts: list[list[int]], params: SamplingParams, draws: tuple,
+              turns=None) -> tuple[Rollout, bool]:
+    """The rollout, and whether it went on from kept KV caches (`turns.resume`) rather than a prefill."""
+    generator, rows = draws
     was_training = model.training
     model.eval()
-    G, max_new_tokens, pad_token_id = params.group_size, params.max_new_tokens, params.pad_token_id
-    stop = torch.tensor(params.stop_token_ids, device=device)  # (S,)
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)  # (N, P)
-    dec = decoder(model, prompt_ids.shape[1] + max_new_tokens)
+    start = turns.resume(prompts, params, rows) if turns is not None else None
+    resumed = start is not None
+    start = start or _prefill(model, prompts, params, turns is not None)
+    tokens, logp, lengths, done = _decode(start, params, generator, rows)
+    model.train(was_training)
+    n_steps = tokens.shape[1]
+    completion_mask = (torch.arange(n_steps, device=tokens.device)[None, :] < lengths[:, None]).float()  # (B, T)
+    ro = Rollout(start.prompt_ids, start.prompt_mask, tokens, completion_mask, logp, lengths, ~done, params.group_size)
+    if turns is not None:
+        turns.keep(start, tokens, lengths, rows)
+    return ro, resumed
+
+
+def _prefill(model, prompts: list[list[int]], params: SamplingParams, keep: bool) -> Start:
+    """Prefill each distinct prompt once and share its KV cache with its G samples; `keep`: note
+    the tokens each row fed (for gspo.turncache)."""
+    device = next(model.parameters()).device
+    G = params.group_size
+    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, device)  # (N, P)
+    dec = decoder(model, prompt_ids.shape[1] + params.max_new_tokens)
     pos = position_ids_from_mask(prompt_mask)  # (N, P)
     logits = dec.prefill(prompt_ids, prompt_mask, pos)  # (N, V)
     dec.expand(G)  # one prefill per prompt, shared by its G samples
-    logits = logits.repeat_interleave(G, 0)  # (B, V)
-    prompt_ids = prompt_ids.repeat_interleave(G, 0)  # (B, P)
+    fed = [list(prompts[b // G]) for b in range(len(prompts) * G)] if keep else None
     prompt_mask = prompt_mask.repeat_interleave(G, 0)  # (B, P)
-    next_pos = pos[:, -1].repeat_interleave(G, 0) + 1  # (B,)
-    B, P = prompt_ids.shape
+    return Start(dec, logits.repeat_interleave(G, 0), prompt_mask, pos[:, -1].repeat_interleave(G, 0) + 1,
+                 prompt_ids.repeat_interleave(G, 0), prompt_mask, fed)
 
+
+def _decode(start: Start, params: SamplingParams, generator: torch.Generator | None,
+            rows: tuple | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decode loop from `start`: tokens (B, T), log-probs (B, T), lengths (B,), done (B,)."""
+    dec, logits, next_pos = start.dec, start.logits, start.next_pos
+    B, W = start.attn.shape  # W: the cache's columns before the first decode step
+    max_new_tokens, pad_token_id, device = params.max_new_tokens, params.pad_token_id, logits.device
+    stop = torch.tensor(params.stop_token_ids, device=device)  # (S,)
     tokens = torch.full((B, max_new_tokens), pad_token_id, dtype=torch.long, device=device)  # (B, T)
     logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)  # (B, T)
     done = torch.zeros(B, dtype=torch.bool, device=device)  # (B,)
     lengths = torch.zeros(B, dtype=torch.long, device=device)  # (B,)
-    attn = torch.cat([prompt_mask, torch.ones((B, max_new_tokens), dtype=prompt_mask.dtype, device=device)], 1)
+    attn = torch.cat([start.attn, torch.ones((B, max_new_tokens), dtype=start.attn.dtype, device=device)], 1)
     offset, total = rows or (0, B)
     mine = slice(offset, offset + B) if isinstance(offset, int) else offset  # this call's rows of the `total`
     n_steps = 0
@@ -304,10 +349,6 @@ def _generate(model, prompts: list[list[int]], params: SamplingParams, generator
         n_steps = t + 1
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        logits = dec.step(tok, attn[:, :P + t + 1], next_pos)  # (B, V)
+        logits = dec.step(tok, attn[:, :W + t + 1], next_pos)  # (B, V)
         next_pos = next_pos + 1
-
-    model.train(was_training)
-    tokens, logp = tokens[:, :n_steps], logp[:, :n_steps]  # (B, T)
-    completion_mask = (torch.arange(n_steps, device=device)[None, :] < lengths[:, None]).float()  # (B, T)
-    return Rollout(prompt_ids, prompt_mask, tokens, completion_mask, logp, lengths, ~done, G)
+    return tokens[:, :n_steps], logp[:, :n_steps], lengths, done
