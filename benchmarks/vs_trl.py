@@ -26,7 +26,9 @@ the machine's noise. Reported per side: the median step time and median rollout 
 time over all timed steps of all repeats (the first step of each run warms up and is not
 timed), the peak resident memory of the process, and model FLOPs per step (2·params per
 generated token + 6·params per trained token) divided by the step time, as a share of the
-machine's measured fp32 matmul peak.
+machine's measured fp32 matmul peak. A second table says where each side's step goes: the
+rollout (sampling and scoring), the old-policy pass (gspo: `time/prepare_seconds`, the batch's
+preparation; TRL: its forwards without gradient after each generation) and the update (the rest).
 """
 
 from __future__ import annotations
@@ -77,14 +79,15 @@ def run_gspo(args) -> dict:
                               device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                               rollout_engine="vllm" if args.vllm else "hf", vllm_gpu_memory_utilization=0.3))
     run = build_run(cfg)
-    steps, rollouts = [], []
+    steps, rollouts, old_passes = [], [], []
     for step in range(1, args.steps + 2):
         t = time.perf_counter()
         m, _ = train_step(run, step)
         if step > 1:
             steps.append(time.perf_counter() - t)
             rollouts.append(m["time/rollout_seconds"])
-    return {"steps": steps, "rollouts": rollouts, "params": n_params(run.policy)}
+            old_passes.append(m["time/prepare_seconds"])  # old-policy pass (none with --old-logp auto) + advantages
+    return {"steps": steps, "rollouts": rollouts, "old_passes": old_passes, "params": n_params(run.policy)}
 
 
 def run_trl(args) -> dict:
@@ -124,6 +127,7 @@ def run_trl(args) -> dict:
         def on_step_end(self, *a, **kw):
             marks.append(time.perf_counter())
 
+    old_passes: dict[int, float] = {}  # generation -> its forwards without gradient (TRL's old-policy log-probs)
     with tempfile.TemporaryDirectory() as out:
         cfg = GRPOConfig(
             output_dir=out, importance_sampling_level="sequence", loss_type="grpo", beta=0.0, epsilon=3e-4,
@@ -136,12 +140,25 @@ def run_trl(args) -> dict:
         )
         trainer = GRPOTrainer(model=model, reward_funcs=exact, args=cfg, train_dataset=ds, processing_class=tok,
                               callbacks=[Marks()])
+        logps = trainer._get_per_token_logps_and_entropies
+
+        def timed_logps(*a, **kw):
+            if torch.is_grad_enabled():
+                return logps(*a, **kw)
+            t = time.perf_counter()
+            out = logps(*a, **kw)
+            gen = len(rollouts) - 1  # the generation these completions came from
+            old_passes[gen] = old_passes.get(gen, 0.0) + time.perf_counter() - t
+            return out
+
+        trainer._get_per_token_logps_and_entropies = timed_logps
         start = time.perf_counter()
         trainer.train()
     # a step = 4 optimizer steps; the first (warm-up) step is not timed
     ends = [start] + marks[3::4]
     steps = [b - a for a, b in zip(ends, ends[1:])][1:]
-    return {"steps": steps, "rollouts": rollouts[1:], "params": n_params(model)}
+    per_batch = [old_passes.get(i, 0.0) for i in range(len(rollouts))]  # 0: TRL reused the sampling pass
+    return {"steps": steps, "rollouts": rollouts[1:], "old_passes": per_batch[1:], "params": n_params(model)}
 
 
 def worker(args) -> None:
@@ -185,7 +202,7 @@ def main() -> None:
     print(f"machine: {args.threads} threads, fp32 matmul peak {peak:.0f} GFLOP/s\n")
     print("| config | side | median step (s) | median rollout (s) | peak RSS (MiB) | model FLOP/s | % of peak |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    summary = {}
+    summary, breakdown = {}, {}
     for config in args.configs.split(","):
         model, P, G, L = CONFIGS[config]
         model_path(model)
@@ -212,6 +229,21 @@ def main() -> None:
                   f"{100 * flops / step / 1e9 / peak:.1f}% |", flush=True)
         print(f"| {config} | **TRL / gspo step time** | **{summary[(config, 'trl')] / summary[(config, 'gspo')]:.2f}x** "
               "| | | | |", flush=True)
+        breakdown[config] = {side: _where(results[side]) for side in ("gspo", "trl")}
+    print("\nWhere a step's time goes (medians, seconds; update = the rest: the minibatches' forward and backward "
+          "passes and optimizer steps):\n")
+    print("| config | side | rollout (sampling + scoring) | old-policy pass | update | step |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for config, sides in breakdown.items():
+        for side, (roll, old, upd, step) in sides.items():
+            print(f"| {config} | {side} | {roll:.2f} | {old:.2f} | {upd:.2f} | {step:.2f} |")
+
+
+def _where(runs: list[dict]) -> tuple[float, float, float, float]:
+    """(rollout, old-policy pass, update, step): medians over every timed step of every run;
+    the update is the step's median less the other two."""
+    med = [statistics.median([x for r in runs for x in r[key]] or [0.0]) for key in ("rollouts", "old_passes", "steps")]
+    return med[0], med[1], med[2] - med[0] - med[1], med[2]
 
 
 if __name__ == "__main__":

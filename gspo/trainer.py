@@ -241,12 +241,14 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     t_rollout = time.perf_counter() - t0
     batch = prepare(run, produced.rollout, produced.scored)
     t1 = time.perf_counter()
+    t_prepare = t1 - t0 - t_rollout
     history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"))
     t_update = time.perf_counter() - t1
     metrics = step_row(run, step, batch, history)
     t_step = time.perf_counter() - t0
     metrics.update({
         "time/rollout_seconds": t_rollout,
+        "time/prepare_seconds": t_prepare,
         "time/update_seconds": t_update,
         "time/step_seconds": t_step,
         "time/tokens_per_second": float(run.dist.all_sum(batch.rollout.completion_mask.sum().double().cpu())) / t_step,
