@@ -100,8 +100,10 @@ def rollout(run, examples: list, step: int, purpose: str = "") -> tuple[Rollout,
         spec = EpisodeSpec.from_config(cfg, run.env, run.max_turns)
         draws = Draws(lambda turn: step_generator(cfg.run.seed, step, (f"sample-turn-{turn}" if turn else "sample")
                                                   + purpose), rows, dist)
-        ro, ep = run_episodes(run.sampler, run.tokenizer, examples, spec, params, draws)
-        run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
+        try:
+            ro, ep = run_episodes(run.sampler, run.tokenizer, examples, spec, params, draws)
+        finally:  # an environment that raised mid-rollout leaves no kept KV cache (gspo.turncache) behind
+            run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep
     prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.data.max_prompt_length)
     ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample" + purpose), rows=rows)

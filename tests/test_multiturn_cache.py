@@ -280,3 +280,23 @@ def test_a_chunk_before_any_decode_step_is_checked_against_hugging_face(tool_mod
     assert len(made) == 3  # the kept cache's second turn made no decoder of its own
     assert torch.equal(out[0].completion_ids, out[1].completion_ids)
     torch.testing.assert_close(out[0].logp, out[1].logp, rtol=1e-5, atol=1e-5)
+
+
+def test_an_environment_that_raises_mid_rollout_leaves_no_kept_cache(monkeypatch):
+    from gspo.config import TrainConfig
+    from gspo.env import EnvError
+    from gspo.produce import rollout
+    from gspo.resolve import resolve
+    from gspo.run import build_run
+
+    run = build_run(resolve(TrainConfig(task="calculator", prompts_per_step=2, group_size=2, output_dir="-",
+                                        progress=False)))
+    def turn_then_raise(sampler, tokenizer, examples, spec, params, draws):
+        sampler.sample([[1, 2, 3]], params, generator=torch.Generator().manual_seed(0), rows=(0, params.group_size))
+        assert sampler.turns.kept is not None  # turn 0 kept its cache for turn 1
+        raise EnvError("env CalculatorEnv: step on row 0 raised RuntimeError: boom")
+
+    monkeypatch.setattr("gspo.produce.run_episodes", turn_then_raise)
+    with pytest.raises(EnvError, match="boom"):
+        rollout(run, run.task.train_batch(1, 2, seed=0), 1)
+    assert run.sampler.turns.kept is None  # dropped by end_rollout on the way out
