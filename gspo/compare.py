@@ -310,12 +310,9 @@ def _train_all(cfgs: dict, log, jobs: int = 1) -> dict[str, dict]:
 def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: int, log=print) -> None:
     """Train each (label, config, resume directory or None): in this process when jobs is 1,
     else up to `jobs` at once in spawned processes, each run with `threads` torch threads."""
-    from gspo.trainer import train
-
     if jobs <= 1 or len(runs) <= 1:
         for label, cfg, resume in runs:
-            log(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
-            train(cfg, resume=resume, log=log)
+            _train_one(label, cfg, resume, log)
         return
     log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
         f"(each run equals `gspo train --threads {threads}` alone)")
@@ -336,20 +333,23 @@ def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=pri
                         jobs, log)
 
 
-def _train_one(label: str, cfg, resume) -> float:
-    """A job's run (in its own process), its log lines prefixed with its label; its wall seconds."""
-    import time
-
+def _train_one(label: str, cfg, resume, log=None) -> float:
+    """A run; its wall seconds. log None: a job's (in its own process), its lines printed with its
+    label before them, the one announcing it excepted."""
     from gspo.trainer import train
 
     t0 = time.time()
-    print(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)", flush=True)
-    train(cfg, resume=resume, log=lambda line: print(f"[{label}] {line}", flush=True))
+    (log or _flushed)(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
+    train(cfg, resume=resume, log=log or (lambda line: _flushed(f"[{label}] {line}")))
     return time.time() - t0
+
+
+def _flushed(line: str) -> None:
+    print(line, flush=True)
 
 
 def _variance_one(cfg, responses: int) -> dict:
     """A job's ratio-variance measurement (gspo.variance), its log lines prefixed with its model."""
     from gspo.variance import ratio_variance
 
-    return ratio_variance(cfg, responses=responses, log=lambda line: print(f"[{cfg.policy.model}] {line}", flush=True))
+    return ratio_variance(cfg, responses=responses, log=lambda line: _flushed(f"[{cfg.policy.model}] {line}"))

@@ -278,14 +278,15 @@ def unsupported(model, max_len: int) -> str | None:
     model qualifies only while its parameters are gathered (the head must be a plain tensor)."""
     if hasattr(model, "get_base_model"):
         return "a PEFT model"
-    if fused_head(model) is None:
+    fused = fused_head(model)  # (backbone, head)
+    if fused is None:
         return "its LM head is not a plain bias-free linear map of the last hidden state"
     cfg = model.config
     if cfg.model_type not in FAST_MODEL_TYPES:
         return f"model_type {cfg.model_type} is not one of {', '.join(sorted(FAST_MODEL_TYPES))}"
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
         return "its MLP is not a bias-free SiLU-gated one"
-    why = unsupported_mlp(fused_head(model)[0].layers)  # dense, or a sparse MoE block gspo.fastmoe knows
+    why = unsupported_mlp(fused[0].layers)  # dense, or a sparse MoE block gspo.fastmoe knows
     if why is not None:
         return why
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):

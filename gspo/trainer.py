@@ -138,10 +138,10 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
             for trainable in run.trainables:  # the policy's LR schedule, and a separate critic's
                 trainable.scheduler.step()
             if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
-                t_eval = time.time()
+                spent = run.eval_seconds
                 ev = run_eval(run)
                 metrics["eval/accuracy"] = ev["accuracy"]
-                metrics["time/eval_seconds"] = time.time() - t_eval
+                metrics["time/eval_seconds"] = run.eval_seconds - spent  # run_eval adds its wall time
                 run.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)

@@ -181,22 +181,23 @@ def test_a_fallback_records_the_routing_of_hf_forward(models, char_tokenizer, mo
     routing.remove()
 
 
-class UnknownMoeBlock(torch.nn.Module):
-    def __init__(self, block):
+class _Wrapped(torch.nn.Module):
+    """A module that forwards to `inner`: its class name is what the refusal must name."""
+
+    def __init__(self, inner):
         super().__init__()
-        self.inner = block
+        self.inner = inner
 
     def forward(self, h):
         return self.inner(h)
 
 
-class PlainRouter(torch.nn.Module):
-    def __init__(self, router):
-        super().__init__()
-        self.inner = router
+class UnknownMoeBlock(_Wrapped):
+    pass
 
-    def forward(self, h):
-        return self.inner(h)
+
+class PlainRouter(_Wrapped):
+    pass
 
 
 def _unknown_block(model):

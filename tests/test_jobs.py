@@ -53,6 +53,9 @@ def test_runs_in_parallel_equal_each_run_alone(tmp_path, capsys):
         assert _steps(run) == _steps(alone)  # bit for bit: every logged number of every step
         together, by_itself = (json.loads((d / "summary.json").read_text()) for d in (run, alone))
         assert together["evals"] == by_itself["evals"] and together["eval_after"] == by_itself["eval_after"]
+        # step 1's evaluation is timed in its row; summary.json's eval_seconds adds those before and after
+        first = json.loads((alone / "metrics.jsonl").read_text().splitlines()[0])
+        assert 0 < first["time/eval_seconds"] < by_itself["eval_seconds"] < by_itself["wall_seconds"]
     assert _steps(out / "runs" / "gspo-seed0") != _steps(out / "runs" / "grpo-seed0")  # the check can fail
 
 
