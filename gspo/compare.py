@@ -51,7 +51,7 @@ from pathlib import Path
 from gspo import checkpoint as ckpt
 from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
-from gspo.jobs import for_job, in_processes, plan_jobs
+from gspo.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
 from gspo.resolve import resolve
 from gspo.report import COLLAPSE_POINTS, write_report
 from gspo.stats import ci95
@@ -145,8 +145,9 @@ def compare_help() -> str:
             "  --jobs N             runs trained at once, each in its own process (default 0: one per core\n"
             "                       up to 4 on a CPU, with the cores shared out as --threads; 1 on a GPU);\n"
             "                       each run equals `gspo train` alone with its --threads (gspo.jobs)\n"
-            "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); an interrupted\n"
-            "                       compare resumes when given the same directory\n"
+            "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); given again, its\n"
+            "                       runs of the same configuration are reused or resumed, others set aside\n"
+            "                       (<run>.replaced-<k>) and trained again\n"
             "Every gspo train option sets the base configuration over the preset's (stress length with\n"
             "--num-minibatches 8 or 16, a higher --lr, or a --model built with more experts).\n")
 
@@ -285,16 +286,16 @@ def _train_all(cfgs: dict, log, jobs: int = 1) -> dict[str, dict]:
     """Train each run not done yet (resuming an interrupted one), `jobs` at a time (0: as
     gspo.jobs.plan_jobs chooses; each job in a process of its own); configuration -> seed -> its
     figures. A run that resolves the same as an earlier one is not trained again: its directory
-    links to the earlier one's."""
-    pending = []
+    links to the earlier one's. A run directory trained with another configuration is set aside
+    (_to_train)."""
+    pending, asked = [], []
     for (name, seed), (cfg, same) in cfgs.items():
-        run = Path(cfg.run.output_dir)
-        if same is None and (run / "summary.json").exists():
-            log(f"[compare] {name} seed {seed}: already done, reusing {run}")
-        elif same is None:
-            pending.append((f"{name} seed {seed}", cfg, run if ckpt.latest_checkpoint(run) is not None else None))
-    if pending:
-        train_runs(pending, *plan_jobs(pending[0][1], len(pending), jobs), log=log)
+        todo = _to_train(f"{name} seed {seed}", cfg, log) if same is None else None
+        if todo is not None:
+            pending.append(todo)
+            asked.append(cfg)
+    if pending:  # planned on the asked configuration: a resumed run's own threads do not count
+        train_runs(pending, *plan_jobs(asked[0], len(pending), jobs), log=log)
     results: dict[str, dict] = {}
     for (name, seed), (cfg, same) in cfgs.items():
         run = Path(cfg.run.output_dir)
@@ -307,17 +308,39 @@ def _train_all(cfgs: dict, log, jobs: int = 1) -> dict[str, dict]:
     return results
 
 
+def _to_train(label: str, cfg, log) -> tuple | None:
+    """What a run directory needs: None (finished with the configuration asked for: reused), or
+    (label, configuration, the directory to resume or None). A run started (a config.yaml) and
+    not finished resumes with its saved configuration and threads; one whose saved configuration
+    is not `cfg` (gspo.jobs.saved_config) is set aside as `<run>.replaced-<k>` and trained again."""
+    run = Path(cfg.run.output_dir)
+    finished = (run / "summary.json").exists()
+    if not finished and not (run / "config.yaml").exists() and ckpt.latest_checkpoint(run) is None:
+        return label, cfg, None
+    saved, why = saved_config(run, cfg)
+    if why is not None:
+        aside = set_aside(run)
+        log(f"[compare] {label}: {run} {why}; set aside as {aside} and "
+            f"{'trained again' if finished else 'trained from the start'}")
+        return label, cfg, None
+    if finished:
+        log(f"[compare] {label}: already done, reusing {run}")
+        return None
+    return label, resumed(saved, cfg), run
+
+
 def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: int, log=print) -> None:
     """Train each (label, config, resume directory or None): in this process when jobs is 1,
-    else up to `jobs` at once in spawned processes, each run with `threads` torch threads."""
+    else up to `jobs` at once in spawned processes, each run with `threads` torch threads but a
+    resumed one, which keeps its configuration's (the count it began with: it shapes the arithmetic)."""
     if jobs <= 1 or len(runs) <= 1:
         for label, cfg, resume in runs:
             _train_one(label, cfg, resume, log)
         return
     log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
         f"(each run equals `gspo train --threads {threads}` alone)")
-    seconds = in_processes([(label, _train_one, (label, for_job(cfg, threads), resume)) for label, cfg, resume in runs],
-                           jobs, log)
+    seconds = in_processes([(label, _train_one, (label, for_job(cfg, None if resume else threads), resume))
+                            for label, cfg, resume in runs], jobs, log)
     for (label, _, _), s in zip(runs, seconds):
         log(f"[compare] {label}: done in {s:.0f} s")
 
@@ -336,11 +359,18 @@ def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=pri
 def _train_one(label: str, cfg, resume, log=None) -> float:
     """A run; its wall seconds. log None: a job's (in its own process), its lines printed with its
     label before them, the one announcing it excepted."""
+    import torch
+
     from gspo.trainer import train
 
-    t0 = time.time()
-    (log or _flushed)(f"[compare] {label}: training ({cfg.loss.algorithm}, {cfg.run.steps} steps)")
-    train(cfg, resume=resume, log=log or (lambda line: _flushed(f"[{label}] {line}")))
+    t0, threads = time.time(), torch.get_num_threads()
+    what = "training" if resume is None else f"resuming {resume}"
+    kept = "" if resume is None else f", threads={cfg.run.threads} as it began"  # whatever --jobs now (0: torch's)
+    (log or _flushed)(f"[compare] {label}: {what} ({cfg.loss.algorithm}, {cfg.run.steps} steps{kept})")
+    try:
+        train(cfg, resume=resume, log=log or (lambda line: _flushed(f"[{label}] {line}")))
+    finally:
+        torch.set_num_threads(threads)  # a run's --threads does not outlive it in this process
     return time.time() - t0
 
 
