@@ -22,7 +22,6 @@ import typing
 import yaml
 
 from gspo.config import ConfigError, option_types
-from gspo.losses import LOSSES
 
 
 @functools.cache
@@ -47,8 +46,11 @@ def check_value(name: str, value, where: str):
     field a float. Raises ConfigError naming `where`."""
     from pydantic import ValidationError
 
-    if name == "algorithm" and isinstance(value, str) and value not in LOSSES:  # a registered loss's name
-        raise ConfigError(f"{where}: expected one of {', '.join(LOSSES)}, got {value!r}")
+    if name == "algorithm" and isinstance(value, str):  # a registered loss's name
+        from gspo.losses import LOSSES  # here, not at the top: the CLI's help and usage errors import no torch
+
+        if value not in LOSSES:
+            raise ConfigError(f"{where}: expected one of {', '.join(LOSSES)}, got {value!r}")
     hint = _hint(name)
     if "tuple" in str(hint):
         if isinstance(value, list):

@@ -18,19 +18,34 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import tyro
+# Everything else is imported by the command that uses it: `gspo --help`, `--version` and an unknown
+# command import no more than this; a command's --help and its usage errors import tyro and gspo's
+# options (gspo.argv, gspo.config, gspo.configfile: no torch), and torch and transformers only where
+# its own module needs them (gspo.help: gspo.losses; gspo.compare; gspo.export). tests/test_cli_startup.py
+if TYPE_CHECKING:
+    import tyro
 
-from gspo.argv import UsageError
-from gspo.argv import list_flags as _list_flags
-from gspo.argv import merge_repeated as _merge_repeated
-from gspo.argv import parse as _parse
-from gspo.argv import take as _take
-from gspo.argv import take_many as _take_many
-from gspo.config import ConfigError, TrainConfig
-from gspo.configfile import eval_names, in_memory, load_yaml
-from gspo.distributed import command_line, say_once
+    from gspo.config import TrainConfig
+
+_IMPORTED = {"UsageError": ("gspo.argv", "UsageError"), "_list_flags": ("gspo.argv", "list_flags"),
+             "_merge_repeated": ("gspo.argv", "merge_repeated"), "_parse": ("gspo.argv", "parse"),
+             "_take": ("gspo.argv", "take"), "_take_many": ("gspo.argv", "take_many"),
+             "ConfigError": ("gspo.config", "ConfigError"), "TrainConfig": ("gspo.config", "TrainConfig"),
+             "eval_names": ("gspo.configfile", "eval_names"), "in_memory": ("gspo.configfile", "in_memory"),
+             "load_yaml": ("gspo.configfile", "load_yaml"), "command_line": ("gspo.distributed", "command_line"),
+             "say_once": ("gspo.distributed", "say_once"), "tyro": ("tyro", None)}
+
+
+def __getattr__(name: str):
+    """The names this module imported at its top before (`from gspo.cli import _parse`), on first use."""
+    import importlib
+
+    if name not in _IMPORTED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _IMPORTED[name]
+    return getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 
@@ -44,13 +59,19 @@ commands:
 
 
 def cmd_train(args: list[str]) -> int:
-    from gspo.api import Trainer
-
     if any(a in ("-h", "--help") for a in args):
         from gspo.help import train_help
 
         print(train_help())
         return 0
+    from gspo.argv import UsageError
+    from gspo.argv import list_flags as _list_flags
+    from gspo.argv import merge_repeated as _merge_repeated
+    from gspo.argv import parse as _parse
+    from gspo.argv import take as _take
+    from gspo.config import TrainConfig
+    from gspo.configfile import in_memory, load_yaml
+
     config_file, args = _take(args, "--config")
     resume, args = _take(args, "--resume")
     if resume is not None:  # its saved config.yaml; options given change it where that is safe
@@ -62,10 +83,14 @@ def cmd_train(args: list[str]) -> int:
                              "passing them again: gspo.Trainer(..., train_dataset=...).train(resume=RUN_DIR)")
         changed = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=saved) \
             if args else None
+        from gspo.api import Trainer  # torch and transformers: once the options are known to be good
+
         summary = Trainer(changed).train(resume=resume)
     else:
         base = load_yaml(config_file) if config_file else TrainConfig()
         cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=base)
+        from gspo.api import Trainer  # torch and transformers: once the options are known to be good
+
         summary = Trainer(cfg).train()
     _print_summary(summary)
     return 0
@@ -73,6 +98,9 @@ def cmd_train(args: list[str]) -> int:
 
 def _saved_config(run_dir: str) -> TrainConfig:
     from pathlib import Path
+
+    from gspo.argv import UsageError
+    from gspo.configfile import load_yaml
 
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
@@ -161,6 +189,8 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
     from pathlib import Path
 
     from gspo import checkpoint as ckpt
+    from gspo.config import TrainConfig
+    from gspo.configfile import eval_names, load_yaml
 
     path, model = Path(a.model), a.model
     if (path / "config.yaml").exists() and ckpt.latest_checkpoint(path) is not None:  # a run directory
@@ -178,6 +208,14 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
 
 def cmd_eval(args: list[str]) -> int:
     """Evaluate a model, checkpoint or run on its task's evaluation rows with its rewards."""
+    from gspo.argv import UsageError
+    from gspo.argv import list_flags as _list_flags
+    from gspo.argv import merge_repeated as _merge_repeated
+    from gspo.argv import parse as _parse
+
+    a = _parse(EvalArgs, _merge_repeated(args, _list_flags(EvalArgs)), "gspo eval")
+    if a.k < 0:
+        raise UsageError(f"--k: must be >= 0, got {a.k}")
     from gspo.resolve import resolve
     from gspo.env import episode_env
     from gspo.episodes import EpisodeSpec
@@ -187,9 +225,6 @@ def cmd_eval(args: list[str]) -> int:
     from gspo.models import quiet_peft
     from gspo.run import task_and_rewards
 
-    a = _parse(EvalArgs, _merge_repeated(args, _list_flags(EvalArgs)), "gspo eval")
-    if a.k < 0:
-        raise UsageError(f"--k: must be >= 0, got {a.k}")
     cfg, model_path = eval_config(a)
     cfg = resolve(cfg)
     task, rewards = task_and_rewards(cfg)
@@ -223,11 +258,17 @@ class PlotArgs:
 
 
 def cmd_plot(args: list[str]) -> int:
-    from gspo.plot import plot_runs
+    global tyro  # PlotArgs' annotation names it: tyro reads it from this module's namespace
+    import tyro
+
+    from gspo.argv import UsageError
+    from gspo.argv import parse as _parse
 
     a = _parse(PlotArgs, args, "gspo plot")
     if not a.runs:
         raise UsageError("give at least one run directory")
+    from gspo.plot import plot_runs
+
     out = plot_runs(a.runs, [m.strip() for m in a.metrics.split(",") if m.strip()], a.output,
                     smooth_n=a.smooth, title=a.title)
     print(f"wrote {out}")
@@ -239,7 +280,15 @@ def cmd_compare(args: list[str]) -> int:
     import dataclasses
     import time
 
+    from gspo.argv import UsageError
+    from gspo.argv import list_flags as _list_flags
+    from gspo.argv import merge_repeated as _merge_repeated
+    from gspo.argv import parse as _parse
+    from gspo.argv import take as _take
+    from gspo.argv import take_many as _take_many
     from gspo.compare import COMPARE_PRESETS, CompareOptions, compare, compare_help
+    from gspo.config import TrainConfig
+    from gspo.configfile import load_yaml
 
     configs, args = _take_many(args, "--configs")
     lags, args = _take_many(args, "--lags")
@@ -283,6 +332,7 @@ COMPARE_SEEDS = (0, 1, 2)
 def _study(preset, configs: list[str], lags: list[str], precisions: list[str], args: list[str]):
     """The preset's study along its factor (gspo.studies), its levels from --lags / --precisions
     (the factor's own flag among the base options is refused: the study sets it)."""
+    from gspo.argv import UsageError
     from gspo.compare import parse_config
     from gspo.studies import AXES, Study, levels_arg
 
@@ -305,6 +355,8 @@ def cmd_export(args: list[str]) -> int:
     """A run (its newest checkpoint) or a checkpoint as a Hugging Face model directory; uploaded with --push-to-hub."""
     from pathlib import Path
 
+    from gspo.argv import UsageError
+    from gspo.argv import parse as _parse
     from gspo.export import ExportArgs, check_push, export, find_checkpoint, push_to_hub
 
     a = _parse(ExportArgs, args, "gspo export")
@@ -337,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"gspo: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    from gspo.argv import UsageError
+    from gspo.config import ConfigError
+
     try:
         return COMMANDS[name](rest)
     except (UsageError, ConfigError, OSError, ValueError) as e:
@@ -345,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(e).split())  # one line, whatever the exception held
         if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
             msg = f"{e.filename}: {msg}"
-        say_once(f"gspo {name}: error: {msg}")
+        _say_once(f"gspo {name}: error: {msg}")
         return 2
     except KeyboardInterrupt:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process was interrupted
@@ -357,16 +412,32 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, Interrupted):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # every process stopped at this step: one says so
+            from gspo.distributed import command_line
+
             resume = command_line([name, "--resume", str(e.run_dir)])  # under torchrun, the torchrun line
             print(f"gspo {name}: {e.line(resume)}", file=sys.stderr, flush=True)
         return 128 + e.signum
 
 
+def _say_once(line: str) -> None:
+    """gspo.distributed.say_once (it imports torch): only another rank under torchrun needs more
+    than printing the line, as say_once does on rank 0."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
+        return
+    from gspo.distributed import say_once
+
+    say_once(line)
+
+
 def entry() -> None:
     """The `gspo` command (and `python -m gspo`, `python -m gspo.cli`): main's status as the exit code."""
+    code = main()
+    if "torch" not in sys.modules:  # help, --version, a usage error: no torch, no gloo threads to outlive
+        sys.exit(code)
     from gspo.distributed import exit_process
 
-    exit_process(main())
+    exit_process(code)
 
 
 if __name__ == "__main__":
