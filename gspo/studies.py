@@ -12,7 +12,10 @@ level (`gspo@K2`, `grpo-tis@bf16`), each an ordinary configuration of `gspo comp
 level -> {"mean", "ci95"}), one table per figure in `study.md` (configurations down, levels
 across) and the plots against the factor (`<figure>_vs_<axis>.png`, 95% intervals as error
 bars). The noise lines compare, paired over seeds, each level with the first one within a
-configuration, and each configuration with the first one at every level.
+configuration, and each configuration with the first one at every level (`Study.pairs`), for
+the final accuracy and the accuracy averaged over the evaluations: every one of those differences
+is judged together with the others, Holm's correction at a familywise 5% (gspo.report.judge).
+`study_from_names` rebuilds a study from a stored compare.json's names (gspo.report.rerender).
 """
 
 from __future__ import annotations
@@ -98,13 +101,35 @@ class Study:
         return report.get(f"{name}@{self.axis.tag(level)}")
 
     def pairs(self) -> list[tuple[str, str]]:
-        """The differences the noise lines judge: each level against the first one, within a
-        configuration; each configuration against the first one, at each level."""
+        """The differences the noise lines judge (all of them together: gspo.report.judge): each
+        level against the first one, within a configuration; each configuration against the first
+        one, at each level."""
         names = [n for n, _ in self.configs]
         tag = self.axis.tag
         within = [(f"{n}@{tag(lv)}", f"{n}@{tag(self.levels[0])}") for n in names for lv in self.levels[1:]]
         across = [(f"{n}@{tag(lv)}", f"{names[0]}@{tag(lv)}") for lv in self.levels for n in names[1:]]
         return within + across
+
+
+def study_from_names(axis: Axis, names: list[str]) -> Study:
+    """The study whose expansion is these `<config>@<tag>` names (a stored compare.json's keys),
+    configurations and levels in the order they first appear; the configurations' options are not
+    in the names (empty here): enough to table, plot and judge the study again, not to train it."""
+    by_tag = {axis.tag(lv): lv for lv in axis.tags} if axis.tags else {}
+    configs, levels = {}, {}
+    for name in names:
+        config, at, tag = name.rpartition("@")
+        if not at:
+            raise ConfigError(f"{name!r} is not a configuration of a study along {axis.name} (<config>@<level>)")
+        if tag in by_tag:
+            level = by_tag[tag]
+        elif tag.startswith(axis.name) and tag[len(axis.name):]:
+            level = axis.parse(tag[len(axis.name):])
+        else:
+            raise ConfigError(f"{name!r}: {tag!r} is not a level of {axis.name}")
+        configs.setdefault(config, {})
+        levels.setdefault(level, None)
+    return Study(axis, tuple(levels), tuple(configs.items()))
 
 
 def levels_arg(axis: Axis, values: list[str]) -> tuple:
@@ -150,7 +175,10 @@ def study_tables(study: Study, figures: dict, seeds: int) -> list[str]:
     """One markdown table per figure: configurations down, levels across."""
     tags = [study.axis.tag(lv) for lv in study.levels]
     lines = [f"## Against {study.axis.name}", "",
-             f"Means over {seeds} seeds, ± the half-width of their 95% interval (Student t over the seeds).", ""]
+             f"Means over {seeds} seeds, ± the half-width of their 95% interval (Student t over the seeds; for a "
+             "held-out accuracy also the held-out set's binomial noise, which every seed shares: see Noise in "
+             "report.md). Which differences are outside the noise, corrected for all those judged: report.md's "
+             "Noise section.", ""]
     for key, (title, pct) in FIGURES.items():
         rows = figures[key]
         if all(c["mean"] is None for row in rows.values() for c in row.values()):

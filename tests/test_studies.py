@@ -2,7 +2,9 @@
 and the study's expansion, levels and noise pairs."""
 
 import json
+import math
 
+import numpy as np
 import pytest
 
 from gspo.cli import main
@@ -107,3 +109,112 @@ def test_precision_preset_end_to_end(tmp_path, capsys):
     assert "## Against precision" in md and "| configuration | fp32 | bf16 |" in md
     for png in ("accuracy_vs_precision.png", "mismatch_vs_precision.png", "mismatch_seq_vs_precision.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG" and png in md
+
+
+STALENESS_CONFIGS = ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour", "grpo-behaviour")  # the preset's
+
+
+def _staleness_report(values, seeds=3, eval_n=None):
+    """A staleness preset's compare.json shape: values(i, name, figure, seed) -> each seed's figure,
+    `<config>-behaviour@K0` the very same runs as `<config>@K0` (linked, as compare trains them)."""
+    study = Study(STALENESS, (0, 2, 8), tuple((c, {}) for c in STALENESS_CONFIGS))
+    report = {}
+    for i, (name, _) in enumerate(study.expand()):
+        base = name.replace("-behaviour@K0", "@K0")
+        report[name] = report.get(base) or {"seeds": {str(s): {
+            "accuracy": values(i, name, 0, s), "accuracy_curve_mean": values(i, name, 1, s),
+            "diverged": False, "wall_seconds": 20.0 + i, **({"eval_n": eval_n} if eval_n else {})}
+            for s in range(seeds)}}
+    return study, report
+
+
+def test_simulated_staleness_reports_mark_few_differences_after_the_correction():
+    """The staleness preset's own family, with no true effect: 6 configurations x K = 0, 2, 8 on 3
+    seeds, each seed's final and averaged accuracy its mean plus normal noise (sd 0.02), the 27
+    pairs of Study.pairs x 2 figures = 54 differences, as report.md lists them. Two of the pairs are
+    the same runs (gspo-behaviour@K0 - gspo@K0, for 2 figures) and two repeat another
+    (grpo-behaviour@K0 - gspo@K0 is grpo@K0 - gspo@K0): 50 judged. The old rule never marks the
+    same runs (0 ± 0) and marks each of the other 52 lines with probability 0.05: 52 x 0.05 = 2.6
+    a report, and, the differences sharing configurations, at least one in about 90% of reports
+    (here: 2.54 and 90.1%). Holm's correction holds the familywise 5% whatever the dependence
+    (here: 4.5%). 1000 reports: sd sqrt(0.9 x 0.1 / 1000) = 0.0095 and sqrt(0.05 x 0.95 / 1000)
+    = 0.0069, and the mean count's sqrt(52 x 0.05 x 0.95 / 1000) = 0.035 (more, the lines being
+    dependent)."""
+    from gspo.report import judge
+    from gspo.stats import outside_noise, paired_ci95
+
+    rng = np.random.default_rng(42)
+    reports = 1000
+    noise = rng.normal(0.0, 0.02, size=(reports, 18, 2, 3))
+    old_any = new_any = old_marked = 0
+    for r in range(reports):
+        study, report = _staleness_report(lambda i, name, f, s: (0.8, 0.7)[f] + float(noise[r, i, f, s]))
+        old = sum(bool(outside_noise(*paired_ci95([report[a]["seeds"][s][key] for s in "012"],
+                                                  [report[b]["seeds"][s][key] for s in "012"])))
+                  for key in ("accuracy", "accuracy_curve_mean") for a, b in study.pairs())
+        verdict = judge(report, study.pairs(), ("accuracy", "accuracy_curve_mean"))
+        assert verdict["judged"] == 50 and len(verdict["differences"]) == 54
+        old_marked += old
+        old_any += old > 0
+        new_any += verdict["outside"] > 0
+    assert old_marked / reports == pytest.approx(2.6, abs=0.2)
+    assert old_any / reports >= 0.85
+    assert new_any / reports <= 0.07  # the familywise 5%, plus 3 sd of slack
+
+
+def test_a_study_is_read_back_from_its_names():
+    from gspo.studies import study_from_names
+
+    study = Study(STALENESS, (0, 2, 8), tuple((c, {}) for c in STALENESS_CONFIGS))
+    again = study_from_names(STALENESS, [n for n, _ in study.expand()])
+    assert again.levels == (0, 2, 8) and [c for c, _ in again.configs] == list(STALENESS_CONFIGS)
+    assert again.pairs() == study.pairs()
+    p = study_from_names(PRECISION, ["gspo@fp32", "gspo@bf16", "grpo-tis@fp32", "grpo-tis@bf16"])
+    assert p.levels == ("float32", "bfloat16") and [c for c, _ in p.configs] == ["gspo", "grpo-tis"]
+    with pytest.raises(ConfigError, match="'gspo' is not a configuration of a study along K"):
+        study_from_names(STALENESS, ["gspo"])
+    with pytest.raises(ConfigError, match="'fp8' is not a level of precision"):
+        study_from_names(PRECISION, ["gspo@fp8"])
+
+
+def test_a_stored_study_is_judged_again_without_its_runs(tmp_path):
+    """gspo.report.rerender on a stored compare.json (no runs/ beside it): the figures aggregated
+    again from the seeds', every difference judged together, compare.json given "judged"."""
+    from gspo.config import TrainConfig
+    from gspo.report import rerender
+
+    # final accuracy 0.80 + 0.01 x (seed - 1) everywhere, but cispo@K8: 0.70, 0.72, 0.71 (10 points down on
+    # every seed); the averaged accuracy 0.70 + 0.005 x i x (seed - 1), i the configuration's place
+    def values(i, name, figure, seed):
+        if figure == 1:
+            return 0.70 + 0.005 * i * (seed - 1)
+        return (0.71 if name == "cispo@K8" else 0.80) + 0.01 * (seed - 1)
+
+    _, report = _staleness_report(values)  # stored before eval_n was recorded: given to rerender
+    (tmp_path / "compare.json").write_text(json.dumps(report))
+    out = rerender(tmp_path, TrainConfig(steps=80, model="tiny-moe"), axis=STALENESS, eval_n=500)
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert {k: v["seeds"] for k, v in saved.items()} == {k: v["seeds"] for k, v in report.items()}
+    # cispo@K8: 0.71 mean, s = 0.01: the seeds' part 0.0001/3 = 3.33333e-5, the 500 problems' 0.71 x 0.29 / 500
+    # = 0.0004118: half = sqrt(4.3026527^2 x 3.33333e-5 + 1.959964^2 x 0.0004118) = sqrt(0.000617094 +
+    # 0.001581929) = 0.0468936; at 0.80: sqrt(0.000617094 + 1.959964^2 x 0.00032) = 0.0429693
+    assert out["cispo@K8"]["accuracy_ci95"] == pytest.approx(0.0468935684, rel=1e-8)
+    assert out["cispo@K0"]["accuracy_ci95"] == pytest.approx(0.0429693011, rel=1e-8)
+    judged = saved["cispo@K8"]["judged"]  # the report's family, and the differences cispo@K8 is the first term of
+    assert judged["judged"] == 50 and sum(len(v["judged"]["differences"]) for v in saved.values()) == 54
+    cispo = [d for d in judged["differences"] if (d["b"], d["figure"]) == ("cispo@K0", "accuracy")]
+    # -0.09 on every seed (s = 0): the seeds agree exactly, so only the held-out sets' noise is left, on
+    # infinite df: var (0.71 x 0.29 + 0.80 x 0.20) / 500 = 0.0007318, z = 0.09 / 0.0270518 = 3.32695,
+    # p = 0.000878020 (the normal's). cispo@K8 - gspo@K8 is the same -0.09 with the same p; every other
+    # difference is 0 on every seed (p = 1). Holm over 50: the two smallest, tied, 50 x 0.000878 = 0.0439
+    # and max(0.0439, 49 x 0.000878): both outside the noise, the 48 others within
+    assert cispo[0]["p"] == pytest.approx(0.000878020470, rel=1e-6)
+    assert cispo[0]["p_holm"] == pytest.approx(0.0439010235, rel=1e-6)
+    assert cispo[0]["verdict"] == "outside the noise" and judged["outside"] == 2
+    assert cispo[0]["p_seeds"] == 0.0  # the seeds alone: no spread at all, the difference is certain
+    md = (tmp_path / "report.md").read_text()
+    assert "this report re-rendered from compare.json" in md and "; 48 runs trained in " in md
+    assert "**50 differences judged**" in md and "**2 outside the noise.**" in md
+    assert "- gspo-behaviour@K0 - gspo@K0: the same runs (trained once, linked): +0.0 points of final accuracy" in md
+    assert "the same runs as grpo@K0 - gspo@K0, counted once" in md
+    assert "| cispo | 80.0% ± 4.3 | 80.0% ± 4.3 | 71.0% ± 4.7 |" in (tmp_path / "study.md").read_text()
