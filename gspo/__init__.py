@@ -13,6 +13,8 @@ command's help, `--version` and usage errors do not wait for the training stack.
 import importlib
 import importlib.util
 
+from gspo import aliases as _aliases  # noqa: F401 (light: registers TrainConfig.from_trl, TRL's option names)
+
 __version__ = "0.2.0"
 __all__ = ["Trainer", "TrainConfig", "__version__"]
 

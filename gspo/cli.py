@@ -18,34 +18,21 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-# Everything else is imported by the command that uses it: `gspo --help`, `--version` and an unknown
-# command import no more than this; a command's --help and its usage errors import tyro and gspo's
-# options (gspo.argv, gspo.config, gspo.configfile: no torch), and torch and transformers only where
-# its own module needs them (gspo.help: gspo.losses; gspo.compare; gspo.export). tests/test_cli_startup.py
-if TYPE_CHECKING:
-    import tyro
+import tyro
 
-    from gspo.config import TrainConfig
-
-_IMPORTED = {"UsageError": ("gspo.argv", "UsageError"), "_list_flags": ("gspo.argv", "list_flags"),
-             "_merge_repeated": ("gspo.argv", "merge_repeated"), "_parse": ("gspo.argv", "parse"),
-             "_take": ("gspo.argv", "take"), "_take_many": ("gspo.argv", "take_many"),
-             "ConfigError": ("gspo.config", "ConfigError"), "TrainConfig": ("gspo.config", "TrainConfig"),
-             "eval_names": ("gspo.configfile", "eval_names"), "in_memory": ("gspo.configfile", "in_memory"),
-             "load_yaml": ("gspo.configfile", "load_yaml"), "command_line": ("gspo.distributed", "command_line"),
-             "say_once": ("gspo.distributed", "say_once"), "tyro": ("tyro", None)}
-
-
-def __getattr__(name: str):
-    """The names this module imported at its top before (`from gspo.cli import _parse`), on first use."""
-    import importlib
-
-    if name not in _IMPORTED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module, attr = _IMPORTED[name]
-    return getattr(importlib.import_module(module), attr) if attr else importlib.import_module(module)
+# gspo's options (gspo.argv, gspo.config, gspo.configfile) import no torch: `gspo --help`, `--version`,
+# an unknown command and usage errors found while parsing answer without it; torch and transformers are
+# imported by the command that uses them, once its options are known to be good (tests/test_cli_startup.py)
+from gspo.argv import UsageError
+from gspo.argv import list_flags as _list_flags
+from gspo.argv import merge_repeated as _merge_repeated
+from gspo.argv import parse as _parse
+from gspo.argv import take as _take
+from gspo.argv import take_many as _take_many
+from gspo.config import ConfigError, TrainConfig
+from gspo.configfile import eval_names, in_memory, load_yaml
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 
@@ -64,14 +51,6 @@ def cmd_train(args: list[str]) -> int:
 
         print(train_help())
         return 0
-    from gspo.argv import UsageError
-    from gspo.argv import list_flags as _list_flags
-    from gspo.argv import merge_repeated as _merge_repeated
-    from gspo.argv import parse as _parse
-    from gspo.argv import take as _take
-    from gspo.config import TrainConfig
-    from gspo.configfile import in_memory, load_yaml
-
     config_file, args = _take(args, "--config")
     resume, args = _take(args, "--resume")
     if resume is not None:  # its saved config.yaml; options given change it where that is safe
@@ -98,9 +77,6 @@ def cmd_train(args: list[str]) -> int:
 
 def _saved_config(run_dir: str) -> TrainConfig:
     from pathlib import Path
-
-    from gspo.argv import UsageError
-    from gspo.configfile import load_yaml
 
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
@@ -189,8 +165,6 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
     from pathlib import Path
 
     from gspo import checkpoint as ckpt
-    from gspo.config import TrainConfig
-    from gspo.configfile import eval_names, load_yaml
 
     path, model = Path(a.model), a.model
     if (path / "config.yaml").exists() and ckpt.latest_checkpoint(path) is not None:  # a run directory
@@ -208,10 +182,6 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
 
 def cmd_eval(args: list[str]) -> int:
     """Evaluate a model, checkpoint or run on its task's evaluation rows with its rewards."""
-    from gspo.argv import UsageError
-    from gspo.argv import list_flags as _list_flags
-    from gspo.argv import merge_repeated as _merge_repeated
-    from gspo.argv import parse as _parse
 
     a = _parse(EvalArgs, _merge_repeated(args, _list_flags(EvalArgs)), "gspo eval")
     if a.k < 0:
@@ -258,11 +228,7 @@ class PlotArgs:
 
 
 def cmd_plot(args: list[str]) -> int:
-    global tyro  # PlotArgs' annotation names it: tyro reads it from this module's namespace
-    import tyro
 
-    from gspo.argv import UsageError
-    from gspo.argv import parse as _parse
 
     a = _parse(PlotArgs, args, "gspo plot")
     if not a.runs:
@@ -280,15 +246,7 @@ def cmd_compare(args: list[str]) -> int:
     import dataclasses
     import time
 
-    from gspo.argv import UsageError
-    from gspo.argv import list_flags as _list_flags
-    from gspo.argv import merge_repeated as _merge_repeated
-    from gspo.argv import parse as _parse
-    from gspo.argv import take as _take
-    from gspo.argv import take_many as _take_many
     from gspo.compare import COMPARE_PRESETS, CompareOptions, compare, compare_help
-    from gspo.config import TrainConfig
-    from gspo.configfile import load_yaml
 
     configs, args = _take_many(args, "--configs")
     lags, args = _take_many(args, "--lags")
@@ -332,7 +290,6 @@ COMPARE_SEEDS = (0, 1, 2)
 def _study(preset, configs: list[str], lags: list[str], precisions: list[str], args: list[str]):
     """The preset's study along its factor (gspo.studies), its levels from --lags / --precisions
     (the factor's own flag among the base options is refused: the study sets it)."""
-    from gspo.argv import UsageError
     from gspo.compare import parse_config
     from gspo.studies import AXES, Study, levels_arg
 
@@ -355,8 +312,6 @@ def cmd_export(args: list[str]) -> int:
     """A run (its newest checkpoint) or a checkpoint as a Hugging Face model directory; uploaded with --push-to-hub."""
     from pathlib import Path
 
-    from gspo.argv import UsageError
-    from gspo.argv import parse as _parse
     from gspo.export import ExportArgs, check_push, export, find_checkpoint, push_to_hub
 
     a = _parse(ExportArgs, args, "gspo export")
@@ -389,8 +344,6 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"gspo: error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from gspo.argv import UsageError
-    from gspo.config import ConfigError
 
     try:
         return COMMANDS[name](rest)

@@ -53,8 +53,7 @@ from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
 from gspo.resolve import resolve
-from gspo.report import COLLAPSE_POINTS, write_report
-from gspo.stats import ci95
+from gspo.report import COLLAPSE_POINTS, aggregate, write_report
 from gspo.studies import Study
 
 PRESETS: dict[str, dict] = {
@@ -206,27 +205,6 @@ def summarise(run_dir: Path) -> dict:
         "eval_seconds": summary.get("eval_seconds"),  # of wall_seconds (runs before it was recorded: None)
         "eval_n": summary["eval_after"].get("n") or 0,  # held-out problems each accuracy is measured on
     }
-
-
-def aggregate(per_seed: dict[int, dict], eval_n: int | None = None) -> dict:
-    """One configuration's figures over its seeds: each the mean, with `<name>_ci95` the half-width
-    of its 95% interval (Student t over the seeds, gspo.stats; None with one seed); for the held-out
-    accuracies (gspo.report.HELD_OUT) the interval also holds the held-out set's binomial noise,
-    the seeds' `eval_n` problems (the fewest any seed was scored on; `eval_n` given here where the
-    seeds' figures predate it); `diverged`: whether any seed diverged, `diverged_count`: how many;
-    `seeds`: every seed's own figures."""
-    from gspo.report import HELD_OUT
-
-    counts = [v.get("eval_n") for v in per_seed.values() if v.get("eval_n")]
-    problems = int(min(counts)) if counts else eval_n
-    agg = {}
-    for k in next(iter(per_seed.values())):
-        values = [v.get(k) for v in per_seed.values()]
-        if k == "diverged":
-            agg.update(diverged=any(values), diverged_count=sum(map(bool, values)))
-        else:
-            agg[k], agg[f"{k}_ci95"] = ci95(values, problems if k in HELD_OUT else None)
-    return {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
 
 
 @dataclass(frozen=True)

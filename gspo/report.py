@@ -18,14 +18,15 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
-from gspo.stats import FAMILY_LEVEL, eval_noise, holm, paired_test
+from gspo.stats import FAMILY_LEVEL, ci95, eval_noise, holm, paired_test
 
 COLLAPSE_POINTS = 0.10  # "diverged": the final held-out accuracy this far below the run's best
 # the held-out accuracies: measured on the same eval_n problems by every seed, so their intervals
-# hold that set's binomial noise as well as the seeds' (gspo.stats; gspo.compare.aggregate)
+# hold that set's binomial noise as well as the seeds' (gspo.stats; `aggregate`)
 HELD_OUT = ("accuracy", "accuracy_before", "accuracy_best", "accuracy_curve_mean")
 # the figures whose differences the noise lines judge, and how they name them
 JUDGED = {"accuracy": "final accuracy", "accuracy_curve_mean": "accuracy averaged over the evaluations"}
@@ -96,37 +97,69 @@ def write_report(out: Path, base, report: dict, seeds: list[int], seconds: float
     the differences judged (`judge`; in compare.json, each configuration's "judged": `with_judged`)
     and report.md; the judged differences."""
     _plots(out, list(report), seeds)
-    return _write(out, base, report, seeds, seconds, study)
+    return _write(_Written(out, base, report, seeds, seconds, study))
+
+
+def aggregate(per_seed: dict[int, dict], eval_n: int | None = None) -> dict:
+    """One configuration's figures over its seeds: each the mean, with `<name>_ci95` the half-width
+    of its 95% interval (Student t over the seeds, gspo.stats; None with one seed); for the held-out
+    accuracies (gspo.report.HELD_OUT) the interval also holds the held-out set's binomial noise,
+    the seeds' `eval_n` problems (the fewest any seed was scored on; `eval_n` given here where the
+    seeds' figures predate it); `diverged`: whether any seed diverged, `diverged_count`: how many;
+    `seeds`: every seed's own figures."""
+    counts = [v.get("eval_n") for v in per_seed.values() if v.get("eval_n")]
+    problems = int(min(counts)) if counts else eval_n
+    agg = {}
+    for k in next(iter(per_seed.values())):
+        values = [v.get(k) for v in per_seed.values()]
+        if k == "diverged":
+            agg.update(diverged=any(values), diverged_count=sum(map(bool, values)))
+        else:
+            agg[k], agg[f"{k}_ci95"] = ci95(values, problems if k in HELD_OUT else None)
+    return {**agg, "seeds": {str(s): v for s, v in per_seed.items()}}
 
 
 def rerender(out: Path, base, *, axis=None, eval_n: int | None = None) -> dict:
     """report.md again from a stored `out/compare.json`, without its runs and without training
     (with a study's `axis`, gspo.studies.AXES, also study.md, study.json and the plots against its
     factor, the study read off the names): every configuration's figures aggregated again from
-    its seeds' own (gspo.compare.aggregate, so with today's intervals), the differences judged
+    its seeds' own (`aggregate`, so with today's intervals), the differences judged
     again, and compare.json rewritten with both (every seed's figures as they were). base: the
     comparison's base configuration (its preset's, with the options it ran with), for report.md's
     first line; eval_n: the held-out problems where the stored figures predate `eval_n` (the base
     configuration's --eval-size). The plots against the step need the runs' metrics and are left
     as they are. Returns the configurations' figures."""
-    from gspo.compare import aggregate
     from gspo.studies import study_from_names
 
     stored = json.loads((out / "compare.json").read_text())
     study = None if axis is None else study_from_names(axis, list(stored))
     report = {name: aggregate({int(s): v for s, v in r["seeds"].items()}, eval_n) for name, r in stored.items()}
     seeds = sorted({int(s) for r in stored.values() for s in r["seeds"]})
-    _write(out, base, report, seeds, None, study, eval_n)
+    _write(_Written(out, base, report, seeds, None, study, eval_n))
     return report
 
 
-def _write(out: Path, base, report: dict, seeds: list[int], seconds: float | None, study,
-           eval_n: int | None = None) -> dict:
-    judged = judge(report, study.pairs() if study else None,
-                   ("accuracy", "accuracy_curve_mean") if study else ("accuracy",), eval_n=eval_n)
-    ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(with_judged(report, judged)),
-                                                            indent=2) + "\n")
-    _report_md(out, base, report, seeds, seconds, study, judged, eval_n)
+@dataclass(frozen=True)
+class _Written:
+    """What compare.json and report.md are written from: the comparison's directory, its base
+    configuration, figures and seeds, the invocation's seconds (None: re-rendered), its Study or
+    None, and the held-out problems where the figures predate `eval_n`."""
+
+    out: Path
+    base: object
+    report: dict
+    seeds: list[int]
+    seconds: float | None
+    study: object = None
+    eval_n: int | None = None
+
+
+def _write(w: _Written) -> dict:
+    judged = judge(w.report, w.study.pairs() if w.study else None,
+                   ("accuracy", "accuracy_curve_mean") if w.study else ("accuracy",), eval_n=w.eval_n)
+    ckpt.atomic_write_text(w.out / "compare.json", json.dumps(ckpt.json_clean(with_judged(w.report, judged)),
+                                                              indent=2) + "\n")
+    _report_md(w, judged)
     return judged
 
 
@@ -171,29 +204,16 @@ def judge(report: dict, pairs: list[tuple[str, str]] | None = None, figures: tup
     rows, first = [], {}
     for key in figures:
         for a, b in pairs:
-            if a not in report or b not in report:
-                continue
-            seeds = sorted(set(report[a]["seeds"]) & set(report[b]["seeds"]), key=int)
-            problems = _problems(report, (a, b), seeds, eval_n) if key in HELD_OUT else None
-            est = paired_test([report[a]["seeds"][s].get(key) for s in seeds],
-                              [report[b]["seeds"][s].get(key) for s in seeds], problems)
-            if est is None:
-                continue
-            p = est.p
-            seeds_only = paired_test([report[a]["seeds"][s].get(key) for s in seeds],
-                                     [report[b]["seeds"][s].get(key) for s in seeds]).p if problems else p
-            row = {"a": a, "b": b, "figure": key, "seeds": est.n, "eval_n": problems, "mean": est.mean,
-                   "ci95": est.half, "df": est.df, "p": p, "p_holm": None, "verdict": None, "same_as": None,
-                   "p_seeds": seeds_only, "p_seeds_holm": None}
-            if runs[a] == runs[b]:
-                row.update(verdict=VERDICTS[3], p=None, p_seeds=None)
-            elif p is None:
-                row["verdict"] = VERDICTS[2]
-            else:  # a - b and b - a are one test
-                row["same_as"] = first.setdefault((*sorted((runs[a], runs[b])), key), (a, b))
-                if row["same_as"] == (a, b):
-                    row["same_as"] = None
-            rows.append(row)
+            if a in report and b in report and (row := _difference(report, a, b, key, eval_n)) is not None:
+                if runs[a] == runs[b]:
+                    row.update(verdict=VERDICTS[3], p=None, p_seeds=None)
+                elif row["p"] is None:
+                    row["verdict"] = VERDICTS[2]
+                else:  # a - b and b - a are one test
+                    row["same_as"] = first.setdefault((*sorted((runs[a], runs[b])), key), (a, b))
+                    if row["same_as"] == (a, b):
+                        row["same_as"] = None
+                rows.append(row)
     tested = [r for r in rows if r["verdict"] is None and r["same_as"] is None]
     for r, adjusted, seeds_only in zip(tested, holm([r["p"] for r in tested]), holm([r["p_seeds"] for r in tested])):
         r.update(p_holm=adjusted, p_seeds_holm=seeds_only, verdict=VERDICTS[0] if adjusted <= level else VERDICTS[1])
@@ -206,6 +226,20 @@ def judge(report: dict, pairs: list[tuple[str, str]] | None = None, figures: tup
     return {"method": "holm", "level": level, "judged": len(tested),
             "outside": sum(r["verdict"] == VERDICTS[0] for r in tested),
             "outside_seeds_only": sum(r["p_seeds_holm"] <= level for r in tested), "differences": rows}
+
+
+def _difference(report: dict, a: str, b: str, key: str, eval_n: int | None) -> dict | None:
+    """The paired difference a - b of figure `key` over the seeds both have, not yet judged (None:
+    no seed with both figures)."""
+    seeds = sorted(set(report[a]["seeds"]) & set(report[b]["seeds"]), key=int)
+    problems = _problems(report, (a, b), seeds, eval_n) if key in HELD_OUT else None
+    xs, ys = [report[a]["seeds"][s].get(key) for s in seeds], [report[b]["seeds"][s].get(key) for s in seeds]
+    est = paired_test(xs, ys, problems)
+    if est is None:
+        return None
+    return {"a": a, "b": b, "figure": key, "seeds": est.n, "eval_n": problems, "mean": est.mean,
+            "ci95": est.half, "df": est.df, "p": est.p, "p_holm": None, "verdict": None, "same_as": None,
+            "p_seeds": paired_test(xs, ys).p if problems else est.p, "p_seeds_holm": None}
 
 
 def with_judged(report: dict, judged: dict) -> dict:
@@ -281,8 +315,8 @@ def trained_minutes(out: Path, report: dict) -> tuple[int, float, float | None]:
     return len(runs), wall / 60, (sum(timed) / wall if wall else 0.0) if timed else None
 
 
-def _report_md(out: Path, base, report: dict, seeds: list[int], seconds: float | None, study, judged: dict,
-               eval_n: int | None = None) -> None:
+def _report_md(w: _Written, judged: dict) -> None:
+    out, base, report, seeds, seconds, study = w.out, w.base, w.report, w.seeds, w.seconds, w.study
     runs, minutes, eval_share = trained_minutes(out, report)
     evaluating = "" if eval_share is None else f"; {100 * eval_share:.0f}% of it evaluating"
     invocation = ("this report re-rendered from compare.json (gspo.report.rerender: no training)" if seconds is None
@@ -331,7 +365,7 @@ def _report_md(out: Path, base, report: dict, seeds: list[int], seconds: float |
         from gspo.studies import write_study
 
         lines += write_study(study, report, out, len(seeds))
-    lines += noise_lines(report, judged, eval_n)
+    lines += noise_lines(report, judged, w.eval_n)
     if (out / "variance.md").exists():  # the no-training measurement (gspo.variance)
         table = (out / "variance.md").read_text().split("\n", 2)[2]  # without its title
         lines += ["## Importance-ratio variance by response length", "", table, "![variance](variance.png)", ""]

@@ -112,10 +112,11 @@ def test_compare_smoke(moe_dir, tmp_path):
     assert "| grpo-rr |" in md and "clip_fraction.png" in md
     cfg = (out / "runs" / "lowlr-seed0" / "config.yaml").read_text()
     assert "lr: 1.0e-05" in cfg and "algorithm: grpo" in cfg
-    # run again with the same directory: finished runs are reused, the report rewritten
+    # run again with the same directory and options: finished runs are reused, the report rewritten
     r = subprocess.run([sys.executable, "-m", "gspo", "compare", "--configs", "gspo", "--steps", "2", "--model",
                         str(moe_dir), "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8",
-                        "--no-progress", "--output-dir", str(out)], capture_output=True, text=True, timeout=600)
+                        "--eval-every", "1", "--no-progress", "--output-dir", str(out)], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0 and "already done" in r.stdout
 
 

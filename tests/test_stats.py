@@ -159,7 +159,8 @@ def _fake_run(run, accuracy: float, clip: float, diverged=False, n=500):
 def _report_of(tmp_path, acc: dict, n=500, diverged=()):
     """compare.json and report.md of finished runs with these accuracies (what gspo.compare.compare
     writes after training), through summarise, aggregate and write_report."""
-    from gspo.compare import aggregate, summarise
+    from gspo.compare import summarise
+    from gspo.report import aggregate
     from gspo.config import TrainConfig
     from gspo.report import write_report
 

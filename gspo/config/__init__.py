@@ -96,14 +96,12 @@ class TrainConfig:
     @classmethod
     def from_trl(cls, **options) -> TrainConfig:
         """A config from TRL's GRPOConfig names (num_generations=8, loss_type="dr_grpo") and gspo's
-        (gspo.aliases, which registers itself here when it is imported)."""
+        (gspo.aliases, which registers itself here when gspo is imported)."""
         return _from_trl(**options)
 
 
 def _from_trl(**options):
-    from gspo import aliases  # not imported yet (`import gspo` is lazy): importing it registers it (set_from_trl)
-
-    return aliases.from_trl(**options)
+    raise RuntimeError("gspo.aliases is not imported")  # replaced by gspo.aliases.from_trl on import (gspo/__init__)
 
 
 def set_from_trl(fn) -> None:
