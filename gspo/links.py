@@ -1,26 +1,67 @@
-"""How a trainer and its rollout workers talk: queues to processes it starts, or messages between ranks of a torchrun world.
+"""How a trainer and its rollout workers talk: pipes and a spool to processes it starts, or messages between ranks of a torchrun world.
 
     link = LocalLink(n, target, args)     # the trainer starts n worker processes (torch.multiprocessing, spawn)
     link = RankLink(dist, n)              # the last n ranks of the torchrun world are the workers
     link.send(w, msg); link.recv(timeout) -> (kind, worker, payload) or None; link.check(); link.close()
+    end.start()                           # in the worker: its signals, and its exit when the trainer is gone
 
-A message is a tuple, pickled (tensors included). The trainer sends requests and weights to
-worker w; workers send results back. Between ranks they travel on `dist.link`, a gloo group of
-every rank: only trainer rank 0 sends requests, each worker answers every trainer process with
-its share; a thread per worker receives, so that neither side's sends wait for the other's
-work. Worker ends: `QueueEnd` and `RankEnd` (`next(timeout)`, `put(msg, dest)`).
+A message is a tuple. The trainer sends requests and weights to worker w; workers send results
+back. Worker ends: `ProcessEnd` and `RankEnd` (`start()`, `next(timeout)`, `put(msg, dest)`).
+
+**Local workers, and why this transport** (docs/async.md, "Reliability"). A result can be
+megabytes (completions, dataset rows, reward parts); a pipe holds 64 KiB. Half written into a
+pipe, such a message hung a trainer whose worker was killed mid-send, and a worker whose trainer
+died blocked at exit on its queue's feeder thread. So a result never travels through a pipe: the
+worker pickles it into a file of the link's spool directory (`/dev/shm` where it exists;
+`$GSPO_SPOOL_DIR` chooses another), renames it into place once complete and sends only its name,
+under `INLINE_BYTES`: one write of fewer than PIPE_BUF bytes, all of it or none. The trainer
+reads every result with a real deadline whatever its size; a worker killed mid-write leaves a
+partial file no one announced; one killed after it sent leaves its batch readable. Each worker
+holds the only copy of its pipes' ends: its death is an end of file to the trainer, the
+trainer's a broken pipe to it. Requests and weights go the other way, each message a small
+handle (tensors in shared memory, the `file_system` strategy), written by a thread of the
+trainer's that close() stops and joins.
+
+**Ends.** A worker dies with its trainer: on Linux the kernel kills it (`PR_SET_PDEATHSIG`),
+elsewhere a thread sees its parent change within `WATCH_S`. It ignores SIGINT (a terminal's
+Ctrl-C reaches the whole process group: the trainer answers it, then stops the workers) and
+honours SIGTERM once its trainer closes the link or is gone. `close()` escalates: the stop
+request (read between batches), SIGTERM after `CLOSE_STOP_S`, SIGKILL after `CLOSE_TERM_S` more;
+it also runs at exit, before multiprocessing's own exit joins children without a deadline.
+
+**Ranks.** Between ranks messages travel on `dist.link`, a gloo group of every rank: only
+trainer rank 0 sends requests, each worker answers every trainer process with its share; a
+thread per worker receives, so that neither side's sends wait for the other's work. A rollout
+rank whose trainer rank 0 is gone (its connection closed) exits within `GONE_GRACE_S`, mid-batch
+or not; torchrun's agent stops the rest of the world.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
+import multiprocessing.connection
 import os
+import pickle
 import queue
+import shutil
 import signal
+import sys
+import tempfile
 import threading
 import time
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+
+INLINE_BYTES = 256  # a message up to this size crosses the pipe itself (one atomic write: PIPE_BUF >= 512)
+WATCH_S = 0.5  # how often a worker without PR_SET_PDEATHSIG checks that its trainer is alive
+CLOSE_STOP_S = 2.0  # close: how long workers get to leave on the stop request ...
+CLOSE_TERM_S = 3.0  # ... then after SIGTERM, before SIGKILL
+GONE_GRACE_S = 2.0  # a rollout rank whose trainer rank 0 is gone: its time to leave on its own before it exits
+SPOOL_PREFIX = "gspo-spool-"
 
 
 class WorkerDied(Exception):
@@ -45,28 +86,91 @@ def _recv(src: int, group):
     return box[0]
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True  # (PermissionError too: someone else's process)
+
+
+def spool_root() -> Path:
+    """Where worker results wait to be read: $GSPO_SPOOL_DIR, else /dev/shm (memory) where it
+    exists and is writable, else the temporary directory."""
+    given = os.environ.get("GSPO_SPOOL_DIR")
+    if given:
+        return Path(given)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def make_spool(root: Path | None = None) -> Path:
+    """A new spool directory for this process's link, after removing those of processes that
+    are gone (a trainer killed with results unread)."""
+    root = root or spool_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(f"{SPOOL_PREFIX}*-*"):
+        pid = old.name[len(SPOOL_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=root))
+
+
+def _on_parent_death(sig: int) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux); False elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, int(sig), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
 class LocalLink:
-    """Worker processes this trainer process starts; each gets its requests queue and shares one results queue."""
+    """Worker processes this trainer process starts: a requests pipe and a results pipe each,
+    results over INLINE_BYTES in the spool directory (see the module docstring)."""
 
     def __init__(self, n: int, target, args_of):
-        # tensors travel as files in /dev/shm: a worker killed after it sent its batch leaves the
-        # batch readable (with file descriptors, fetched from the sender, reading it would fail)
+        # weights travel as files in /dev/shm, named in the pickled message (with file descriptors,
+        # fetched from the sender, a worker would need its trainer's help to read them)
         torch.multiprocessing.set_sharing_strategy("file_system")
         ctx = torch.multiprocessing.get_context("spawn")
-        self.results = ctx.Queue()
-        self.requests = [ctx.Queue() for _ in range(n)]
+        self.spool = make_spool()
+        self.closing = ctx.Event()  # set by close(): workers then honour SIGTERM
+        requests = [ctx.Pipe(duplex=False) for _ in range(n)]  # (the worker's read end, our write end)
+        results = [ctx.Pipe(duplex=False) for _ in range(n)]  # (our read end, the worker's write end)
         self.procs = [ctx.Process(target=target, name=f"gspo-rollout-worker-{i}", daemon=True,
-                                  args=(*args_of(i), QueueEnd(self.requests[i], self.results)))
+                                  args=(*args_of(i), ProcessEnd(i, requests[i][0], results[i][1], str(self.spool),
+                                                                self.closing, os.getpid())))
                       for i in range(n)]
+        atexit.register(self.close)  # before multiprocessing's exit, which joins its children without a deadline
         for p in self.procs:
             p.start()
+        for end in [r for r, _ in requests] + [w for _, w in results]:
+            end.close()  # each worker holds the only copy of its ends
+        self.senders = [_Sender(w, mine) for w, (_, mine) in enumerate(requests)]
+        self.results: list = [mine for mine, _ in results]
         self.sender = True  # this process sends the requests
 
     def send(self, w: int, msg) -> None:
-        self.requests[w].put(msg)
+        self.senders[w].put(msg)
 
     def recv(self, timeout: float):
-        return _get(self.results, timeout)
+        """The next worker message, or None after `timeout` seconds without one. A message is
+        whole when it is seen (one small write), so reading it never waits on its sender."""
+        live = [c for c in self.results if c is not None]
+        if not live:
+            time.sleep(timeout)
+            return None
+        for conn in multiprocessing.connection.wait(live, timeout):
+            try:
+                raw = conn.recv_bytes()
+            except (EOFError, OSError):  # the worker's end closed: it exited or died (check() says which)
+                self.results[self.results.index(conn)] = None
+                continue
+            return _open(raw)
+        return None
 
     def check(self) -> None:
         for w, p in enumerate(self.procs):
@@ -76,36 +180,135 @@ class LocalLink:
                 raise WorkerDied(w, how, p.pid)
 
     def close(self) -> None:
-        for q in self.requests:
+        """Stop the workers, escalating (stop request, SIGTERM, SIGKILL), whatever interrupts this."""
+        atexit.unregister(self.close)
+        if not self.procs:
+            return
+        try:
+            self.closing.set()
+            for s in self.senders:
+                s.put(("stop",), last=True)
+            _join(self.procs, CLOSE_STOP_S)
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()  # honoured: `closing` is set
+            _join(self.procs, CLOSE_TERM_S)
+        finally:
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            _join(self.procs, 1.0)
+            for s in self.senders:  # the workers are gone: a write to them fails at once
+                s.close()
+            for c in self.results:
+                if c is not None:
+                    c.close()
+            shutil.rmtree(self.spool, ignore_errors=True)
+            self.procs, self.senders, self.results = [], [], []
+
+
+def _join(procs, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class _Sender:
+    """The requests to one worker, pickled (tensors into shared memory) and written by a thread of
+    their own, so that the trainer never waits for a worker busy sampling. Unlike a
+    multiprocessing queue's feeder thread, it is told to stop and joined (close): a daemon thread
+    still pickling a tensor when the interpreter finalizes aborts the process."""
+
+    def __init__(self, w: int, conn):
+        self.conn, self.pending, self.stopped = conn, queue.SimpleQueue(), False
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"gspo-requests-{w}")
+        self.thread.start()
+
+    def put(self, msg, last: bool = False) -> None:
+        self.pending.put(msg)
+        if last:
+            self.pending.put(None)
+
+    def _run(self) -> None:
+        while (msg := self.pending.get()) is not None and not self.stopped:
             try:
-                q.put(("stop",))
-            except (OSError, ValueError):
-                pass
-        deadline = time.time() + 10
-        for p in self.procs:
-            p.join(timeout=max(0.1, deadline - time.time()))
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-        for q in [*self.requests, self.results]:
-            q.cancel_join_thread()
-            q.close()
-        self.procs, self.requests, self.results = [], [], None  # semaphores released now, not leaked at os._exit
+                self.conn.send_bytes(ForkingPickler.dumps(msg))
+            except OSError:  # the worker is gone (a broken pipe): the trainer's check says so
+                return
+
+    def close(self) -> None:
+        self.stopped = True  # what is still pending is not sent
+        self.pending.put(None)
+        self.thread.join(timeout=CLOSE_TERM_S)
+        self.conn.close()
 
 
-class QueueEnd:
-    """A worker process's end of a LocalLink."""
+def _open(raw: bytes):
+    """A message from its wire form: inline (b"I" + pickle) or the name of its spool file (b"F" + path)."""
+    if raw[:1] == b"I":
+        return pickle.loads(raw[1:])
+    path = Path(raw[1:].decode())
+    try:
+        data = path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+    return pickle.loads(data)
 
-    def __init__(self, requests, results):
-        self.requests, self.results, self.parent = requests, results, os.getpid()  # made in the trainer's process
+
+class ProcessEnd:
+    """A worker process's end of a LocalLink (made in the trainer's process, used in the worker's)."""
+
+    def __init__(self, index: int, requests, results, spool: str, closing, parent: int):
+        self.index, self.requests, self.results, self.spool = index, requests, results, Path(spool)
+        self.closing, self.parent, self.sent = closing, parent, 0
+
+    def start(self) -> None:
+        """In the worker: die with the trainer, ignore SIGINT, honour SIGTERM when the trainer closes."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._sigterm)
+        if not _on_parent_death(signal.SIGKILL):
+            threading.Thread(target=self._watch, daemon=True, name="gspo-parent-watch").start()
+        if self.orphaned():  # the trainer died before the kernel was asked to tell us
+            os._exit(1)
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self.parent
+
+    def _watch(self) -> None:
+        while not self.orphaned():
+            time.sleep(WATCH_S)
+        os._exit(1)
+
+    def _sigterm(self, signum, frame) -> None:
+        if self.closing.is_set() or self.orphaned():
+            os._exit(1 if self.orphaned() else 0)
+        # else a signal to the whole process group: the trainer answers it (checkpoint, then stop)
 
     def next(self, timeout: float):
         """The next request; None after `timeout` seconds without one; ("stop",) once the trainer is gone."""
-        msg = _get(self.requests, timeout)
-        return ("stop",) if msg is None and os.getppid() != self.parent else msg
+        if not self.requests.poll(timeout):
+            return ("stop",) if self.orphaned() else None
+        try:
+            return pickle.loads(self.requests.recv_bytes())
+        except (EOFError, OSError):  # the trainer's end closed
+            return ("stop",)
 
     def put(self, msg, dest=None) -> None:
-        self.results.put(msg)
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) < INLINE_BYTES:
+            self.results.send_bytes(b"I" + data)
+            return
+        self.sent += 1
+        path = self.spool / f"worker{self.index}-{self.sent}.pkl"
+        part = path.with_suffix(".part")
+        try:
+            part.write_bytes(data)
+            os.replace(part, path)  # complete before it is announced
+        except OSError as e:
+            part.unlink(missing_ok=True)
+            raise OSError(f"could not spool a {len(data) / 2**20:.1f} MB result in {self.spool} ({e.strerror or e}); "
+                          "set GSPO_SPOOL_DIR to a directory with room") from None
+        self.results.send_bytes(b"F" + str(path).encode())
 
 
 class RankLink:
@@ -150,25 +353,35 @@ class RankLink:
                     self.send(w, ("stop",))
                 except Exception:  # noqa: BLE001 (a rank already gone)
                     pass
+        deadline = time.monotonic() + CLOSE_STOP_S + CLOSE_TERM_S  # each rank's "bye"; a rank mid-batch is torchrun's
         for t in self.threads:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 class RankEnd:
     """A rollout rank's end: requests from trainer rank 0, results to each trainer process."""
 
     def __init__(self, group, trainers: int):
-        self.group, self.trainers = group, trainers
+        self.group, self.trainers, self.gone = group, trainers, False
         self.inbox: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._listen, daemon=True, name="gspo-rollout-requests")
         self.thread.start()
+
+    def start(self) -> None:
+        """In the rank: ignore SIGINT (the trainers answer it), honour SIGTERM once trainer rank 0
+        is gone (before that, torchrun's SIGTERM is also the trainers', which checkpoint with the
+        batches in flight and then stop this rank)."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(1) if self.gone else None)
 
     def _listen(self) -> None:
         while True:
             try:
                 msg = _recv(0, self.group)
-            except Exception:  # trainer rank 0 is gone
+            except Exception:  # trainer rank 0 is gone: leave, mid-batch or not
+                self.gone = True
                 self.inbox.put(("stop",))
+                threading.Timer(GONE_GRACE_S, os._exit, (1,)).start()
                 return
             self.inbox.put(msg)
             if msg[0] == "stop":
@@ -181,5 +394,7 @@ class RankEnd:
         _send(msg, dest, self.group)
 
     def close(self) -> None:
+        if self.gone:  # no one to say goodbye to
+            return
         for r in range(self.trainers):
             _send(("bye",), r, self.group)

@@ -340,11 +340,16 @@ def low_precision_copy(model, dtype: torch.dtype):
     4.7 rad at 4096 tokens, a precision gap no inference engine has."""
     import copy
 
-    out = copy.deepcopy(model)
+    return cast_parameters(copy.deepcopy(model), dtype)
+
+
+def cast_parameters(model, dtype: torch.dtype):
+    """`model` with its parameters cast to `dtype` in place, one at a time (buffers as they are:
+    low_precision_copy); a rollout worker holds its policy this way."""
     with torch.no_grad():
-        for p in out.parameters():
+        for p in model.parameters():
             p.data = p.data.to(dtype)
-    return out
+    return model
 
 
 _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "hidden_dropout_prob", "attention_probs_dropout_prob",

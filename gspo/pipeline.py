@@ -51,7 +51,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-import signal
 import time
 from dataclasses import dataclass
 
@@ -61,7 +60,7 @@ from gspo import distributed
 from gspo.distributed import Dist
 from gspo.env import episode_env
 from gspo.links import LocalLink, RankEnd, RankLink, WorkerDied
-from gspo.models import disable_dropout, resolve_device
+from gspo.models import DTYPES, cast_parameters, disable_dropout, resolve_device
 from gspo.produce import Produced, produce
 from gspo.rollout import stop_token_ids
 from gspo.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
@@ -88,13 +87,16 @@ class Pipeline:
     def take(self, step: int) -> tuple[Produced, dict]:
         """Batch `step` (sampled by version max(0, step-1-K)) and the step's async/... metrics."""
         version = step - 1
+        self.sync_seconds = 0.0  # of the requests: sending weights to workers (not waiting)
         t0 = time.perf_counter()
         for s in range(max(self.requested + 1, step), min(step + self.lag, self.run.cfg.run.steps) + 1):
             self.request(s, version)
             self.requested = s
         produced = self.wait(step)
-        waited = time.perf_counter() - t0
-        assert produced.version >= version - self.lag, (produced.step, produced.version, version)  # the bound
+        waited = time.perf_counter() - t0 - self.sync_seconds
+        if produced.step != step or produced.version < version - self.lag:  # the bound: a bug, never the user's
+            raise RuntimeError(f"batch {produced.step} sampled by version {produced.version} arrived for step {step} "
+                               f"(version {version}, --max-staleness {self.lag}): the staleness bound is broken")
         return produced, self.metrics(produced, version, waited)
 
     def request(self, step: int, version: int) -> None:
@@ -127,6 +129,7 @@ class Pipeline:
             "async/queue_depth": float(self.requested - produced.step),  # batches asked for ahead of this one
             "async/ready_batches": float(len(self.pending)),  # ... of which sampled already
             "async/trainer_idle_seconds": waited,
+            "async/weight_sync_seconds": self.sync_seconds,
             "async/sample_seconds": produced.seconds,
             "async/worker_idle_seconds": produced.idle,
             "async/overlap": self.overlap(produced, waited),
@@ -184,8 +187,10 @@ def sampling_side(cfg, device: torch.device) -> Side:
     """A worker's copy of the run's sampling side, from the trainer's resolved configuration.
     gspo's sampler without LoRA: the worker's policy is held in the sampling dtype and samples
     itself (the trainer's process keeps float32 master weights and a copy in that dtype: the same
-    values, rounded alike, at half the memory). With LoRA (PEFT keeps the adapters of a bf16 base
-    in float32, unlike the copy) and for a vLLM engine the policy is in --param-dtype."""
+    values, rounded alike, at half the memory). Loaded in that dtype, then every parameter cast to
+    it as the trainer's copy casts it (gspo.models.cast_parameters: a loader keeps some models'
+    modules in float32). With LoRA (PEFT keeps the adapters of a bf16 base in float32, unlike the
+    copy) and for a vLLM engine the policy is in --param-dtype."""
     inputs = Inputs()
     task = task_for(cfg, inputs)
     own = cfg
@@ -193,6 +198,8 @@ def sampling_side(cfg, device: torch.device) -> Side:
         dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
         own = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype, rollout_dtype="same")
     policy, tokenizer = load_policy_for(own, None, device, inputs)
+    if own.policy.param_dtype != cfg.policy.param_dtype:  # where the trainer's process makes its low-precision copy
+        cast_parameters(policy, DTYPES[own.policy.param_dtype])
     disable_dropout(policy)
     env, max_turns = episode_env(cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
     sampler, _ = sampler_and_routing(own, policy, Dist(device=device), inputs)
@@ -204,9 +211,7 @@ def sampling_side(cfg, device: torch.device) -> Side:
 def worker_main(index: int, cfg, device: str, threads: int, shares: list[tuple[int, int, int | None]], end) -> None:
     """A rollout worker: build the sampling side, then serve requests until told to stop.
     shares: (rank, world, destination) of each trainer process it samples for; end: its link's end."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer gets the signal, checkpoints, then stops us
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.multiprocessing.set_sharing_strategy("file_system")  # as the trainer's (gspo.links.LocalLink)
+    end.start()  # SIGINT is the trainer's (it checkpoints, then stops us); we die with the trainer
     try:
         torch.set_num_threads(threads)
         side = sampling_side(cfg, torch.device(device))
@@ -290,12 +295,14 @@ class WorkerPipeline(Pipeline):
 
     def _send_weights(self, w: int, version: int) -> None:
         """The policy's trainable tensors, one at a time (FSDP: each gathered in turn, by every process)."""
+        t0 = time.perf_counter()
         for name, p in self.run.policy.named_parameters():
             if p.requires_grad:
                 full = p.full_tensor() if hasattr(p, "full_tensor") else p
                 if self.link.sender:  # pickled into shared memory or onto the wire: a snapshot of this version
                     self.link.send(w, ("tensor", name, full.detach().to("cpu", copy=True)))
         self.sent[w] = version
+        self.sync_seconds += time.perf_counter() - t0
 
     def wait(self, step: int) -> Produced:
         while step not in self.pending:

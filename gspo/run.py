@@ -194,8 +194,10 @@ def _training_side(run: Run, inputs: Inputs) -> None:
     """The sampler, MoE routing hooks, PPO's critic, the DDP/FSDP wrappers and the trainables
     (the policy's optimizer and LR schedule, and a separate critic's)."""
     cfg, dist, policy = run.cfg, run.dist, run.policy
-    # with rollout workers the trainer's own sampler is the policy itself (no engine, no copy): it never samples
-    own = dataclasses.replace(cfg, rollout_engine="hf", rollout_dtype="same") if cfg.async_rl.rollout_workers else cfg
+    # with rollout workers the trainer's own sampler is the policy itself (no engine, no low-precision copy: in
+    # the dtype it holds its weights): it never samples
+    own = dataclasses.replace(cfg, rollout_engine="hf", rollout_dtype=cfg.policy.param_dtype) \
+        if cfg.async_rl.rollout_workers else cfg
     run.sampler, run.routing = sampler_and_routing(own, policy, dist, inputs)
     run.critic = make_critic(cfg, policy, run.resume_from, dist.device, from_object=inputs.model_object is not None)
     mixed = DTYPES[cfg.policy.dtype] if cfg.policy.param_dtype != cfg.policy.dtype else None  # FSDP gathers parameters in it

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 BASE = ["--prompts-per-step", "8", "--group-size", "4", "--eval-size", "8", "--no-progress", "--seed", "3",
         "--steps", "4", "--save-every", "2", "--keep-checkpoints", "3"]
 TIMING = ("async/trainer_idle_seconds", "async/sample_seconds", "async/worker_idle_seconds", "async/overlap",
-          "async/ready_batches")
+          "async/weight_sync_seconds", "async/ready_batches")
 
 SLOW_REWARD = '''
 import time
