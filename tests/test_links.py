@@ -212,3 +212,33 @@ def test_spool_root_prefers_memory(monkeypatch):
         assert links.spool_root() == expected
     monkeypatch.setenv("GSPO_SPOOL_DIR", "/somewhere/else")
     assert links.spool_root() == Path("/somewhere/else")
+
+
+def test_sending_weights_is_not_counted_as_waiting():
+    # the trainer hands a worker 4 tensors of new weights at 0.1 s each (a stand-in for a large
+    # model's transfer), then finds the batch already there: it waited ~0 s, it synced ~0.4 s
+    from types import SimpleNamespace
+
+    from gspo.distributed import Dist
+    from gspo.pipeline import WorkerPipeline
+
+    batch = SimpleNamespace(step=1, version=0, versions=torch.zeros(2, 3, dtype=torch.int32), seconds=1.0, idle=0.0,
+                            on=lambda device: batch)
+
+    class Link:  # a worker that has the batch ready; each tensor takes 0.1 s to hand over
+        sender = True
+
+        def send(self, w, msg):
+            if msg[0] == "tensor":
+                time.sleep(0.1)
+
+        def recv(self, timeout):
+            return ("done", 0, batch)
+
+    pipe = WorkerPipeline.__new__(WorkerPipeline)
+    cfg = SimpleNamespace(async_rl=SimpleNamespace(max_staleness=0, drop_uniform_groups=False), run=SimpleNamespace(steps=1))
+    pipe.run = SimpleNamespace(cfg=cfg, dist=Dist(), policy=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    pipe.lag, pipe.pending, pipe.requested, pipe.link, pipe.sent, pipe.in_flight = 0, {}, 0, Link(), [-1], {}
+    _, metrics = pipe.take(1)
+    assert metrics["async/trainer_idle_seconds"] < 0.1
+    assert metrics["async/weight_sync_seconds"] >= 0.4  # 4 tensors (2 weights, 2 biases) x 0.1 s
