@@ -155,7 +155,7 @@ class EvalArgs:
     seed: int = 0
     """Seed of the pass@k samples."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show progress: a bar on a terminal, else a line on stderr each tenth of the problems."""
 
 
 def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
@@ -190,9 +190,9 @@ def cmd_eval(args: list[str]) -> int:
     from gspo.env import episode_env
     from gspo.episodes import EpisodeSpec
     from gspo.evaluation import EvalOptions, evaluate
-    from gspo.models import DTYPES, load_policy, resolve_device
+    from gspo.models import DTYPES, load_policy, quiet_peft, resolve_device
+    from gspo.reporting import line_on_stderr
     from gspo.rollout import stop_token_ids
-    from gspo.models import quiet_peft
     from gspo.run import task_and_rewards
 
     cfg, model_path = eval_config(a)
@@ -205,8 +205,8 @@ def cmd_eval(args: list[str]) -> int:
     sampling = cfg.sampling
     options = EvalOptions(n=cfg.eval.eval_size, k=a.k, temperature=sampling.temperature,
                           max_new_tokens=sampling.max_new_tokens, seed=a.seed, progress=cfg.run.progress,
-                          stop=stop_token_ids(tok, model, sampling.stop_token),
-                          episode=EpisodeSpec.from_config(cfg, env, max_turns))
+                          stop=stop_token_ids(tok, model, sampling.stop_token), log=line_on_stderr,
+                          episode=EpisodeSpec.from_config(cfg, env, max_turns))  # progress: a bar, else lines
     res = evaluate(model, tok, task, rewards, options)
     print(json.dumps({"model": model_path, "task": cfg.data.dataset or cfg.data.task,
                       "max_new_tokens": sampling.max_new_tokens, **res}))

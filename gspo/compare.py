@@ -54,6 +54,7 @@ from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
 from gspo.resolve import resolve
 from gspo.report import COLLAPSE_POINTS, aggregate, write_report
+from gspo.reporting import flushing, labelled, line_on_stdout
 from gspo.studies import Study
 
 PRESETS: dict[str, dict] = {
@@ -317,54 +318,62 @@ def _to_train(label: str, cfg, log) -> tuple | None:
 def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: int, log=print) -> None:
     """Train each (label, config, resume directory or None): in this process when jobs is 1,
     else up to `jobs` at once in spawned processes, each run with `threads` torch threads but a
-    resumed one, which keeps its configuration's (the count it began with: it shapes the arithmetic)."""
+    resumed one, which keeps its configuration's (the count it began with: it shapes the arithmetic).
+    Either way each run's lines carry its label (`[gspo seed 0] step 8/80 (10%) ...`, a line per
+    10% of its steps, never a bar) and `[compare] LABEL: done in N s` comes as that run ends."""
+    log = flushing(log)  # a pipe's buffer would hold this process's lines back behind the jobs' own
     if jobs <= 1 or len(runs) <= 1:
         for label, cfg, resume in runs:
-            _train_one(label, cfg, resume, log)
+            log(f"[compare] {label}: done in {_train_one(label, cfg, resume, log):.0f} s")
         return
     log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
         f"(each run equals `gspo train --threads {threads}` alone)")
-    seconds = in_processes([(label, _train_one, (label, for_job(cfg, None if resume else threads), resume))
-                            for label, cfg, resume in runs], jobs, log)
-    for (label, _, _), s in zip(runs, seconds):
-        log(f"[compare] {label}: done in {s:.0f} s")
+    in_processes([(label, _train_one, (label, for_job(cfg, None if resume else threads), resume))
+                  for label, cfg, resume in runs], jobs, log,
+                 done=lambda label, s: log(f"[compare] {label}: done in {s:.0f} s"))
 
 
 def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=print) -> list[dict]:
     """gspo.variance.ratio_variance of each configuration (one per model), side by side as
-    train_runs trains (each with `threads` threads) when jobs > 1."""
-    from gspo.variance import ratio_variance
+    train_runs trains (each with `threads` threads) when jobs > 1; `[compare] MODEL: ratio variance
+    done in N s` as each ends."""
+    log = flushing(log)
+
+    def said(model, result):
+        log(f"[compare] {model}: ratio variance done in {result[1]:.0f} s")
+        return result[0]
 
     if jobs <= 1 or len(cfgs) <= 1:
-        return [ratio_variance(cfg, responses=responses, log=log) for cfg in cfgs]
-    return in_processes([(cfg.policy.model, _variance_one, (for_job(cfg, threads), responses)) for cfg in cfgs],
-                        jobs, log)
+        return [said(cfg.policy.model, _variance_one(cfg, responses, log)) for cfg in cfgs]
+    return [r for r, _ in in_processes([(cfg.policy.model, _variance_one, (for_job(cfg, threads), responses))
+                                        for cfg in cfgs], jobs, log, done=said)]
 
 
 def _train_one(label: str, cfg, resume, log=None) -> float:
-    """A run; its wall seconds. log None: a job's (in its own process), its lines printed with its
-    label before them, the one announcing it excepted."""
+    """A run; its wall seconds. Its lines (its progress among them: lines, never a bar) carry its
+    label, the one announcing it excepted. log None: a job's (in its own process), printed."""
     import torch
 
+    from gspo.reporting import progress_as_lines
     from gspo.trainer import train
 
+    log = log or line_on_stdout
     t0, threads = time.time(), torch.get_num_threads()
     what = "training" if resume is None else f"resuming {resume}"
     kept = "" if resume is None else f", threads={cfg.run.threads} as it began"  # whatever --jobs now (0: torch's)
-    (log or _flushed)(f"[compare] {label}: {what} ({cfg.loss.algorithm}, {cfg.run.steps} steps{kept})")
+    log(f"[compare] {label}: {what} ({cfg.loss.algorithm}, {cfg.run.steps} steps{kept})")
     try:
-        train(cfg, resume=resume, log=log or (lambda line: _flushed(f"[{label}] {line}")))
+        with progress_as_lines():
+            train(cfg, resume=resume, log=labelled(label, log))
     finally:
         torch.set_num_threads(threads)  # a run's --threads does not outlive it in this process
     return time.time() - t0
 
 
-def _flushed(line: str) -> None:
-    print(line, flush=True)
-
-
-def _variance_one(cfg, responses: int) -> dict:
-    """A job's ratio-variance measurement (gspo.variance), its log lines prefixed with its model."""
+def _variance_one(cfg, responses: int, log=None) -> tuple[dict, float]:
+    """A ratio-variance measurement (gspo.variance) and its wall seconds; its line names its model
+    (`[variance] MODEL: ...`). log None: a job's (in its own process), printed."""
     from gspo.variance import ratio_variance
 
-    return ratio_variance(cfg, responses=responses, log=lambda line: _flushed(f"[{cfg.policy.model}] {line}"))
+    t0 = time.time()
+    return ratio_variance(cfg, responses=responses, log=log or line_on_stdout), time.time() - t0

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from gspo.config import ConfigError, options
@@ -56,28 +56,36 @@ def plan_jobs(cfg, pending: int, jobs: int = 0, cores: int | None = None) -> tup
     return jobs, cfg.run.threads or (max(1, cores // jobs) if jobs > 1 else 0)
 
 
-def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print) -> list:
+def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print, done=None) -> list:
     """Each (label, module-level function, its arguments) in up to `jobs` spawned processes; their
-    results, in order. The first call that fails stops the calls not yet started (those running
-    finish) and its error is raised, after a `[compare] LABEL: failed` line."""
+    results, in order. done(label, result), if given, is called as each call ends, in the order
+    they end (a run's `done in N s` line when that run ends). The first call that fails stops the
+    calls not yet started (those running finish, `done` still said of them) and its error is
+    raised, after a `[compare] LABEL: failed` line."""
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = [pool.submit(fn, *args) for _, fn, args in calls]
-        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-        failed = [i for i, f in enumerate(futures) if f in done and f.exception() is not None]
-        if failed:
-            for f in futures:
-                f.cancel()  # calls not started stay unstarted; runs training finish (and are resumable)
-            wait(futures)
-            log(f"[compare] {calls[failed[0]][0]}: failed")
-            raise futures[failed[0]].exception()
+        label = {f: name for f, (name, _, _) in zip(futures, calls)}
+        failed = None
+        for f in as_completed(futures):
+            if f.cancelled() or f.exception() is not None:
+                if failed is None:
+                    failed = f
+                    for other in futures:
+                        other.cancel()  # calls not started stay unstarted; runs training finish (and are resumable)
+            elif done is not None:
+                done(label[f], f.result())
+        if failed is not None:
+            log(f"[compare] {label[failed]}: failed")
+            raise failed.exception()
         return [f.result() for f in futures]
 
 
 def for_job(cfg, threads: int | None):
     """The run as one job of several: its thread count set (it shapes the arithmetic, so the
     run's config.yaml keeps it; None: the configuration's own, as a resumed run keeps the count it
-    began with), no progress bar (several would fight over the terminal)."""
-    return dataclasses.replace(cfg, threads=cfg.run.threads if threads is None else threads, progress=False)
+    began with); its progress as the configuration asks (gspo.compare's jobs log it as lines, a bar
+    apiece would fight over the terminal: gspo.reporting.progress_as_lines)."""
+    return dataclasses.replace(cfg, threads=cfg.run.threads if threads is None else threads)
 
 
 # What a run directory's saved configuration may differ in from the one asked for and still be

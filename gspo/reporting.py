@@ -9,14 +9,18 @@ logs to project `wandb_project` under the run directory's name; offline mode
 (`WANDB_MODE=offline`) needs no network and no account. On resume, TensorBoard purges the
 steps after the checkpoint and W&B continues the same run id (stored in `run_dir/wandb_id`),
 so neither shows a step twice. Also here: samples.jsonl's rows (`samples_rows`) and the
-progress of a run on the terminal (`Progress`).
+progress of a run (`Progress`: a bar on a terminal, else a line per 10% of the steps;
+`progress_as_lines` for lines even on a terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -99,14 +103,61 @@ def samples_rows(step: int, batch, n: int, tokenizer=None) -> list[dict]:
     return rows
 
 
+_LINES = contextvars.ContextVar("gspo_progress_lines", default=False)
+
+
+@contextlib.contextmanager
+def progress_as_lines():
+    """Within it, progress (a run's steps, an evaluation's problems) is log lines even on a terminal:
+    the runs of `gspo compare`, whose bars would fight over it and could not say whose they are."""
+    token = _LINES.set(True)
+    try:
+        yield
+    finally:
+        _LINES.reset(token)
+
+
+def line_on_stdout(line: str) -> None:
+    """A line (or several) on stdout in one flushed write: whole, never mixed into another process's."""
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
+
+
+def line_on_stderr(line: str) -> None:
+    """line_on_stdout's twin on stderr."""
+    sys.stderr.write(f"{line}\n")
+    sys.stderr.flush()
+
+
+def labelled(label: str, log):
+    """log, with every line of a message (a run's plan is several) after `[LABEL] `, in one call."""
+    return lambda text: log("\n".join(f"[{label}] {line}" for line in str(text).splitlines() or [""]))
+
+
+def flushing(log):
+    """log, then stdout flushed: a process's own lines (print: a pipe's buffer holds them) in their
+    place among the flushed lines of the processes it started."""
+    def said(line):
+        log(line)
+        sys.stdout.flush()
+    return said
+
+
+def bar_wanted() -> bool:
+    """A tqdm bar (on stderr, a terminal), rather than log lines."""
+    return sys.stderr.isatty() and not _LINES.get()
+
+
 class Progress:
-    """A tqdm bar on a terminal; otherwise a plain log line every ~10% of the run."""
+    """A tqdm bar on a terminal; otherwise (or within progress_as_lines) a log line every ~10% of the run:
+    `step 8/80 (10%)  reward 0.410  clip/frac 0.33  eval 0.452  12 s` (eval: the latest held-out
+    accuracy, with its step when it is not this one; s: since the first step)."""
 
     def __init__(self, cfg, start: int, log):
         self.enabled, self.total, self.log = cfg.run.progress, cfg.run.steps, log
-        self.bar = None
+        self.bar, self.eval, self.t0 = None, None, time.time()
         self.every = max(1, cfg.run.steps // 10)
-        if self.enabled and sys.stderr.isatty():
+        if self.enabled and bar_wanted():
             from tqdm import tqdm
 
             self.bar = tqdm(total=cfg.run.steps, initial=start, desc=f"gspo train ({cfg.loss.algorithm})", unit="step",
@@ -115,12 +166,17 @@ class Progress:
     def update(self, m: dict) -> None:
         if not self.enabled:
             return
+        step = m["step"]
+        if m.get("eval/accuracy") is not None:
+            self.eval = (step, m["eval/accuracy"])
         if self.bar is not None:
             self.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", clip=f"{m['clip/frac']:.2g}")
             self.bar.update(1)
-        elif m["step"] % self.every == 0 or m["step"] == self.total:
-            self.log(f"step {m['step']}/{self.total}  reward {m['reward/mean']:.3f}  clip/frac {m['clip/frac']:.3g}"
-                     f"  {m['time/step_seconds']:.2f}s/step")
+        elif step % self.every == 0 or step == self.total:
+            ev = "" if self.eval is None else f"  eval {self.eval[1]:.3f}" + \
+                ("" if self.eval[0] == step else f" (step {self.eval[0]})")
+            self.log(f"step {step}/{self.total} ({100 * step // self.total}%)  reward {m['reward/mean']:.3f}  "
+                     f"clip/frac {m['clip/frac']:.3g}{ev}  {time.time() - self.t0:.0f} s")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -125,7 +125,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     else:
         if main:
             ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
-        run.eval_before = run_eval(run)
+        run.eval_before = run_eval(run, log, "eval before")  # its progress logged off a terminal
         run.evals = [{"step": 0, **run.eval_before}]
     run.pipeline = make_pipeline(run, run.pending)  # rollout workers start here (the weights are the restored ones)
     reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.start_step,
@@ -162,36 +162,38 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     finally:
         if main:
             bar.close()
-    return finish(run, reporter)
+    return finish(run, reporter, log)
 
 
-def run_eval(run: Run) -> dict:
+def run_eval(run: Run, log=None, label: str = "eval") -> dict:
     """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none.
-    Its wall time adds to run.eval_seconds."""
+    Its wall time adds to run.eval_seconds. log: where its progress goes off a terminal, as
+    `LABEL 256/500 problems (51%)  2 s` (gspo.evaluation; None: a bar on a terminal only, as for
+    the evaluations within the run, whose accuracy the step's progress line shows)."""
     cfg = run.cfg
     if cfg.eval.eval_size == 0:
         return {"accuracy": None, "reward": None, "n": 0}
     t0 = time.time()
     try:
-        return _evaluate(run)
+        return _evaluate(run, log, label)
     finally:
         run.eval_seconds += time.time() - t0
 
 
-def _evaluate(run: Run) -> dict:
+def _evaluate(run: Run, log, label: str) -> dict:
     cfg = run.cfg
     with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
         return evaluate(run.policy, run.tokenizer, run.task, run.rewards, EvalOptions(
             n=cfg.eval.eval_size, max_new_tokens=cfg.sampling.max_new_tokens, stop=run.stop_ids,
-            progress=cfg.run.progress and run.dist.is_main,
+            progress=cfg.run.progress and run.dist.is_main, log=log, label=label,
             episode=EpisodeSpec.from_config(cfg, run.env, run.max_turns),
             trainer_state=TrainerState(run.steps_done, cfg.run.steps)), dist=run.dist)
 
 
-def finish(run: Run, reporter: Reporter | None) -> dict:
-    """The final evaluation and the run's summary (summary.json)."""
+def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
+    """The final evaluation (its progress through `log`) and the run's summary (summary.json)."""
     cfg, dist = run.cfg, run.dist
-    eval_after = run_eval(run)
+    eval_after = run_eval(run, log, "eval after")
     done = run.steps_done
     if not run.evals or run.evals[-1]["step"] != done:
         run.evals.append({"step": done, **eval_after})
