@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import re
-import shlex
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +38,10 @@ import tyro
 import yaml
 
 from gspo import checkpoint as ckpt
-from gspo.config import TrainConfig, options, to_dict
+from gspo.command import NOT_IN_COMMAND, train_command
+from gspo.config import TrainConfig, to_dict
 from gspo.configfile import load_yaml
+from gspo.hub import nearby
 from gspo.models import BUILTIN_MODELS, DTYPES, unwrap
 
 
@@ -111,16 +112,17 @@ def from_run(run) -> Trained | None:
 def find_checkpoint(path: Path, step: int | None = None) -> Path:
     """The checkpoint directory `path` names: itself, or a run directory's newest (or `step`'s)."""
     if not path.is_dir():
-        raise ExportError(f"{path}: no such directory (expected a gspo run directory or one of its checkpoints)")
+        raise ExportError(f"RUN_DIR|CHECKPOINT {path}: no such directory (expected a gspo run directory or one of "
+                          f"its checkpoints){nearby(str(path))}")
     if (path / "trainer_state.pt").exists() and (path / "config.yaml").exists():
         if step is not None:
             raise ExportError(f"--step: {path} is a checkpoint already; --step picks one of a run directory's")
         return path
     if not (path / "config.yaml").exists():
-        raise ExportError(f"{path}: not a gspo run directory or checkpoint (no config.yaml)")
+        raise ExportError(f"RUN_DIR|CHECKPOINT {path}: not a gspo run directory or checkpoint (no config.yaml)")
     found = dict(ckpt.checkpoint_dirs(path))
     if not found:
-        raise ExportError(f"{path}: the run has no checkpoint yet (checkpoints/step-N/)")
+        raise ExportError(f"RUN_DIR {path}: the run has no checkpoint yet (checkpoints/step-N/)")
     if step is not None and step not in found:
         raise ExportError(f"--step: {path} has no checkpoint of step {step} (it has {', '.join(map(str, found))})")
     return found[max(found) if step is None else step]
@@ -244,7 +246,6 @@ def _stamp_dtype(path: Path, name: str) -> None:
 
 ALGORITHMS = {"gspo": "GSPO (Group Sequence Policy Optimization)", "grpo": "GRPO (Group Relative Policy Optimization)",
               "gspo_token": "GSPO-token"}  # the others: their name in capitals
-_NOT_IN_COMMAND = ("output_dir", "progress")  # where the run wrote, and how it showed progress
 
 
 def hub_id(name: str | None) -> str | None:
@@ -297,33 +298,16 @@ def _results(evals: list[dict], step: int) -> list[str]:
             f"| {what} | {fmt(before['accuracy'])} | {fmt(after['accuracy'])} |", ""]
 
 
-def train_command(cfg: TrainConfig) -> str:
-    """The `gspo train` command that makes this configuration: every value that differs from
-    the defaults (derived ones, like the clip range, included)."""
-    default, parts = TrainConfig(), ["gspo", "train"]
-    for f in options():
-        value = getattr(cfg, f.name)
-        if f.name in _NOT_IN_COMMAND or value == getattr(default, f.name):  # (tuples in a resolved config)
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(flag if value else "--no-" + f.name.replace("_", "-"))
-        elif isinstance(value, (list, tuple)):
-            parts += [flag, *(shlex.quote(str(v)) for v in value)] if value else []
-        else:
-            parts += [flag, shlex.quote(str(value))]
-    return " ".join(parts)
-
-
 def _training(cfg: TrainConfig) -> list[str]:
     loss, smp, lora = cfg.loss, cfg.sampling, cfg.lora
     key = {"algorithm": loss.algorithm, "learning rate": cfg.optim.lr, "prompts per step x group size":
            f"{smp.prompts_per_step} x {smp.group_size}", "clip range": f"({loss.clip_low}, {loss.clip_high})",
            "loss aggregation": loss.loss_agg, "max new tokens": smp.max_new_tokens, "temperature": smp.temperature,
            "dtype": cfg.policy.dtype, **({"LoRA r / alpha": f"{lora.lora_r} / {lora.lora_alpha}"} if lora.lora_r else {})}
-    config = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_IN_COMMAND}
+    config = {k: v for k, v in to_dict(cfg).items() if k not in NOT_IN_COMMAND}
     return ["## Training", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in key.items()), "",
-            "The equivalent command:", "", "```bash", train_command(cfg), "```", "",
+            "The equivalent command (the options that differ from the defaults):", "", "```bash", train_command(cfg),
+            "```", "",
             "<details><summary>The run's configuration (<code>gspo train --config</code> takes it)</summary>", "",
             "```yaml", yaml.safe_dump(config, sort_keys=False).strip(), "```", "", "</details>", ""]
 

@@ -24,6 +24,13 @@ clipped (or gated) objective.
 Every option is also a key of a YAML file given with --config (underscores for dashes);
 --resume RUN_DIR continues a run (options that are safe to change may be given with it).
 
+Coming from TRL? TRL's GRPOConfig option names are accepted too, as flags (--num_generations 8 or
+--num-generations 8 is --group-size 8; --learning_rate is --lr, --max_completion_length is
+--max-new-tokens, --loss_type dr_grpo is --loss-agg seq-mean-token-sum-norm), as YAML keys and in
+TrainConfig.from_trl. docs/trl.md maps every name (gspo/aliases.py is the table), says what does not
+map, and lists the defaults that differ: --device is cpu unless given (TRL takes the GPU when there
+is one); the ratio and clip range, updates per rollout, learning rate and precision differ too.
+
 algorithms and their presets (the clip range applies unless --clip-low/--clip-high say otherwise):
 {presets}
 KL penalty (--beta > 0) per sampled token, ρ = π_ref/π: k1 = -log ρ has an expected gradient of

@@ -301,7 +301,8 @@ def _load_adapter(path: Path, name: str, *, dtype, device, adapter: AdapterLoad,
     own = any((path / f).exists() for f in TOKENIZER_FILES)
     tokenizer = load_tokenizer(path, name) if own else \
         load_tokenizer(resolve_model_path(base_name, revision=revision), base_name)
-    model = PeftModel.from_pretrained(base, path, is_trainable=adapter.trainable).to(device)
+    with quiet_peft():
+        model = PeftModel.from_pretrained(base, path, is_trainable=adapter.trainable).to(device)
     return model, tokenizer
 
 
@@ -323,7 +324,8 @@ def add_lora(model, *, r: int, alpha: float, dropout: float, target_modules: lis
     targets = target_modules[0] if list(target_modules) == ["all-linear"] else list(target_modules)
     try:
         cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type="CAUSAL_LM")
-        return get_peft_model(model, cfg, revision=revision)
+        with quiet_peft():
+            return get_peft_model(model, cfg, revision=revision)
     except ValueError as e:
         raise ModelError(f"lora_target_modules {list(target_modules)}: {' '.join(str(e).split())[:200]}") from None
 
@@ -378,8 +380,13 @@ def disable_dropout(model) -> None:
 
 @contextlib.contextmanager
 def quiet_peft():
-    """peft (0.21) reads transformers' deprecated `is_gradient_checkpointing` when it wraps a
-    model, a FutureWarning that is neither the user's nor gspo's to fix: hidden while it does."""
+    """While peft (0.21) wraps a model or loads an adapter, two warnings neither the user's nor gspo's
+    to fix: transformers' deprecated `is_gradient_checkpointing` (peft reads it), and "rank_pattern
+    keys ... were ignored" for the one key peft writes itself for a fused expert parameter (tiny-moe's
+    `gate_up_proj`: r and alpha x2), which it does apply: its check looks at module names only
+    (tests/test_quiet.py checks the rank). Any other key still warns."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=RuntimeWarning, message=r"The following (rank|alpha)_pattern keys "
+                                r"did not match any targeted module and were ignored: \['\.\*\\\\\.gate_up_proj'\]\.$")
         yield

@@ -17,8 +17,11 @@ from transformers import AutoModelForCausalLM
 
 import gspo
 from gspo.cli import _list_flags, _merge_repeated, _parse, main
-from gspo.config import TrainConfig, to_dict
+from gspo.command import NOT_IN_COMMAND, applies, train_command
+from gspo.config import TrainConfig, options
+from gspo.configfile import load_yaml
 from gspo.export import ExportError, from_run, hub_id, load_trained, write
+from gspo.resolve import checked, resolve
 
 TINY = dict(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=4, progress=False)
 STANDARD = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -150,11 +153,51 @@ def test_model_card(full_run, tmp_path):
     assert f"| accuracy | {100 * b:.1f}% | {100 * a:.1f}% |" in card
     assert "`tiny` fine-tuned with GSPO" in card and "for 2 steps" in card and "`arithmetic` task" in card
     command = card.split("```bash\n")[1].split("\n```")[0]
-    args = shlex.split(command)[2:]
-    cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train")
-    saved = yaml.safe_load((run / "config.yaml").read_text())
-    assert {**to_dict(cfg), "output_dir": None, "progress": None} == {**saved, "output_dir": None, "progress": None}
+    # what the run was given (TINY, --stop-token 1), less where it ran: no resolved default
+    assert command == "gspo train --prompts-per-step 2 --group-size 2 --max-new-tokens 4 --stop-token 1 " \
+                      "--eval-size 4 --steps 2"
+    assert_reproduces(command, load_yaml(run / "config.yaml"))
+    config = yaml.safe_load(card.split("```yaml\n")[1].split("\n```")[0])  # the whole configuration is there
+    assert config == {k: v for k, v in yaml.safe_load((run / "config.yaml").read_text()).items()
+                      if k not in ("output_dir", "progress")}
     assert "from_pretrained(" in card and "vllm serve" in card
+
+
+def recorded(args: list[str]) -> TrainConfig:
+    """The configuration a run given these `gspo train` flags records (its config.yaml: resolved)."""
+    return resolve(_parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train"))
+
+
+def assert_reproduces(command: str, cfg: TrainConfig) -> None:
+    """`command`, parsed with gspo's own parser and resolved, is `cfg` in every option its algorithm reads."""
+    args = shlex.split(command)
+    assert args[:2] == ["gspo", "train"]
+    again, cfg = recorded(args[2:]), checked(cfg)
+    for f in options():
+        if f.name not in NOT_IN_COMMAND and applies(f.name, cfg):
+            assert getattr(again, f.name) == getattr(cfg, f.name), (f.name, command)
+
+
+@pytest.mark.parametrize("given, command", [
+    ("--lr 3e-5 --steps 3", "--lr 3e-05 --steps 3"),
+    ("--lr 1e-4 --steps 3", "--steps 3"),  # 1e-4 is the default
+    ("--algorithm grpo --lr 3e-5 --critic-lr 1e-3", "--algorithm grpo --lr 3e-05"),  # GRPO has no critic
+    ("--algorithm ppo --critic-lr 5e-3 --steps 3", "--algorithm ppo --critic-lr 0.005 --steps 3"),
+    ("--algorithm ppo --lr 3e-5 --gamma 0.99", "--algorithm ppo --gamma 0.99 --lr 3e-05"),  # critic-lr: 10 x lr
+    ("--algorithm ppo --lr 5e-5 --critic-lr 5e-4", "--algorithm ppo --lr 5e-05"),  # given, but what 10 x lr makes
+    ("--algorithm grpo --clip-low 0.2 --clip-high 0.28", "--algorithm grpo --clip-high 0.28"),  # 0.2: the preset
+    ("--algorithm sapo --clip-low 0.1 --sapo-tau-neg 1.2", "--algorithm sapo --sapo-tau-neg 1.2"),  # a gate, no clip
+    ("--model tiny-moe --lora-r 8 --task chain --max-new-tokens 240", "--model tiny-moe --lora-r 8 --task chain"),
+    ("--task chain --model tiny-long", "--task chain"),  # the chain task's own model
+    ("--num_generations 4 --learning_rate 3e-5 --loss_type dr_grpo --min-new-tokens 10 --max-new-tokens 20",
+     "--loss-agg seq-mean-token-sum-norm --group-size 4 --max-new-tokens 20 --min-new-tokens 10 --lr 3e-05"),
+    ("--rollout-dtype bfloat16 --rollout-is token --old-logp recompute", "--rollout-is token --rollout-dtype bfloat16"),
+    ("--old-logp recompute", "--old-logp recompute"),  # auto would sample it here
+])
+def test_card_command_names_only_what_differs_and_gives_the_run_back(given, command):
+    cfg = recorded(shlex.split(given))
+    assert train_command(cfg) == f"gspo train {command}"
+    assert_reproduces(train_command(cfg), cfg)
 
 
 def test_hub_ids_in_the_card():

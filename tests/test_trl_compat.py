@@ -86,6 +86,34 @@ def test_the_docs_page_names_every_entry_of_the_table():
     assert not missing, f"docs/trl.md does not name {missing}"
 
 
+def test_train_help_says_near_its_top_that_trls_names_work():
+    from gspo.aliases import TRL_NAMES
+    from gspo.help import train_help
+
+    top = "\n".join(train_help(width=100).splitlines()[:16])  # before the algorithms and the 300 lines of options
+    assert "TRL's GRPOConfig option names are accepted" in top and "docs/trl.md" in top
+    for flag in ("--num_generations", "--learning_rate", "--max_completion_length"):
+        assert flag in top and TRL_NAMES[flag[2:]]  # names the table has
+    assert "--device is cpu unless given" in top
+    args = ["--num_generations", "4", "--learning_rate", "3e-5", "--max_completion_length", "9", "--loss_type", "dr_grpo"]
+    cfg = _parse(TrainConfig, args, "gspo train")  # what the help says works, works
+    assert (cfg.group_size, cfg.lr, cfg.max_new_tokens, cfg.loss_agg) == (4, 3e-5, 9, "seq-mean-token-sum-norm")
+
+
+def test_the_docs_defaults_table_lists_the_device_and_what_trl_sets_otherwise():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    table = page.split("## Defaults that differ")[1]
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    for row in ("device", "seed", "completion length", "learning rate", "precision", "MoE load-balancing loss",
+                "vLLM sampler correction", "dropout"):
+        assert row in rows, row
+    device = next(line for line in table.splitlines() if line.startswith("| device |"))
+    assert "`cpu` unless `--device` is given" in device and "accelerator" in device
+    assert TrainConfig().device == "cpu" and TrainConfig().seed == 0  # what the table says of gspo
+
+
 def test_trl_names_in_yaml_and_did_you_mean(tmp_path):
     p = tmp_path / "run.yaml"
     p.write_text("num_generations: 4\nlearning_rate: 1e-5\nloss_type: dr_grpo\nsteps: 3\n")
