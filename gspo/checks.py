@@ -95,3 +95,58 @@ def did_you_mean(name: str, candidates, shown=str) -> str:
     """
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {shown(close[0])}?" if close else ""
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """The count and its noun, agreeing (`nouns`: an irregular plural).
+
+    >>> plural(1, "step"), plural(2, "step"), plural(0, "process", "processes")
+    ('1 step', '2 steps', '0 processes')
+    """
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line; an OSError's as `FILE: what` (`runs/x: Not a directory`)."""
+    if isinstance(e, OSError) and e.filename and e.strerror:
+        return f"{e.filename}: {e.strerror}"
+    return " ".join(str(e).split())
+
+
+def arguments_error(cls, args: list[str], prog: str) -> str | None:
+    """One line for `args` that give dataclass `cls` too few or too many positional arguments
+    (its fields marked tyro.conf.Positional, one value each) or a non-integer to an integer flag;
+    None otherwise (tyro then parses them). Every other field's flag takes one value, a bool's none.
+
+    >>> from gspo.export import ExportArgs
+    >>> arguments_error(ExportArgs, ["runs/a"], "gspo export")
+    'OUT: missing (usage: gspo export RUN_DIR|CHECKPOINT OUT [options]; gspo export --help)'
+    """
+    import tyro
+
+    if any(a in ("-h", "--help") for a in args):
+        return None
+    hints = typing.get_type_hints(cls, include_extras=True)
+    marks = {name: getattr(hint, "__metadata__", ()) for name, hint in hints.items()}
+    names = [next((m.metavar for m in ms if getattr(m, "metavar", None)), name.upper())
+             for name, ms in marks.items() if tyro.conf.Positional in ms]
+    flags = {"--" + name.replace("_", "-"): hint for name, hint in hints.items() if tyro.conf.Positional not in marks[name]}
+    flags.update({"--no-" + f[2:]: bool for f, hint in flags.items() if hint is bool})
+    usage = f"(usage: {prog} {' '.join(names)} [options]; {prog} --help)"
+    given, i = [], 0
+    while i < len(args):
+        key, eq, value = args[i].partition("=")
+        if args[i].startswith("-") and key not in flags:
+            return None  # an unknown option: tyro's did-you-mean says it
+        if key in flags and flags[key] is not bool:
+            if not eq and i + 1 >= len(args):
+                return f"{key}: needs a value"
+            value, i = (value, i) if eq else (args[i + 1], i + 1)
+            if int in typing.get_args(flags[key]) and not value.lstrip("-").isdigit():
+                return f"{key}: expected an integer, got {value!r}"
+        elif key not in flags:
+            given.append(args[i])
+        i += 1
+    if len(given) < len(names):
+        return f"{' and '.join(names[len(given):])}: missing {usage}"
+    return f"unexpected argument {given[len(names)]!r} {usage}" if len(given) > len(names) else None

@@ -31,6 +31,7 @@ from gspo.argv import merge_repeated as _merge_repeated
 from gspo.argv import parse as _parse
 from gspo.argv import take as _take
 from gspo.argv import take_many as _take_many
+from gspo.checks import arguments_error, one_line, plural
 from gspo.config import ConfigError, TrainConfig
 from gspo.configfile import eval_names, in_memory, load_yaml
 
@@ -69,7 +70,10 @@ def cmd_train(args: list[str]) -> int:
         base = load_yaml(config_file) if config_file else TrainConfig()
         cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=base)
         from gspo.api import Trainer  # torch and transformers: once the options are known to be good
+        from gspo.run import check_processes
 
+        if any(a.partition("=")[0] == "--parallel" for a in args):  # as given (ddp, the default, is refused here only)
+            check_processes(cfg.run.parallel)
         summary = Trainer(cfg).train()
     _print_summary(summary)
     return 0
@@ -80,7 +84,7 @@ def _saved_config(run_dir: str) -> TrainConfig:
 
     path = Path(run_dir) / "config.yaml"
     if not path.exists():
-        raise UsageError(f"{Path(run_dir).absolute()}: not a gspo run directory (no config.yaml) to resume")
+        raise UsageError(f"--resume {Path(run_dir).absolute()}: not a gspo run directory (no config.yaml)")
     return load_yaml(path)
 
 
@@ -90,7 +94,7 @@ def _print_summary(summary: dict) -> None:
     before, after = summary["eval_before"], summary["eval_after"]
     head = f"{summary['algorithm']} on {summary['task']}"
     if not after.get("n"):
-        print(f"{head}: {summary['steps']} steps in {summary['wall_seconds']:.0f}s (no evaluation: --eval-size 0)")
+        print(f"{head}: {plural(summary['steps'], 'step')} in {summary['wall_seconds']:.0f}s (no evaluation: --eval-size 0)")
     elif None in (before["accuracy"], after["accuracy"]):  # the first reward scored no evaluated row: not 0%
         b, a = ("n/a" if v is None else f"{100 * v:.1f}%" if after.get("binary", True) else f"{v:.4g}"
                 for v in (before["accuracy"], after["accuracy"]))
@@ -228,8 +232,6 @@ class PlotArgs:
 
 
 def cmd_plot(args: list[str]) -> int:
-
-
     a = _parse(PlotArgs, args, "gspo plot")
     if not a.runs:
         raise UsageError("give at least one run directory")
@@ -314,6 +316,8 @@ def cmd_export(args: list[str]) -> int:
 
     from gspo.export import ExportArgs, check_push, export, find_checkpoint, push_to_hub
 
+    if msg := arguments_error(ExportArgs, args, "gspo export"):  # one line of gspo's own, not tyro's
+        raise UsageError(msg)
     a = _parse(ExportArgs, args, "gspo export")
     if a.private and not a.push_to_hub:
         raise UsageError("--private applies to the repository --push-to-hub creates; give --push-to-hub ORG/NAME")
@@ -350,10 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, ConfigError, OSError, ValueError) as e:
         if os.environ.get("GSPO_DEBUG"):
             raise
-        msg = " ".join(str(e).split())  # one line, whatever the exception held
-        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
-            msg = f"{e.filename}: {msg}"
-        _say_once(f"gspo {name}: error: {msg}")
+        _say_once(f"gspo {name}: error: {one_line(e)}")  # one line, whatever the exception held
         return 2
     except KeyboardInterrupt:
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every process was interrupted

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
 import re
 from pathlib import Path
 
@@ -43,14 +44,65 @@ LOGIN = "check the id, or log in if it is private: hf auth login / HF_TOKEN"
 
 
 def looks_like_hub_id(name) -> bool:
-    """`org/name` (or a bare `name`) as the Hub spells repository ids, and not an existing
-    local path. `./x`, `/abs/x`, `~/x`, `a/b/c` are paths, never ids.
+    """`org/name` (or a bare `name`) as the Hub spells repository ids, and not a local path
+    (`path_like`, or an existing path). `./x`, `/abs/x`, `~/x`, `a/b/c` are paths, never ids.
 
     >>> looks_like_hub_id("Qwen/Qwen2.5-0.5B-Instruct"), looks_like_hub_id("./nope"), looks_like_hub_id("/a/b")
     (True, False, False)
     """
     return (isinstance(name, str) and bool(_ID.match(name)) and "--" not in name and ".." not in name
-            and not Path(name).expanduser().exists())
+            and not path_like(name) and not Path(name).expanduser().exists())
+
+
+# what a file's name ends with (a weights, config or data file), where a Hub id ends with a name
+FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".h5", ".msgpack", ".json",
+                 ".jsonl", ".yaml", ".yml", ".txt", ".py", ".csv", ".tsv", ".parquet", ".zip", ".tar", ".gz")
+
+
+def path_like(name: str) -> bool:
+    """A name only a local path can be, never a Hub id: it starts with `.`, `/` or `~`, holds a
+    separator other than one `ORG/NAME`'s, names something in an existing directory
+    (`runs/x` where ./runs exists), or ends like a file (`model.safetensors`).
+
+    >>> path_like("./m"), path_like("a/b/c"), path_like("model.safetensors"), path_like("Qwen/Qwen3-0.6B")
+    (True, True, True, False)
+    """
+    first, sep, rest = name.partition("/")
+    return (name.startswith((".", "/", "~")) or "\\" in name or "/" in rest or name.lower().endswith(FILE_SUFFIXES)
+            or (bool(sep) and (not _ID.match(name) or Path(first).expanduser().exists())))
+
+
+def nearby(name: str, names=()) -> str:
+    """'; did you mean X?' for a missing local path `name`: the closest of `names` (built-in
+    names) or of the directories beside it (in its parent directory); '' when none is close, and
+    ' (PARENT does not exist)' when its parent directory does not exist either.
+
+    >>> nearby("tiny_moe", ["tiny", "tiny-moe"])
+    '; did you mean tiny-moe?'
+    """
+    import difflib
+
+    path = Path(name).expanduser()
+    parent = path.parent
+    if not parent.is_dir():
+        missing = next(p for p in [parent, *parent.parents][::-1] if not p.is_dir())  # the first one missing
+        return f" ({missing} {'is a file' if missing.exists() else 'does not exist'})"
+    try:
+        siblings = sorted(p.name for p in itertools.islice(parent.iterdir(), 2000) if p.is_dir())
+    except OSError:
+        siblings = []
+    scored = [(difflib.SequenceMatcher(None, name.lower(), n.lower()).ratio(), n) for n in names]
+    prefix = name[:len(name) - len(path.name)] if name.endswith(path.name) else f"{parent}/"
+    scored += [(difflib.SequenceMatcher(None, path.name.lower(), s.lower()).ratio(), prefix + s) for s in siblings]
+    best = max(scored, default=(0.0, ""))
+    return f"; did you mean {best[1]}?" if best[0] >= 0.6 else ""
+
+
+def close_to(name: str, names, cutoff: float = 0.8) -> bool:
+    """Whether `name` is a near miss of one of `names` (a misspelt built-in: tiny_moe, tinymoe)."""
+    import difflib
+
+    return bool(difflib.get_close_matches(name.lower(), [n.lower() for n in names], n=1, cutoff=cutoff))
 
 
 def model_files(files: list[str]) -> list[str]:

@@ -167,17 +167,22 @@ def resolve_model_path(name_or_path: str, *, revision: str | None = None) -> Pat
                 "make_tool_model.py" if "tool" in name_or_path else "make_tiny_model.py"
             raise ModelError(f"built-in model {name_or_path!r} is missing from {path}; run scripts/{script}")
         return path
-    from gspo.hub import HubError, looks_like_hub_id, model_dir
+    from gspo.hub import HubError, close_to, looks_like_hub_id, model_dir, nearby
 
     path, valid = Path(name_or_path).expanduser(), ", ".join(BUILTIN_MODELS)
-    if not path.is_dir() and looks_like_hub_id(name_or_path):
+    if path.exists() and not path.is_dir():
+        raise ModelError(f"model {name_or_path}: a file, not a model directory (a Hugging Face model is a directory "
+                         "with config.json)")
+    # a Hub id is only tried for what no local path can be, and not for a near miss of a built-in name
+    if not path.is_dir() and looks_like_hub_id(name_or_path) and not close_to(name_or_path, BUILTIN_MODELS):
         try:
             path = model_dir(name_or_path, revision=revision)
         except HubError as e:  # a bare name may be a misspelt built-in
             raise (HubError(f"{e}; nor a local directory (built-in models: {valid})") if "/" not in name_or_path
                    else e) from None
     elif not path.is_dir():
-        raise ModelError(f"model {name_or_path}: no such directory (built-in models: {valid})")
+        raise ModelError(f"model {name_or_path}: no such directory{nearby(name_or_path, BUILTIN_MODELS)} "
+                         f"(built-in models: {valid})")
     if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
         raise ModelError(f"model {name_or_path}: no config.json, not a Hugging Face model directory")
     return path
@@ -185,10 +190,10 @@ def resolve_model_path(name_or_path: str, *, revision: str | None = None) -> Pat
 
 def is_hub_model(name_or_path: str) -> bool:
     """Whether `name_or_path` is loaded from the Hub (not a built-in, not an existing directory)."""
-    from gspo.hub import looks_like_hub_id
+    from gspo.hub import close_to, looks_like_hub_id
 
     return name_or_path not in BUILTIN_MODELS and not Path(name_or_path).expanduser().is_dir() and \
-        looks_like_hub_id(name_or_path)
+        looks_like_hub_id(name_or_path) and not close_to(name_or_path, BUILTIN_MODELS)
 
 
 def check_causal_lm(path: Path, name: str | None = None) -> None:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from gspo.checks import check_value
+from gspo.checks import check_value, plural
 from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, options
 from gspo.data import DatasetTask
 from gspo.losses import AGG_MODES, LOSSES
@@ -32,13 +33,23 @@ from gspo.tasks import TASKS, get_task
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError with a one-line message for the first bad value of a config whose types
     are checked (`checked`): its bounds, then the rules."""
-    for f in options():
-        if msg := bounds_error(f.metadata["bounds"], getattr(cfg, f.name)):
-            _fail(cfg, f.name, msg)
-    for rules in (_loss_rules, _policy_rules, _data_rules, _sampling_rules, _corrections_rules, _async_rules):
+    for rules in (_bounds, _loss_rules, _policy_rules, _data_rules, _sampling_rules, _corrections_rules, _async_rules,
+                  _optim_rules):
         for ok, name, msg in rules(cfg):
             if not ok:
                 _fail(cfg, name, msg)
+
+
+def _bounds(cfg: TrainConfig):
+    """(ok, option, message) for every option's bounds (gspo.config.sections), the message the one
+    of the bound enforced: group_size's is 2, not 1, for a loss whose advantages are relative to the group."""
+    info = LOSSES.get(cfg.loss.algorithm)
+    for f in options():
+        bounds, why = f.metadata["bounds"], ""
+        if f.name == "group_size" and info is not None and info.group_advantages:
+            bounds, why = {"ge": 2}, " (advantages are relative to the group)"
+        msg = bounds_error(bounds, getattr(cfg, f.name))
+        yield msg is None, f.name, f"{msg}{why}"
 
 
 def _fail(cfg: TrainConfig, name: str, msg: str):
@@ -49,8 +60,6 @@ def _loss_rules(cfg: TrainConfig):
     """(ok, option, message) for the loss section's rules, in order."""
     loss, info = cfg.loss, LOSSES.get(cfg.loss.algorithm)
     yield info is not None, "algorithm", f"must be one of {', '.join(LOSSES)}"
-    if info is not None and info.group_advantages:
-        yield cfg.sampling.group_size >= 2, "group_size", "must be >= 2 (advantages are relative to the group)"
     batch = cfg.sampling.prompts_per_step * cfg.sampling.group_size
     yield batch % loss.num_minibatches == 0, "num_minibatches", \
         f"must divide the rollout batch prompts_per_step * group_size = {batch}"
@@ -89,7 +98,7 @@ def _data_rules(cfg: TrainConfig):
     yield data.dataset is not None or data.task in TASKS, "task", \
         f"must be one of {', '.join(TASKS)} (or give --dataset)"
     yield not rewards.reward_weights or len(rewards.reward_weights) == len(rewards.reward), "reward_weights", \
-        f"needs one weight per --reward ({len(rewards.reward)} rewards)"
+        f"needs one weight per --reward ({plural(len(rewards.reward), 'reward')} given)"
 
 
 def _sampling_rules(cfg: TrainConfig):
@@ -114,15 +123,94 @@ def _corrections_rules(cfg: TrainConfig):
 
 def _async_rules(cfg: TrainConfig):
     a = cfg.async_rl
-    yield not a.rollout_devices or a.rollout_workers and len(a.rollout_devices) % a.rollout_workers == 0, \
-        "rollout_devices", f"needs one device per rollout worker ({a.rollout_workers} workers; under torchrun, or " \
-        "one per worker of every process, in rank order)"
+    yield not a.rollout_devices or a.rollout_workers > 0, "rollout_devices", \
+        "places rollout workers, and --rollout-workers is 0 (give --rollout-workers N)"
+    yield not a.rollout_devices or len(a.rollout_devices) % max(1, a.rollout_workers) == 0, "rollout_devices", \
+        f"needs one device per rollout worker ({plural(a.rollout_workers, 'worker')}; under torchrun, or one per " \
+        "worker of every process, in rank order)"
     yield all(d == "cpu" or d.split(":")[0] == "cuda" for d in a.rollout_devices), "rollout_devices", \
         "each must be cpu, cuda or cuda:N"
     yield not (a.drop_uniform_groups and cfg.sampling.group_size < 2), "drop_uniform_groups", \
         "needs --group-size >= 2 (a group of one is always uniform)"
     yield not (a.drop_uniform_groups and (cfg.episodes.env or cfg.data.task == "calculator")), "drop_uniform_groups", \
         "cannot be combined with multi-turn episodes yet (their refill rounds would need their episodes joined)"
+
+
+def _optim_rules(cfg: TrainConfig):
+    yield all(0 <= b < 1 for b in cfg.optim.adam_betas), "adam_betas", "each must be in [0, 1)"
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a run brings besides its options, for `unused`."""
+
+    dataset: bool = False  # rows to train on (--dataset, or the API's train_dataset)
+    env: bool = False  # multi-turn episodes (an environment: --env, or the task's own)
+    rewards: tuple = ()  # the reward specs: names, paths, callables
+    reward_model: bool = False  # one of them is a learned reward model
+    local_model: bool = False  # --model is a built-in or a local full model: no Hub revision applies
+
+
+PPO_OPTIONS = ("critic", "critic_lr", "gamma", "gae_lambda", "value_clip", "vf_coef", "whiten_advantages",
+               "reward_kl_coef")
+
+
+def unused(cfg: TrainConfig, facts: Facts) -> list[tuple[str, str]]:
+    """(option, why) for each option that the rest of a run's resolved configuration, and `facts`,
+    leave without effect; gspo.run refuses those the user gave (`given`)."""
+    alg, info, c = cfg.loss.algorithm, LOSSES[cfg.loss.algorithm], cfg.corrections
+    table = [  # (the options cannot act, which, why)
+        (alg != "ppo", PPO_OPTIONS, f"sets PPO's value model; --algorithm {alg} has none"),
+        (alg == "ppo", ("adv_scale",), "PPO's advantages are GAE's over its value model, not a group's"),
+        (alg == "ppo" and cfg.ppo.critic == "separate", ("vf_coef",),
+         "weighs the value loss of --critic shared; --critic separate has its own optimizer"),
+        (info.gate, ("clip_low", "clip_high"), f"--algorithm {alg} gates instead of clipping (--sapo-tau-pos/-neg)"),
+        (not info.gate, ("sapo_tau_pos", "sapo_tau_neg"), f"is SAPO's gate temperature; --algorithm {alg} has none"),
+        (cfg.lora.lora_r == 0, ("lora_alpha", "lora_dropout", "lora_target_modules"),
+         "shapes LoRA adapters, and --lora-r is 0 (all weights train): give --lora-r N"),
+        (c.rollout_is == "off", ("rollout_is_mode", "rollout_is_low", "rollout_is_high"),
+         "shapes the --rollout-is weights, and --rollout-is is off"),
+        (c.rollout_is != "off" and c.rollout_is_mode == "truncate", ("rollout_is_low",),
+         "is the lower bound of --rollout-is-mode mask; truncate caps at --rollout-is-high only"),
+        (not cfg.async_rl.drop_uniform_groups, ("resample_rounds",), "applies with --drop-uniform-groups"),
+        (cfg.loss.beta == 0, ("kl_estimator",), "estimates the --beta KL penalty, and --beta is 0"),
+        ("format" not in facts.rewards, ("format_pattern",), "is the format reward's, and no --reward is format"),
+        ("wandb" not in cfg.run.report_to, ("wandb_project",), "applies with --report-to wandb"),
+        (cfg.eval.eval_size == 0, ("eval_every",), "--eval-size is 0: nothing is evaluated"),
+        (not facts.dataset, ("dataset_config", "dataset_split", "eval_dataset", "eval_split", "prompt_column",
+                             "answer_column"), f"applies to a --dataset; the built-in task {cfg.data.task} brings its own rows"),
+        (not facts.env, ("turn_advantages", "max_episode_tokens"),
+         "applies to multi-turn episodes, and this run's are single-turn (no --env)"),
+        (not facts.reward_model, ("reward_model_device", "reward_model_batch_size"),
+         "applies to learned reward models, and no --reward is one"),
+        (facts.local_model, ("revision",), f"picks a Hugging Face Hub revision, and --model {cfg.policy.model} is local"),
+    ]
+    return [(name, why) for idle, names, why in table if idle for name in names]
+
+
+DEFAULTS = {f.name: f.default for f in options()}
+# options whose value a run's config.yaml holds as gspo derived it (critic_lr = 10 x lr, the algorithm's clip
+# range, a multi-turn run's episode budget): given again with --config, under another --lr, --algorithm or task,
+# they are not the user's choice, so gspo.run says they do not act rather than refusing them
+DERIVED = ("critic_lr", "clip_low", "clip_high", "max_episode_tokens")
+
+
+def given(cfg: TrainConfig, name: str) -> bool:
+    """Whether option `name` of a resolved config holds a value of the user's: neither its default
+    nor the value `resolve` derives (a saved config.yaml holds those)."""
+    value, info = getattr(cfg, name), LOSSES.get(cfg.loss.algorithm)
+    derived = {"critic_lr": 10 * cfg.optim.lr, "clip_low": getattr(info, "clip_low", None),
+               "clip_high": getattr(info, "clip_high", None)}
+    return value != DEFAULTS[name] and (name not in derived or value != derived[name])
+
+
+def flag(name: str, value) -> str:
+    """An option and its value as a flag: `--lora-alpha 32`, `--turn-advantages`, `--no-progress`."""
+    f = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return f if value else "--no-" + f[2:]
+    shown = " ".join(map(str, value)) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else value
+    return f"{f} {shown}"
 
 
 def corrects_mismatch(cfg: TrainConfig) -> bool:
@@ -214,4 +302,5 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
                                eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards, output_dir=out)
 
 
-__all__ = ["absolute_paths", "checked", "corrects_mismatch", "resolve", "resume_config", "validate"]
+__all__ = ["DERIVED", "Facts", "absolute_paths", "checked", "corrects_mismatch", "flag", "given", "resolve", "resume_config",
+           "unused", "validate"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -29,19 +30,20 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
-from gspo.config import ConfigError, TrainConfig
+from gspo.checks import plural
+from gspo.config import ConfigError, TrainConfig, options
 from gspo.configfile import load_yaml
-from gspo.resolve import absolute_paths, resolve, resume_config
+from gspo.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
 from gspo.data import DataError
 from gspo.distributed import Dist
 from gspo.lifecycle import check_no_writer
 from gspo.env import episode_env, tool_schemas
 from gspo.critic import NoCritic, make_critic
 from gspo.logprobs import TokenLogprobs, supports_packing
-from gspo.models import DTYPES, disable_dropout, enable_checkpointing, load_policy, unwrap
+from gspo.models import BUILTIN_MODELS, DTYPES, disable_dropout, enable_checkpointing, load_policy, unwrap
 from gspo.moe import NO_ROUTING, NoRouting, Routing
 from gspo.optim import Trainable, make_optimizers
-from gspo.rewards import Reward
+from gspo.rewards import BUILTIN_REWARDS, Reward
 from gspo.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
 from gspo.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,  # noqa: F401 (the API, cli)
                            task_and_rewards, task_for)
@@ -111,7 +113,7 @@ class AlreadyComplete(Exception):
 
     def __init__(self, summary: dict):
         self.summary = summary
-        super().__init__(f"the run is complete ({summary.get('steps')} steps)")
+        super().__init__(f"the run is complete ({plural(summary.get('steps'), 'step')})")
 
 
 def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs: Inputs | None = None) -> Run:
@@ -122,15 +124,16 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     (optional) then carries options to change, only those safe to change
     (gspo.config.sections: `opt(..., resume=True)`). Raises AlreadyComplete when the run has done its steps.
     """
-    resume_from, restart = None, False
+    resume_from, restart, changed = None, False, None
     if resume is not None:
-        cfg, resume_from = _resume_target(Path(resume).absolute(), cfg)
+        cfg, resume_from, changed = _resume_target(Path(resume).absolute(), cfg)
         restart = resume_from is None
     default_length = resume is None and cfg.sampling.max_new_tokens is None  # the task's default: may be capped to the model
     cfg, dist = _start(cfg, fresh=resume is None)
     inputs = inputs or Inputs()
     _check_workers(cfg, inputs, dist)
     task = task_for(cfg, inputs)
+    idle = _check_unused(cfg, inputs, task, only=changed)  # before any weight is loaded
     reference = _reference(cfg, inputs, dist.device)  # the initial policy, before any weight is loaded or trained
     policy, tokenizer = load_policy_for(cfg, resume_from, dist.device, inputs)
     _check_chat_template(cfg, task, tokenizer)
@@ -142,7 +145,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
         enable_checkpointing(unwrap(policy))
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
               tokenizer=tokenizer, reference=reference, resume_from=resume_from, restart=restart,
-              notes=list(getattr(task, "notes", [])) + notes, env=env, max_turns=max_turns,
+              notes=list(getattr(task, "notes", [])) + idle + notes, env=env, max_turns=max_turns,
               stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))
     _training_side(run, inputs)
     return run
@@ -157,6 +160,8 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
     ranks = distributed.world_size_from_env()
     rollout_ranks = cfg.async_rl.rollout_workers if ranks > 1 else 0  # under torchrun: the world's last N ranks
     world = ranks - rollout_ranks
+    if fresh and cfg.run.parallel == "fsdp":  # ddp is the default: gspo.cli refuses it when the flag is given
+        check_processes("fsdp")
     if cfg.sampling.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: must be divisible by the number of processes, {world}, so that "
                           f"each process samples whole groups (got {cfg.sampling.prompts_per_step})")
@@ -164,9 +169,11 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
     cfg = dataclasses.replace(cfg, output_dir=dist.broadcast_object(cfg.run.output_dir))  # rank 0's timestamp
     run_dir = Path(cfg.run.output_dir)
     if dist.is_main:
+        _check_output_dir(run_dir)
         check_no_writer(run_dir)  # a live run holds it: refused in one line
     if fresh and not ckpt.is_empty_run_dir(run_dir):
-        raise FileExistsError(f"{run_dir}: output directory exists and is not empty (use --resume {run_dir} to continue it)")
+        raise FileExistsError(f"--output-dir {run_dir}: exists and is not empty (use --resume {run_dir} to continue "
+                              "it, or choose another --output-dir)")
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
@@ -175,15 +182,62 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
     return cfg, dist
 
 
+def check_processes(parallel: str) -> None:
+    """--parallel replicates or shards over the processes torchrun starts: refused in one process."""
+    if distributed.world_size_from_env() == 1:
+        raise ConfigError(f"--parallel {parallel}: needs several processes started by torchrun (torchrun --nproc-per-node "
+                          f"N -m gspo train --parallel {parallel} ...); this is one process")
+
+
+def _check_output_dir(run_dir: Path) -> None:
+    """--output-dir: a directory, or a path one can be made at (no file on the way, the nearest
+    existing directory writable)."""
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"--output-dir {run_dir}: {'it' if p == run_dir else p} is a file, not a directory")
+            if p != run_dir and not os.access(p, os.W_OK | os.X_OK):
+                raise ConfigError(f"--output-dir {run_dir}: cannot be made, {p} is not writable")
+            return
+
+
+def _check_unused(cfg: TrainConfig, inputs: Inputs, task, only=None) -> list[str]:
+    """Options the rest of the run leaves without effect (gspo.resolve.unused): the first the user
+    gave is refused in one line. Said in a warning instead: the options a saved config.yaml holds as
+    gspo derived them (gspo.resolve.DERIVED), vLLM settings without --rollout-engine vllm (a recipe's
+    stay when a flag samples with hf) and --task with --dataset (documented as ignored there).
+    only: the options to check (resuming: those the resume changes). Returns the warnings."""
+    specs = tuple(inputs.reward_funcs or cfg.rewards.reward) or tuple(task.default_rewards)
+    model = Path(str(cfg.policy.model)).expanduser()
+    facts = Facts(dataset=cfg.data.dataset is not None or inputs.train_dataset is not None,
+                  env=(inputs.env or cfg.episodes.env or getattr(task, "default_env", None)) is not None, rewards=specs,
+                  reward_model=any(isinstance(r, str) and ":" not in r and r not in BUILTIN_REWARDS for r in specs),
+                  local_model=inputs.model_object is None and (cfg.policy.model in BUILTIN_MODELS or model.is_dir() and
+                                                               not (model / "adapter_config.json").exists()))
+    mine = [name for name in (f.name for f in options()) if given(cfg, name) and (only is None or name in only)]
+    idle = [(name, why) for name, why in unused(cfg, facts) if name in mine]
+    for name, why in idle:
+        if name not in DERIVED:
+            raise ConfigError(f"{flag(name, getattr(cfg, name))}: {why}")
+    notes = [f"{flag(name, getattr(cfg, name))}: not used: {why}" for name, why in idle]
+    vllm = [flag(n, getattr(cfg, n)) for n in mine if n.startswith("vllm_")] if cfg.sampling.rollout_engine != "vllm" else []
+    notes += [f"{', '.join(vllm)}: not used: they set the vLLM engine, and this run samples with --rollout-engine "
+              f"{cfg.sampling.rollout_engine}"] if vllm else []
+    if "task" in mine and facts.dataset:
+        notes.append(f"{flag('task', cfg.data.task)}: not used: --dataset gives the prompts, rewards and defaults")
+    return notes
+
+
 def _check_workers(cfg: TrainConfig, inputs: Inputs, dist: Dist) -> None:
     """Rollout workers build their own copy of the sampling side from names: Python objects
     cannot reach them."""
     held = [name for name in ("model", "tokenizer", "train_dataset", "reward_funcs", "env")
             if getattr(inputs, name) is not None and not (name == "model" and inputs.model_object is None)]
-    given, n = len(cfg.async_rl.rollout_devices), cfg.async_rl.rollout_workers
-    if given and given not in (n, n * dist.world):
-        raise ConfigError(f"rollout_devices: needs {n} devices (the same for every process) or {n * dist.world} (the "
-                          f"{n} of each of the {dist.world} processes, in rank order) (got {given})")
+    count, n = len(cfg.async_rl.rollout_devices), cfg.async_rl.rollout_workers
+    if count and count not in (n, n * dist.world):
+        each = "" if dist.world == 1 else f" (the same for every process) or {n * dist.world} (the {n} of each of the " \
+            f"{plural(dist.world, 'process', 'processes')}, in rank order)"
+        raise ConfigError(f"rollout_devices: needs {plural(n, 'device')}, one per rollout worker{each} (got {count})")
     if cfg.async_rl.rollout_workers and held:
         raise ConfigError(f"rollout_workers: the workers build the model, data, rewards and environment from names and "
                           f"paths; this run passes {', '.join(held)} as Python objects (save them and pass paths, or "
@@ -238,18 +292,18 @@ def _check_chat_template(cfg: TrainConfig, task, tokenizer) -> None:
         raise DataError(f"{cfg.data.dataset or 'task ' + cfg.data.task}: {why} but the tokenizer of {cfg.policy.model} has no chat template")
 
 
-def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainConfig, Path | None]:
-    """The configuration a resumed run continues with, and its newest checkpoint (None: start
-    over from step 0). Raises AlreadyComplete when the run has done its steps."""
+def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainConfig, Path | None, set[str]]:
+    """The configuration a resumed run continues with, its newest checkpoint (None: start over
+    from step 0), and the options the resume changes. Raises AlreadyComplete when the run has done its steps."""
     if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{run_dir}: not a gspo run directory (no config.yaml) to resume")
+        raise FileNotFoundError(f"--resume {run_dir}: not a gspo run directory (no config.yaml)")
     saved = dataclasses.replace(load_yaml(run_dir / "config.yaml"), output_dir=str(run_dir))
     cfg = resume_config(saved, changed)
     last = ckpt.latest_checkpoint(run_dir)
     done = ckpt.is_complete(run_dir, cfg.run.steps)
     if done is not None and last is not None and last.name == f"step-{cfg.run.steps:06d}":
         raise AlreadyComplete(done)
-    return cfg, last
+    return cfg, last, {f.name for f in options() if getattr(cfg, f.name) != getattr(saved, f.name)}
 
 
 def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: bool,
@@ -267,22 +321,25 @@ def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: b
     longest = max(lengths)
     if cfg.data.max_prompt_length and longest > cfg.data.max_prompt_length:
         cut = sum(n > cfg.data.max_prompt_length for n in lengths)
-        notes.append(f"max_prompt_length: {cut} of the {len(lengths)} prompts checked are longer than "
-                     f"{cfg.data.max_prompt_length} tokens (up to {longest}); they keep their last {cfg.data.max_prompt_length}")
+        one = cut == 1
+        notes.append(f"max_prompt_length: {cut} of the {plural(len(lengths), 'prompt')} checked {'is' if one else 'are'} "
+                     f"longer than {plural(cfg.data.max_prompt_length, 'token')} (up to {longest}); "
+                     f"{'it keeps its' if one else 'they keep their'} last {cfg.data.max_prompt_length}")
         longest = cfg.data.max_prompt_length
     limit = getattr(unwrap(policy).config, "max_position_embeddings", None)
     if limit and longest + cfg.sampling.max_new_tokens > limit:
         if not default_length or longest >= limit:
-            raise ConfigError(f"max_new_tokens: prompts of up to {longest} tokens + {cfg.sampling.max_new_tokens} new tokens "
+            raise ConfigError(f"max_new_tokens: prompts of up to {plural(longest, 'token')} + "
+                              f"{plural(cfg.sampling.max_new_tokens, 'new token')} "
                               f"exceed the model's max_position_embeddings ({limit}); lower --max-new-tokens or set "
                               "--max-prompt-length")
         whose = f"the default for a dataset ({cfg.data.dataset})" if cfg.data.dataset else f"task {cfg.data.task}'s default"
         notes.append(f"max_new_tokens: {whose}, {cfg.sampling.max_new_tokens}, capped to {limit - longest}, so that "
-                     f"prompts of up to {longest} tokens fit the model's {limit} positions")
+                     f"prompts of up to {plural(longest, 'token')} fit the model's {limit} positions")
         cfg = dataclasses.replace(cfg, max_new_tokens=limit - longest)
     if env is not None and limit:
         if longest + cfg.episodes.max_episode_tokens > limit:
-            raise ConfigError(f"max_episode_tokens: prompts of up to {longest} tokens + {cfg.episodes.max_episode_tokens} "
+            raise ConfigError(f"max_episode_tokens: prompts of up to {plural(longest, 'token')} + {cfg.episodes.max_episode_tokens} "
                               f"exceed the model's max_position_embeddings ({limit})")
         cfg = dataclasses.replace(cfg, max_episode_tokens=cfg.episodes.max_episode_tokens or limit - longest)
     return cfg, notes

@@ -53,7 +53,7 @@ FIRST_STEP = 1_000_000  # the measurement's prompts: training steps no run of th
 def ratio_variance(cfg: TrainConfig, *, responses: int = 512, n_bins: int = 5, log=print) -> dict:
     """Sample `responses` completions from the model, take one minibatch update, and return the
     per-length-bin variances (module docstring): {"model", ..., "drift", "settings": {setting: bins}}."""
-    run = build_run(dataclasses.replace(cfg, eval_size=0))
+    run = build_run(dataclasses.replace(cfg, eval_size=0, eval_every=0))  # no evaluation (--eval-every needs one)
     chunks = sample_old(run, responses)
     n = one_minibatch_update(run)
     log(f"[variance] {cfg.policy.model}: {sum(c[0].prompt_ids.shape[0] for c in chunks)} responses sampled; one "

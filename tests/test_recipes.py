@@ -98,8 +98,12 @@ def check_run(recipe: Path, run_dir: Path, stderr: str, extra: dict) -> None:
     # own `rollout_engine: hf` brings: under FSDP, how gspo's sampler gathers the policy. (vLLM's
     # own log has WARNING lines of its own: engine chatter, e.g. float32 weights cast to bfloat16.)
     said = [line for line in stderr.splitlines() if line.startswith("gspo: warning:")]
-    expected = [line for line in said if extra.get("rollout_engine") == "hf" and load(recipe).get("parallel") == "fsdp"
-                and line.startswith("gspo: warning: parallel: fsdp samples with the sharded policy itself")]
+    expected = [line for line in said if extra.get("rollout_engine") == "hf" and (
+        load(recipe).get("parallel") == "fsdp"
+        and line.startswith("gspo: warning: parallel: fsdp samples with the sharded policy itself")
+        # ... and that the recipe's vLLM settings do not act when it samples with hf
+        or line.startswith("gspo: warning: --vllm-")
+        and line.endswith("not used: they set the vLLM engine, and this run samples with --rollout-engine hf"))]
     assert said == expected, said
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     changed = {**OVERRIDES, **extra}
