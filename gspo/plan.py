@@ -18,6 +18,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | --- | --- |
 | `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
+| `threads` | `{"count", "why"}`: torch's CPU threads in this process and how that count was chosen (gspo.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started) |
 | `parallel` | `"none"` (one process), `"ddp"` or `"fsdp"` |
 | `weights_dtype` | the trained weights' dtype (`--param-dtype`), read from the policy |
 | `compute_dtype` | forwards' dtype (`--dtype`) |
@@ -50,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from gspo import distributed, fastdecode
+from gspo.checks import plural
 from gspo.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.rollout import PolicySampler
 
@@ -86,6 +88,7 @@ def plan(run) -> dict:
         "rollouts": {"max_staleness": cfg.async_rl.max_staleness, "workers": workers, "devices": devices,
                      "mode": "ranks" if dist.link is not None else "processes" if workers else "this process"},
         "processes": dist.world,
+        "threads": {"count": torch.get_num_threads(), "why": run.threads},
         "parallel": dist.parallel if dist.enabled else "none",
         "weights_dtype": weights,
         "compute_dtype": cfg.policy.dtype,
@@ -115,6 +118,9 @@ def describe(p: dict, warnings: bool = True) -> str:
     """The plan in a few lines (what `gspo train` prints once at the start; `warnings=False`
     leaves out the warnings, which the trainer says on stderr)."""
     layout = "1 process" if p["processes"] == 1 else f"{p['parallel'].upper()} over {p['processes']} processes"
+    t = p.get("threads") or {}
+    if t.get("count"):
+        layout += f" of {plural(t['count'], 'CPU thread')}" + (f" ({t['why']})" if t.get("why") else "")
     compute = f"compute {p['compute_dtype']}" + (" (autocast)" if p["autocast"] else "")
     decode = {"fast": "the compact decode step (gspo.fastdecode)", "vllm": "vLLM's",
               "hf": f"Hugging Face's forward ({p['decode_why']})"}[p["decode"]]

@@ -45,6 +45,7 @@ from gspo.moe import NO_ROUTING, NoRouting, Routing
 from gspo.optim import Trainable, make_optimizers
 from gspo.rewards import BUILTIN_REWARDS, Reward
 from gspo.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
+from gspo.threads import choose_threads
 from gspo.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,  # noqa: F401 (the API, cli)
                            task_and_rewards, task_for)
 
@@ -75,6 +76,7 @@ class Run:
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
     env: type | None = None  # multi-turn: the environment class (gspo.env), one instance per episode
     max_turns: int = 1  # model turns per episode at most
+    threads: str = ""  # why torch has the CPU threads it has (gspo.threads.choose_threads)
     # where the run stands; saved in every checkpoint
     start_step: int = 0
     steps_done: int = 0
@@ -129,7 +131,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
         cfg, resume_from, changed = _resume_target(Path(resume).absolute(), cfg)
         restart = resume_from is None
     default_length = resume is None and cfg.sampling.max_new_tokens is None  # the task's default: may be capped to the model
-    cfg, dist = _start(cfg, fresh=resume is None)
+    cfg, dist, threads = _start(cfg, fresh=resume is None)
     inputs = inputs or Inputs()
     _check_workers(cfg, inputs, dist)
     task = task_for(cfg, inputs)
@@ -146,14 +148,15 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
               tokenizer=tokenizer, reference=reference, resume_from=resume_from, restart=restart,
               notes=list(getattr(task, "notes", [])) + idle + notes, env=env, max_turns=max_turns,
-              stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))
+              stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
     _training_side(run, inputs)
     return run
 
 
-def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
+def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist, str]:
     """The resolved configuration and the process group; the run directory checked (a new run's
-    must be empty), the seeds set. fresh: not a resumed run."""
+    must be empty), the seeds and the CPU threads set (and why that many, in words). fresh: not a
+    resumed run."""
     cfg = resolve(cfg)
     if fresh:
         cfg = absolute_paths(cfg)  # the run directory works from any working directory
@@ -174,12 +177,13 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist]:
     if fresh and not ckpt.is_empty_run_dir(run_dir):
         raise FileExistsError(f"--output-dir {run_dir}: exists and is not empty (use --resume {run_dir} to continue "
                               "it, or choose another --output-dir)")
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
+    threads, why = choose_threads(cfg.run.threads)  # 0: the cores free now (gspo.threads)
+    torch.set_num_threads(threads)
+    cfg = dataclasses.replace(cfg, threads=threads)  # config.yaml keeps the count: a resume computes alike
     torch.manual_seed(cfg.run.seed)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
-    return cfg, dist
+    return cfg, dist, why
 
 
 def check_processes(parallel: str) -> None:

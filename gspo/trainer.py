@@ -74,8 +74,17 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
     run directory and logs. SIGINT/SIGTERM stop the run after the step under way with a
     checkpoint (gspo.lifecycle.Interrupted). inputs: objects in place of names (gspo.run.Inputs);
     callbacks: `(step, metrics) -> bool`, True stops the run after that step (gspo.api.Trainer);
-    keep: called with the finished run (gspo.api.Trainer keeps its trained policy).
+    keep: called with the finished run (gspo.api.Trainer keeps its trained policy). The run sets
+    torch's CPU threads (gspo.threads); this process's count is put back when it ends.
     """
+    threads = torch.get_num_threads()
+    try:
+        return _train_in_process(cfg, resume, log, inputs, callbacks, keep)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_in_process(cfg, resume, log, inputs, callbacks, keep) -> dict:
     t_start = time.time()
     if distributed.world_size_from_env() > 1:  # under torchrun the world's last --rollout-workers ranks sample
         saved = Path(resume or ".") / "config.yaml"

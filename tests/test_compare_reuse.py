@@ -4,6 +4,7 @@ as `<run>.replaced-<k>` and trained again. A resumed run keeps the thread count 
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -96,7 +97,9 @@ def test_a_run_trained_with_other_options_is_set_aside_and_trained_again(tmp_pat
 def _compare(*args):
     """The CLI without test_cli's OMP_NUM_THREADS=1: a run resumed with threads 0 then takes torch's
     default (the cores), not the one thread it began with."""
-    return subprocess.run([sys.executable, "-m", "gspo", "compare", *args], capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # (tests/conftest.py sets it)
+    return subprocess.run([sys.executable, "-m", "gspo", "compare", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 @pytest.mark.slow

@@ -1,6 +1,9 @@
 """The run's plan (gspo.plan): each request's resolved plan, in summary.json and said once at the start."""
 
 import json
+import os
+
+import torch
 
 import gspo
 from gspo.config import TrainConfig
@@ -10,7 +13,8 @@ from gspo.run import build_run
 SMALL = dict(steps=1, prompts_per_step=2, group_size=2, eval_size=4, max_new_tokens=4, progress=False)
 KEYS = {"engine", "processes", "parallel", "weights_dtype", "compute_dtype", "autocast", "sampler", "sampler_dtype",
         "old_logp", "packing", "packing_why", "micro_batch_tokens", "lm_head", "lm_head_chunk", "decode",
-        "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "rollouts", "warnings"}
+        "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "rollouts", "warnings",
+        "threads"}
 
 
 def plan_of(tmp_path, **kw) -> dict:
@@ -22,6 +26,8 @@ def plan_of(tmp_path, **kw) -> dict:
 def test_default_run(tmp_path):
     p = plan_of(tmp_path)
     assert p["engine"] == "hf" and p["processes"] == 1 and p["parallel"] == "none"
+    # tests/conftest.py sets OMP_NUM_THREADS (runs compared bit for bit compute alike): gspo.threads keeps it
+    assert p["threads"] == {"count": torch.get_num_threads(), "why": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"}
     assert (p["weights_dtype"], p["compute_dtype"], p["autocast"]) == ("float32", "float32", False)
     assert p["sampler"] == "the policy itself" and p["sampler_dtype"] == "float32"
     assert p["old_logp"] == "sampling"  # auto, in float32: the sampler's own log-probs

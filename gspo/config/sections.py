@@ -372,7 +372,9 @@ class RunOptions:
     wandb_project: str = opt("gspo",
         "Weights & Biases project (set WANDB_MODE=offline to log without a network).", resume=True)
     device: str = opt("cpu", "Device for the policy: cpu, cuda, cuda:N, or auto (cuda when available).", resume=True)
-    threads: int = opt(0, "CPU threads for torch (0 = torch's default).", ge=0, resume=True)
+    threads: int = opt(0, "CPU threads for torch (0: half the cores, fewer when other processes keep them busy, at "
+                          "least 1; OMP_NUM_THREADS, if set, instead; the count is in the plan and config.yaml: "
+                          "gspo.threads).", ge=0, resume=True)
     parallel: Literal["ddp", "fsdp"] = opt("ddp",
         "Under torchrun (several processes): ddp replicates the model, fsdp shards parameters, gradients and "
         "optimizer state (FSDP2).")
