@@ -106,7 +106,8 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     known = set(SECTION_OF)
     want = dict(model=model_dir(args.layers), num_minibatches=1, prompts_per_step=1, group_size=args.rows,
-                output_dir="/dev/null/unused", progress=False, lr=1e-6, max_new_tokens=args.length)
+                output_dir="/dev/null/unused", progress=False, lr=1e-6, max_new_tokens=args.length,
+                threads=args.threads)
     if "micro_batch_tokens" in known:  # this checkout: mixed precision and a token budget
         want.update(dtype="bfloat16", micro_batch_tokens=args.budget)
     run = build_run(TrainConfig(**{k: v for k, v in want.items() if k in known}))

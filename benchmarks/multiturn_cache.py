@@ -81,7 +81,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        run = build_run(TrainConfig(task="calculator", output_dir=f"{tmp}/run", progress=False))
+        run = build_run(TrainConfig(task="calculator", output_dir=f"{tmp}/run", progress=False,
+                                    threads=args.threads))
     cfg = run.cfg
     samplers = {"re-prefill": PolicySampler(run.policy, keep_cache=False), "kept cache": PolicySampler(run.policy)}
     clock = Clock()

@@ -39,7 +39,7 @@ def worker(args) -> None:
     cfg = resolve(TrainConfig(algorithm=args.algorithm, model=model_path(args.model), steps=args.steps + 1,
                               prompts_per_step=args.prompts, group_size=args.group_size,
                               max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                              output_dir="/dev/null/unused", progress=False, **extra))
+                              output_dir="/dev/null/unused", progress=False, threads=args.threads, **extra))
     run = build_run(cfg)
     times = []
     for step in range(1, cfg.steps + 1):

@@ -75,7 +75,7 @@ def run_gspo(args) -> dict:
     model, P, G, L = CONFIGS[args.config]
     gpu = args.config in GPU_CONFIGS
     cfg = resolve(TrainConfig(model=model_path(model), prompts_per_step=P, group_size=G, max_new_tokens=L,
-                              min_new_tokens=L, num_minibatches=4, lr=1e-5, output_dir="-", progress=False,
+                              min_new_tokens=L, num_minibatches=4, lr=1e-5, output_dir="-", progress=False, threads=args.threads,
                               device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                               rollout_engine="vllm" if args.vllm else "hf", vllm_gpu_memory_utilization=0.3))
     run = build_run(cfg)
