@@ -11,7 +11,7 @@ what gspo.resolve derives from the rest (a --critic-lr that is not 10 x --lr). A
 the run's algorithm does not read (PPO's value model for another loss, SAPO's gate temperatures
 for the clipped losses, the clip range for SAPO) is left out. Parsed back and resolved, the
 command gives the run's configuration, less the options left out and where it ran
-(--output-dir, --progress); tests/test_export.py checks that.
+(--output-dir, --progress, --threads); tests/test_export.py checks that.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from gspo.config import SECTION_OF, ConfigError, TrainConfig, options
 from gspo.losses import LOSSES
 from gspo.resolve import checked, resolve
 
-NOT_IN_COMMAND = ("output_dir", "progress")  # where the run wrote, and how it showed progress
+NOT_IN_COMMAND = ("output_dir", "progress", "threads")  # where the run wrote, how it showed progress, its CPU threads
 
 
 def applies(name: str, cfg: TrainConfig) -> bool:

@@ -136,7 +136,10 @@ def test_recorded_logprobs_and_routing_equal_hf_and_a_full_forward(models, char_
     real = ro.attention_mask.bool()
     real[:, -1] = False  # the last token is never fed
     assert (ro.routing[real] >= 0).all() and torch.equal(ro.routing[real], cap.indices(B, S)[real])
-    torch.testing.assert_close(lp, ro.logp, rtol=1e-5, atol=1e-5)
+    # float32, summed in another order (one token at a time against the cache, or the whole sequence at
+    # once): with 2 threads, the longest model's worst token differs by 1.7e-5 on a log-prob of -0.59;
+    # 5e-5 is still 46x below a bf16 rounding of the same log-prob (2^-8 x 0.59 = 2.3e-3)
+    torch.testing.assert_close(lp, ro.logp, rtol=5e-5, atol=5e-5)
     routing.remove()
 
 
