@@ -160,6 +160,9 @@ class EvalArgs:
     """Seed of the pass@k samples."""
     progress: bool = True
     """Show progress: a bar on a terminal, else a line on stderr each tenth of the problems."""
+    threads: int = 0
+    """CPU threads, as gspo train takes them: 0 = half the cores, fewer when other processes keep them busy
+    (OMP_NUM_THREADS, if set, is kept); the count is in the output's "threads"."""
 
 
 def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
@@ -177,7 +180,7 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
     base = load_yaml(path / "config.yaml") if (path / "config.yaml").exists() else TrainConfig()
     keep = {"dtype": "float32", "param_dtype": "float32"} if base.policy.dtype != "float32" else {}
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(a)
-             if f.name not in ("model", "k") and getattr(a, f.name) is not None}
+             if f.name not in ("model", "k", "threads") and getattr(a, f.name) is not None}
     if "dtype" in given:
         keep["param_dtype"] = given["dtype"]
     keep.update(eval_names(a.model, base, given))  # a run trained from Python on objects: what replaces them
@@ -190,6 +193,23 @@ def cmd_eval(args: list[str]) -> int:
     a = _parse(EvalArgs, _merge_repeated(args, _list_flags(EvalArgs)), "gspo eval")
     if a.k < 0:
         raise UsageError(f"--k: must be >= 0, got {a.k}")
+    if a.threads < 0:
+        raise UsageError(f"--threads: must be >= 0 (0: half the cores, fewer when busy), got {a.threads}")
+    import torch
+
+    from gspo.threads import choose_threads
+
+    threads, _ = choose_threads(a.threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _evaluate(a, threads)
+    finally:
+        torch.set_num_threads(before)  # gspo.cli.main called from Python: the caller's count back
+
+
+def _evaluate(a: EvalArgs, threads: int) -> int:
+    """cmd_eval on `threads` CPU threads: the JSON line of results on stdout."""
     from gspo.resolve import resolve
     from gspo.env import episode_env
     from gspo.episodes import EpisodeSpec
@@ -213,7 +233,7 @@ def cmd_eval(args: list[str]) -> int:
                           episode=EpisodeSpec.from_config(cfg, env, max_turns))  # progress: a bar, else lines
     res = evaluate(model, tok, task, rewards, options)
     print(json.dumps({"model": model_path, "task": cfg.data.dataset or cfg.data.task,
-                      "max_new_tokens": sampling.max_new_tokens, **res}))
+                      "max_new_tokens": sampling.max_new_tokens, "threads": threads, **res}))
     return 0
 
 

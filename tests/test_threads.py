@@ -5,12 +5,14 @@ to 4.1x slower steps on 2 cores: docs/performance.md); the default takes at most
 and no more than other processes leave free, at least 1; the run's config.yaml keeps the count.
 """
 
+import json
 import os
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
 from gspo import threads
 from gspo.threads import busy_cores, choose_threads
@@ -75,10 +77,30 @@ def test_gspo_train_beside_a_busy_machine_takes_one_thread_and_keeps_it(tmp_path
         r = subprocess.run([sys.executable, "-m", "gspo", "train", "--steps", "1", "--eval-size", "0",
                             "--prompts-per-step", "4", "--group-size", "2", "--no-progress",
                             "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+        # gspo eval takes its threads alike (it took torch's default, every core, before)
+        e = subprocess.run([sys.executable, "-m", "gspo", "eval", "--model", str(tmp_path / "run"), "--k", "0",
+                            "--eval-size", "4", "--no-progress"],
+                           capture_output=True, text=True, env=env, timeout=300)
     finally:
         for p in loads:
             p.kill()
             p.wait()
     assert r.returncode == 0, r.stderr[-2000:]
+    assert e.returncode == 0, e.stderr[-2000:]
+    assert json.loads(e.stdout)["threads"] == 1
     assert f"1 process of 1 CPU thread (half of {cores} cores, " in r.stdout, r.stdout
     assert "threads: 1\n" in (tmp_path / "run" / "config.yaml").read_text()  # a resume computes alike
+
+
+def test_gspo_eval_takes_asked_threads_and_gives_the_callers_back(capsys):
+    from gspo.cli import main
+
+    before = torch.get_num_threads()
+    asked = before + 1  # a count that differs from the caller's
+    assert main(["eval", "--model", "tiny", "--k", "0", "--eval-size", "2", "--no-progress",
+                 "--threads", str(asked)]) == 0
+    assert json.loads(capsys.readouterr().out)["threads"] == asked
+    assert torch.get_num_threads() == before
+    assert main(["eval", "--model", "tiny", "--threads", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "gspo eval: error: --threads: must be >= 0 (0: half the cores, fewer when busy), got -1"
