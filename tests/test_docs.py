@@ -90,5 +90,5 @@ def test_relative_links_resolve():
 
 def test_ci_runs_the_readme_test_command():
     blocks = re.findall(r"```bash\n(.*?)\n```", README, re.S)
-    assert blocks[1] == "bash scripts/setup.sh && .venv/bin/python -m pytest"
+    assert blocks[1] == "bash scripts/setup.sh && .venv/bin/python -m pytest -n 2"  # both cores (pytest-xdist)
     assert "README.md" in (ROOT / ".ci" / "run").read_text()
