@@ -72,10 +72,11 @@ def path_like(name: str) -> bool:
             or (bool(sep) and (not _ID.match(name) or Path(first).expanduser().exists())))
 
 
-def nearby(name: str, names=()) -> str:
+def nearby(name: str, names=(), *, files: bool = False) -> str:
     """'; did you mean X?' for a missing local path `name`: the closest of `names` (built-in
-    names) or of the directories beside it (in its parent directory); '' when none is close, and
-    ' (PARENT does not exist)' when its parent directory does not exist either.
+    names) or of the directories beside it (in its parent directory; the files with `files`);
+    '' when none is close, and ' (PARENT does not exist)' when its parent directory does not
+    exist either.
 
     >>> nearby("tiny_moe", ["tiny", "tiny-moe"])
     '; did you mean tiny-moe?'
@@ -88,7 +89,8 @@ def nearby(name: str, names=()) -> str:
         missing = next(p for p in [parent, *parent.parents][::-1] if not p.is_dir())  # the first one missing
         return f" ({missing} {'is a file' if missing.exists() else 'does not exist'})"
     try:
-        siblings = sorted(p.name for p in itertools.islice(parent.iterdir(), 2000) if p.is_dir())
+        siblings = sorted(p.name for p in itertools.islice(parent.iterdir(), 2000)
+                          if (p.is_file() if files else p.is_dir()))
     except OSError:
         siblings = []
     scored = [(difflib.SequenceMatcher(None, name.lower(), n.lower()).ratio(), n) for n in names]

@@ -31,6 +31,7 @@ in `ForSequenceClassification`, or a hub id such as `Skywork/Skywork-Reward-V2-Q
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -214,15 +215,21 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
     if ":" not in spec:
         path = reward_model_path(spec)
         if path is None:
-            raise RewardError(f"unknown reward {spec!r}: expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
+            close = difflib.get_close_matches(spec, BUILTIN_REWARDS, n=1)
+            raise RewardError(f"unknown reward {spec!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                              + f": expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
                               "package.module:function, path/to/file.py:function, or a reward model (a directory "
                               "or a Hugging Face Hub id org/name)")
         rm = RewardModel.load(path, spec=spec, device=device or "cpu", batch_size=batch_size)
         return Reward(rm.__name__, rm)
     target, _, attr = spec.rpartition(":")
-    fn = getattr(_import(spec, target), attr, None)
+    module = _import(spec, target)
+    fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
-        raise RewardError(f"reward {spec!r}: {target} has no function {attr!r}")
+        functions = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(attr, functions, n=1)
+        raise RewardError(f"reward {spec!r}: {target} has no function {attr!r}"
+                          + (f"; did you mean {target}:{close[0]}?" if close else ""))
     return Reward(attr, fn)
 
 
@@ -235,7 +242,12 @@ def _import(spec: str, target: str):
             raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
     path = Path(target).expanduser()
     if not path.is_file():
-        raise RewardError(f"reward {spec!r}: no such file {path}")
+        from gspo.hub import nearby
+
+        hint = nearby(target, files=True)  # '; did you mean examples/rewards.py?', with the function
+        if hint.startswith("; did you mean "):
+            hint = f"{hint[:-1]}:{spec.rpartition(':')[2]}?"
+        raise RewardError(f"reward {spec!r}: no such file {path}{hint}")
     mod_name = f"gspo_user_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(mod_name, path)
     module = importlib.util.module_from_spec(module_spec)

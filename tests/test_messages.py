@@ -129,6 +129,19 @@ def test_a_refusal_is_one_line_naming_the_option(command, args, says, place, cap
     assert says in refused(command, args, place, capsys)
 
 
+@pytest.mark.parametrize("reward,says", [
+    ("reward.py:digit_credit", "no such file reward.py; did you mean rewards.py:digit_credit?"),
+    ("rewards.py:digit_credt", "rewards.py has no function 'digit_credt'; did you mean "),  # the path made absolute
+    ("exact_matc", "unknown reward 'exact_matc' (did you mean exact_match?): expected a built-in"),
+])
+def test_a_mistyped_reward_gets_a_did_you_mean(reward, says, place, capsys):
+    (place / "rewards.py").write_text("def digit_credit(completions, **kw):\n    return [0.0 for _ in completions]\n")
+    line = refused("train", ["--reward", reward], place, capsys)
+    assert says in line and line.endswith("?" if "(" not in says else "org/name)")
+    if "digit" in reward:
+        assert line.endswith("rewards.py:digit_credit?")
+
+
 def test_the_table_is_long_enough():
     assert len(CASES) >= 20 and {c for c, *_ in CASES} == {"train", "eval", "export"}
 
