@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from gspo.checks import plural
+
 Tensor = torch.Tensor
 
 ADV_SCALES = ("group", "batch", "none")
@@ -40,7 +42,7 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if rewards.numel() % group_size != 0:
         raise ValueError(
-            f"batch of {rewards.numel()} rewards is not a whole number of groups of size {group_size}"
+            f"batch of {plural(rewards.numel(), 'reward')} is not a whole number of groups of size {group_size}"
         )
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or inf")

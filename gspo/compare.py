@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
-from gspo.checks import check_value, yaml_value
+from gspo.checks import check_value, plural, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
 from gspo.resolve import resolve
@@ -326,7 +326,7 @@ def train_runs(runs: list[tuple[str, object, Path | None]], jobs: int, threads: 
         for label, cfg, resume in runs:
             log(f"[compare] {label}: done in {_train_one(label, cfg, resume, log):.0f} s")
         return
-    log(f"[compare] {len(runs)} runs, {jobs} at a time, {threads} thread{'s' if threads > 1 else ''} each "
+    log(f"[compare] {plural(len(runs), 'run')}, {jobs} at a time, {plural(threads, 'thread')} each "
         f"(each run equals `gspo train --threads {threads}` alone)")
     in_processes([(label, _train_one, (label, for_job(cfg, None if resume else threads), resume))
                   for label, cfg, resume in runs], jobs, log,
@@ -361,7 +361,7 @@ def _train_one(label: str, cfg, resume, log=None) -> float:
     t0, threads = time.time(), torch.get_num_threads()
     what = "training" if resume is None else f"resuming {resume}"
     kept = "" if resume is None else f", threads={cfg.run.threads} as it began"  # whatever --jobs now (0: torch's)
-    log(f"[compare] {label}: {what} ({cfg.loss.algorithm}, {cfg.run.steps} steps{kept})")
+    log(f"[compare] {label}: {what} ({cfg.loss.algorithm}, {plural(cfg.run.steps, 'step')}{kept})")
     try:
         with progress_as_lines():
             train(cfg, resume=resume, log=labelled(label, log))

@@ -38,6 +38,7 @@ import tyro
 import yaml
 
 from gspo import checkpoint as ckpt
+from gspo.checks import plural
 from gspo.command import NOT_IN_COMMAND, train_command
 from gspo.config import TrainConfig, to_dict
 from gspo.configfile import load_yaml
@@ -276,7 +277,7 @@ def model_card(t: Trained, *, dtype: str, merged: bool, where: str) -> str:
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
              f"# {where.rstrip('/').split('/')[-1]}", "",
              f"`{base}` fine-tuned with {ALGORITHMS.get(cfg.loss.algorithm, cfg.loss.algorithm.upper())} by gspo "
-             f"for {t.step} steps on {data} "
+             f"for {plural(t.step, 'step')} on {data} "
              f"(rewards: {', '.join(cfg.rewards.reward) or 'the task default'}); {what} weights in {dtype}.", "",
              *_results(t.evals, t.step), *_training(cfg), *_load_it(t, where, merged)]
     return "\n".join(lines) + "\n"

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from gspo.checks import plural
 from gspo.reward_model import RewardModel, check_device, reward_model_path
 from gspo.scoring import RewardError, RewardFn, completion_text, per_completion
 
@@ -266,7 +267,8 @@ def load_rewards(specs: list[str], weights: list[float] | None, *, reward_model_
     check_device(reward_model_device)  # a bad value is an error whether or not a reward model is used
     kw["device"] = reward_model_device or kw.get("device")
     if weights and len(weights) != len(specs):
-        raise RewardError(f"reward_weights: {len(weights)} weights for {len(specs)} rewards; give one per --reward")
+        raise RewardError(f"reward_weights: {plural(len(weights), 'weight')} for {plural(len(specs), 'reward')}; "
+                          "give one per --reward")
     rewards = [load_reward(s, **kw) for s in specs]
     names = [r.name for r in rewards]
     for i, r in enumerate(rewards):  # unique metric names
@@ -339,8 +341,9 @@ def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, li
             raise RewardError(f"reward {r.name!r} raised {type(e).__name__}: {e} on "
                               f"{_failing_row(call, completions, kwargs, sources)}") from None
         if not isinstance(values, (list, tuple)) or len(values) != n:
-            got = f"{len(values)} values" if isinstance(values, (list, tuple)) else type(values).__name__
-            raise RewardError(f"reward {r.name!r} returned {got} for {n} completions; expected a list of {n} floats")
+            got = plural(len(values), "value") if isinstance(values, (list, tuple)) else type(values).__name__
+            raise RewardError(f"reward {r.name!r} returned {got} for {plural(n, 'completion')}; "
+                              f"expected a list of {plural(n, 'float')}")
         per[r.name] = [_value(v, r.name, sources[i]) for i, v in enumerate(values)]
     # None (NaN here): the reward does not apply to this completion; it adds nothing to the sum
     total = [sum(r.weight * per[r.name][i] for r in rewards if per[r.name][i] == per[r.name][i]) for i in range(n)]

@@ -40,6 +40,7 @@ import torch
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
 from gspo.batch import Batch, Scored, expert_load, prepare  # noqa: F401 (Scored: importable here)
+from gspo.checks import plural
 from gspo.config import TrainConfig, to_dict
 from gspo.configfile import load_yaml
 from gspo.evaluation import EvalOptions, evaluate
@@ -94,7 +95,7 @@ def _train_in_process(cfg, resume, log, inputs, callbacks, keep) -> dict:
     try:
         run = build_run(cfg, resume, inputs)  # raises on any bad input; nothing written yet
     except AlreadyComplete as done:
-        log(f"{Path(resume).absolute()}: the run is complete ({done.summary['steps']} steps); nothing to do "
+        log(f"{Path(resume).absolute()}: the run is complete ({plural(done.summary['steps'], 'step')}); nothing to do "
             f"(for more steps: gspo train --resume {resume} --steps N)")
         return done.summary
     run.t_start = t_start

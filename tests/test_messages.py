@@ -193,6 +193,21 @@ def test_plurals_agree(capsys):
                     "eval_after": {"n": 0}})
     assert "gspo on t: 1 step in 3s" in capsys.readouterr().out
     assert str(AlreadyComplete({"steps": 1})) == "the run is complete (1 step)"
+    import torch
+
+    from gspo.advantages import group_advantages
+    from gspo.rewards import RewardError, apply_rewards, load_rewards
+
+    with pytest.raises(ValueError, match=r"batch of 1 reward is not a whole number of groups of size 2"):
+        group_advantages(torch.tensor([1.0]), 2)
+    with pytest.raises(RewardError, match=r"1 weight for 2 rewards;"):
+        load_rewards(["exact_match", "length"], [1.0])
+
+    def short(completions, **kw):
+        return []
+
+    with pytest.raises(RewardError, match=r"returned 0 values for 1 completion; expected a list of 1 float$"):
+        apply_rewards(load_rewards([short], None), ["4"], {"answer": ["4"], "completion_ids": [[7]]}, ["row 1"])
 
 
 # ----------------------------------------------------------------------------------------------

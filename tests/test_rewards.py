@@ -108,7 +108,7 @@ def test_weights_and_names():
     # completion "4" (1 token of 4) with answer "4": 1·1 + 0.5·(-0.25) + 2·1 = 2.875
     total, per = apply_rewards(rs, ["4"], {"answer": ["4"], "completion_ids": [[7]]}, ["row 1"])
     assert total == [2.875] and per["length"] == [-0.25]
-    with pytest.raises(RewardError, match="2 weights for 1 rewards"):
+    with pytest.raises(RewardError, match="2 weights for 1 reward;"):
         load_rewards(["exact_match"], [1.0, 2.0])
 
 
