@@ -197,15 +197,12 @@ def cmd_eval(args: list[str]) -> int:
         raise UsageError(f"--threads: must be >= 0 (0: half the cores, fewer when busy), got {a.threads}")
     import torch
 
-    from gspo.threads import choose_threads
+    from gspo.threads import choose_threads, restored
 
     threads, _ = choose_threads(a.threads)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with restored():  # gspo.cli.main called from Python: the caller's count back
+        torch.set_num_threads(threads)
         return _evaluate(a, threads)
-    finally:
-        torch.set_num_threads(before)  # gspo.cli.main called from Python: the caller's count back
 
 
 def _evaluate(a: EvalArgs, threads: int) -> int:

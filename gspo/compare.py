@@ -352,21 +352,16 @@ def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=pri
 def _train_one(label: str, cfg, resume, log=None) -> float:
     """A run; its wall seconds. Its lines (its progress among them: lines, never a bar) carry its
     label, the one announcing it excepted. log None: a job's (in its own process), printed."""
-    import torch
-
     from gspo.reporting import progress_as_lines
     from gspo.trainer import train
 
     log = log or line_on_stdout
-    t0, threads = time.time(), torch.get_num_threads()
+    t0 = time.time()
     what = "training" if resume is None else f"resuming {resume}"
     kept = "" if resume is None else f", threads={cfg.run.threads} as it began"  # whatever --jobs now (0: torch's)
     log(f"[compare] {label}: {what} ({cfg.loss.algorithm}, {plural(cfg.run.steps, 'step')}{kept})")
-    try:
-        with progress_as_lines():
-            train(cfg, resume=resume, log=labelled(label, log))
-    finally:
-        torch.set_num_threads(threads)  # a run's --threads does not outlive it in this process
+    with progress_as_lines():
+        train(cfg, resume=resume, log=labelled(label, log))  # puts this process's thread count back
     return time.time() - t0
 
 

@@ -24,6 +24,7 @@ arithmetic) and said in the plan. Left out: CPU quotas (cgroups) narrower than t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -42,6 +43,19 @@ def choose_threads(asked: int) -> tuple[int, str]:
     busy = busy_cores(cpus)
     half = (len(cpus) + 1) // 2  # room for another run, or the user's other work, on the rest
     return max(1, min(half, len(cpus) - int(busy + 0.5))), f"half of {len(cpus)} cores, {busy:.1f} busy"
+
+
+@contextlib.contextmanager
+def restored():
+    """Torch's thread count as it was before the block (a run or an evaluation sets its own: a
+    Python caller gets its count back)."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def busy_cores(cpus: list[int], seconds: float = SAMPLE_S) -> float:

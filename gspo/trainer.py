@@ -56,6 +56,7 @@ from gspo.produce import rollout, score, step_generator, with_env_rewards  # noq
 from gspo.lifecycle import Guard, Interrupted
 from gspo.run import AlreadyComplete, Run, build_run
 from gspo.steplog import step_row
+from gspo.threads import restored
 
 Tensor = torch.Tensor
 
@@ -78,11 +79,8 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
     keep: called with the finished run (gspo.api.Trainer keeps its trained policy). The run sets
     torch's CPU threads (gspo.threads); this process's count is put back when it ends.
     """
-    threads = torch.get_num_threads()
-    try:
+    with restored():
         return _train_in_process(cfg, resume, log, inputs, callbacks, keep)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train_in_process(cfg, resume, log, inputs, callbacks, keep) -> dict:
