@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from gspo.checks import plural
+from gspo.words import plural
 
 Tensor = torch.Tensor
 

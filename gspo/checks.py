@@ -22,6 +22,7 @@ import typing
 import yaml
 
 from gspo.config import ConfigError, option_types
+from gspo.words import plural  # noqa: F401 (gspo.checks.plural, as before)
 
 
 @functools.cache
@@ -95,15 +96,6 @@ def did_you_mean(name: str, candidates, shown=str) -> str:
     """
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f"; did you mean {shown(close[0])}?" if close else ""
-
-
-def plural(n: int, noun: str, nouns: str | None = None) -> str:
-    """The count and its noun, agreeing (`nouns`: an irregular plural).
-
-    >>> plural(1, "step"), plural(2, "step"), plural(0, "process", "processes")
-    ('1 step', '2 steps', '0 processes')
-    """
-    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
 
 
 def one_line(e: BaseException) -> str:

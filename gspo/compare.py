@@ -49,13 +49,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo import checkpoint as ckpt
-from gspo.checks import check_value, plural, yaml_value
+from gspo.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
 from gspo.resolve import resolve
 from gspo.report import COLLAPSE_POINTS, aggregate, write_report
 from gspo.reporting import flushing, labelled, line_on_stdout
 from gspo.studies import Study
+from gspo.words import plural
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},

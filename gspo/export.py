@@ -38,7 +38,7 @@ import tyro
 import yaml
 
 from gspo import checkpoint as ckpt
-from gspo.checks import plural
+from gspo.words import plural
 from gspo.command import NOT_IN_COMMAND, train_command
 from gspo.config import TrainConfig, to_dict
 from gspo.configfile import load_yaml

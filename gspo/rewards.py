@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gspo.checks import plural
+from gspo.words import plural
 from gspo.reward_model import RewardModel, check_device, reward_model_path
 from gspo.scoring import RewardError, RewardFn, completion_text, per_completion
 

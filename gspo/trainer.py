@@ -40,7 +40,7 @@ import torch
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
 from gspo.batch import Batch, Scored, expert_load, prepare  # noqa: F401 (Scored: importable here)
-from gspo.checks import plural
+from gspo.words import plural
 from gspo.config import TrainConfig, to_dict
 from gspo.configfile import load_yaml
 from gspo.evaluation import EvalOptions, evaluate
