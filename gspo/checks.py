@@ -14,7 +14,6 @@ algorithm is the name of a registered loss (gspo.losses.LOSSES).
 
 from __future__ import annotations
 
-import difflib
 import functools
 import re
 import typing
@@ -22,7 +21,7 @@ import typing
 import yaml
 
 from gspo.config import ConfigError, option_types
-from gspo.words import plural  # noqa: F401 (gspo.checks.plural, as before)
+from gspo.words import did_you_mean, plural  # noqa: F401 (gspo.checks' names, as before)
 
 
 @functools.cache
@@ -86,16 +85,6 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
-
-
-def did_you_mean(name: str, candidates, shown=str) -> str:
-    """'; did you mean steps?' when `name` is close to one of `candidates`, else ''.
-
-    >>> did_you_mean("step", ["steps", "seed"]), did_you_mean("xyz", ["steps"])
-    ('; did you mean steps?', '')
-    """
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {shown(close[0])}?" if close else ""
 
 
 def one_line(e: BaseException) -> str:

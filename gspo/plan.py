@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 
 from gspo import distributed, fastdecode
-from gspo.checks import plural
+from gspo.words import plural
 from gspo.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.rollout import PolicySampler
 

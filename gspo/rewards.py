@@ -31,7 +31,6 @@ in `ForSequenceClassification`, or a hub id such as `Skywork/Skywork-Reward-V2-Q
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 import inspect
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gspo.words import plural
+from gspo.words import closest, did_you_mean, plural
 from gspo.reward_model import RewardModel, check_device, reward_model_path
 from gspo.scoring import RewardError, RewardFn, completion_text, per_completion
 
@@ -216,8 +215,8 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
     if ":" not in spec:
         path = reward_model_path(spec)
         if path is None:
-            close = difflib.get_close_matches(spec, BUILTIN_REWARDS, n=1)
-            raise RewardError(f"unknown reward {spec!r}" + (f" (did you mean {close[0]}?)" if close else "")
+            best = closest(spec, BUILTIN_REWARDS)
+            raise RewardError(f"unknown reward {spec!r}" + (f" (did you mean {best}?)" if best else "")
                               + f": expected a built-in ({', '.join(BUILTIN_REWARDS)}), "
                               "package.module:function, path/to/file.py:function, or a reward model (a directory "
                               "or a Hugging Face Hub id org/name)")
@@ -228,9 +227,8 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
     fn = getattr(module, attr, None)
     if fn is None or not callable(fn):
         functions = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        close = difflib.get_close_matches(attr, functions, n=1)
         raise RewardError(f"reward {spec!r}: {target} has no function {attr!r}"
-                          + (f"; did you mean {target}:{close[0]}?" if close else ""))
+                          + did_you_mean(attr, functions, lambda f: f"{target}:{f}"))
     return Reward(attr, fn)
 
 

@@ -30,7 +30,7 @@ import torch
 
 from gspo import checkpoint as ckpt
 from gspo import distributed, parallel
-from gspo.checks import plural
+from gspo.words import plural
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.configfile import load_yaml
 from gspo.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
