@@ -109,8 +109,18 @@ def list_flags(cls) -> set[str]:
     return out
 
 
+_SINGULAR = {"--task-option": "--task-options"}
+
+
+def _singular(arg: str) -> str:
+    flag, eq, value = arg.partition("=")
+    return _SINGULAR[flag] + eq + value if flag in _SINGULAR else arg
+
+
 def merge_repeated(args: list[str], list_flags: set[str]) -> list[str]:
-    """`--reward a --reward b` -> `--reward a b` (tyro would keep only the last)."""
+    """`--reward a --reward b` -> `--reward a b` (tyro would keep only the last); a singular
+    name (--task-option KEY=VALUE, repeated) is its list flag's."""
+    args = [_singular(a) for a in args]
     values: dict[str, list[str]] = {}
     out: list[str] = []
     i = 0

@@ -100,10 +100,14 @@ def save_checkpoint(run_dir: Path, step: int, content: Content, *, keep: int) ->
 
 
 def _save_pretrained(model, directory: Path, state_dict: dict | None) -> None:
-    if state_dict is not None:
-        model.save_pretrained(directory, state_dict=state_dict)
-    else:
-        model.save_pretrained(directory)
+    import warnings
+
+    with warnings.catch_warnings():  # PEFT looks for the base's config.json beside a LoRA base named by its .gguf
+        warnings.filterwarnings("ignore", message=r"Could not find a config file in .*\.gguf - will assume")
+        if state_dict is not None:
+            model.save_pretrained(directory, state_dict=state_dict)
+        else:
+            model.save_pretrained(directory)
 
 
 def _write_checkpoint(tmp: Path, content: Content) -> None:

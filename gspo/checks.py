@@ -15,6 +15,7 @@ algorithm is the name of a registered loss (gspo.losses.LOSSES).
 from __future__ import annotations
 
 import functools
+import json
 import re
 import typing
 
@@ -52,6 +53,8 @@ def check_value(name: str, value, where: str):
         if value not in LOSSES:
             raise ConfigError(f"{where}: expected one of {', '.join(LOSSES)}, got {value!r}")
     hint = _hint(name)
+    if name == "task_options" and isinstance(value, dict):  # YAML / Python: a mapping, as KEY=VALUE (JSON is YAML)
+        value = tuple(f"{k}={json.dumps(v)}" for k, v in value.items())
     if "tuple" in str(hint):
         if isinstance(value, list):
             value = tuple(value)

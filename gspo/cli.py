@@ -26,6 +26,7 @@ import tyro
 from gspo.argv import UsageError
 from gspo.argv import list_flags as _list_flags
 from gspo.argv import merge_repeated as _merge_repeated
+from gspo.tasks_command import cmd_tasks
 from gspo.argv import parse as _parse
 from gspo.argv import take as _take
 from gspo.argv import take_many as _take_many
@@ -42,6 +43,7 @@ commands:
   plot    plot metrics of one or more runs against the step (gspo plot --help)
   compare the paper's comparisons at small scale: several configurations, one report (gspo compare --help)
   export  a run's trained policy as a plain Hugging Face model directory, LoRA merged (gspo export --help)
+  tasks   the tasks --task can name: built-ins and reasoning-gym's generators, a task's options (gspo tasks NAME)
 """
 
 
@@ -227,7 +229,8 @@ def cmd_export(args: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "compare": cmd_compare, "export": cmd_export}
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "plot": cmd_plot, "compare": cmd_compare, "export": cmd_export,
+            "tasks": cmd_tasks}
 
 
 def main(argv: list[str] | None = None) -> int:

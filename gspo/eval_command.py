@@ -25,7 +25,7 @@ class EvalArgs:
     """gspo eval: greedy accuracy (and pass@k) of a model on a task's evaluation rows."""
 
     model: str
-    """A model directory, a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct), a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    """A model directory, a .gguf file, a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct), a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
     revision: str | None = None
     """Hub revision of --model (a branch, tag or commit hash; default: the run's, else main); for a LoRA checkpoint, of its base model."""
     k: int = 8
@@ -33,7 +33,13 @@ class EvalArgs:
     eval_size: int | None = None
     """Evaluation rows (default: the run's, else 500)."""
     task: str | None = None
-    """Built-in task (default: the run's, else arithmetic)."""
+    """Built-in task, or reasoning_gym:NAME (default: the run's, else arithmetic; `gspo tasks` lists them)."""
+    task_options: tuple[str, ...] | None = None
+    """A reasoning_gym task's generator options, KEY=VALUE; repeat --task-option (default: the run's)."""
+    answer_from: Literal["tag", "last_line", "last_number"] | None = None
+    """What a reasoning_gym task's verifier scores: tag, last_line or last_number (default: the run's, else tag)."""
+    system_prompt: str | None = None
+    """A system message before every prompt (default: the run's, else the task's)."""
     dataset: str | None = None
     """Dataset whose held-out slice is evaluated: a file, directory or Hub dataset id (default: the run's)."""
     dataset_config: str | None = None
@@ -90,6 +96,8 @@ def eval_config(a: EvalArgs) -> tuple[TrainConfig, str]:
     if "dtype" in given:
         keep["param_dtype"] = given["dtype"]
     keep.update(eval_names(a.model, base, given))  # a run trained from Python on objects: what replaces them
+    if base.policy.model is None:  # not a run's: the model evaluated is the one named (a reasoning_gym task needs one)
+        keep.setdefault("model", model)
     return dataclasses.replace(base, **keep, **given, output_dir="-"), model
 
 
@@ -121,6 +129,7 @@ def _evaluate(a: EvalArgs, threads: int) -> int:
     from gspo.reporting import line_on_stderr
     from gspo.rollout import stop_token_ids
     from gspo.run import task_and_rewards
+    from gspo.tasks.base import for_tokenizer
 
     cfg, model_path = eval_config(a)
     cfg = resolve(cfg)
@@ -128,6 +137,7 @@ def _evaluate(a: EvalArgs, threads: int) -> int:
     with quiet_peft():  # a LoRA checkpoint: peft's deprecation warning is not the user's
         model, tok = load_policy(model_path, dtype=DTYPES[cfg.policy.dtype], device=resolve_device(cfg.run.device),
                                  revision=cfg.policy.revision)
+    task = for_tokenizer(task, tok)
     env, max_turns = episode_env(cfg.episodes.env, task, cfg.episodes.max_turns, tok)
     sampling = cfg.sampling
     options = EvalOptions(n=cfg.eval.eval_size, k=a.k, temperature=sampling.temperature,

@@ -272,7 +272,9 @@ def model_card(t: Trained, *, dtype: str, merged: bool, where: str) -> str:
         meta = {"base_model": hub_id(base), **meta}
     if hub_id(cfg.data.dataset):
         meta["datasets"] = [hub_id(cfg.data.dataset)]
-    data = f"the dataset `{cfg.data.dataset}`" if cfg.data.dataset else f"gspo's built-in `{cfg.data.task}` task"
+    data = f"the dataset `{cfg.data.dataset}`" if cfg.data.dataset else \
+        f"reasoning-gym's `{cfg.data.task.split(':', 1)[1]}` task" if cfg.data.task.startswith("reasoning_gym:") else \
+        f"gspo's built-in `{cfg.data.task}` task"
     what = "merged LoRA" if merged and cfg.lora.lora_r else "LoRA adapter" if not merged else "full"
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
              f"# {where.rstrip('/').split('/')[-1]}", "",

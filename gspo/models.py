@@ -45,104 +45,16 @@ BUILTIN_MODELS = {"tiny": ASSETS / "tiny", "tiny-moe": ASSETS / "tiny-moe",
                   # a chat model that calls tools, for the multi-turn `calculator` task (scripts/make_tool_model.py)
                   "tiny-tool": ASSETS / "tiny-tool"}
 
-# one token per character; the vocabulary covers every built-in task
-CHARS = "0123456789+-*=() "
-SPECIAL = ("<pad>", "<eos>", "<unk>")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# the chat model's tokenizer (`build_chat_tokenizer`): characters, plus the chat markers of
-# Qwen2.5-style templates (the turn markers are special tokens, the tool-call ones are not: a
-# tool call must survive decoding with special tokens skipped, as in Qwen's own tokenizer)
-CHAT_CHARS = CHARS + "/abcdefghijklmnopqrstuvwxyz{}\":,_.\n"
-CHAT_SPECIAL = ("<pad>", "<|im_end|>", "<unk>", "<|im_start|>")
-CHAT_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
-# Hermes-style tool calls (Qwen2.5, Qwen3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-# tools are listed in a system turn by name and parameters (the tiny model has no room for schemas)
-CHAT_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t.function.name }}("
-    "{{ t.function.parameters.properties | list | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}"
-    "{% if m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content or '' }}"
-    "{% for call in m.tool_calls or [] %}<tool_call>{\"name\": \"{{ call.function.name }}\", \"arguments\": "
-    "{{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif m.role == 'tool' %}<|im_start|>tool\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n"
-    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# the built-in models' tokenizers and architectures (gspo.tiny); imported from here by scripts and tests
+from gspo.tiny import (CHARS, CHAT_CHARS, CHAT_MARKERS, CHAT_SPECIAL, CHAT_TEMPLATE, SPECIAL,  # noqa: E402,F401
+                       build_char_tokenizer, build_chat_tokenizer, tiny_config, tiny_moe_config)
 
 
 class ModelError(ValueError):
     """A model path that cannot be trained; the message is one line naming it."""
-
-
-def build_char_tokenizer():
-    """A character-level tokenizer made locally with the `tokenizers` library."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
-    for c in CHARS:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def build_chat_tokenizer():
-    """The chat model's tokenizer (`tiny-tool`): one token per character of CHAT_CHARS, the chat
-    markers as single tokens, `<|im_end|>` as EOS, and CHAT_TEMPLATE as its chat template."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(CHAT_SPECIAL + CHAT_MARKERS)}
-    for c in CHAT_CHARS:
-        vocab[c] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in CHAT_SPECIAL])
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in CHAT_MARKERS])
-    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", unk_token="<unk>",
-                                  additional_special_tokens=["<|im_start|>"])
-    out.chat_template = CHAT_TEMPLATE
-    return out
-
-
-# the trunk both built-in models share (the MoE model replaces each MLP with experts)
-_TINY_TRUNK = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=64,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    pad_token_id=0,
-    eos_token_id=1,
-    bos_token_id=None,
-)
-
-
-def tiny_config(vocab_size: int, **overrides):
-    """The built-in dense model's architecture: a 4-layer Qwen3 of about 0.8M parameters."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(**{"vocab_size": vocab_size, **_TINY_TRUNK, **overrides})
-
-
-def tiny_moe_config(vocab_size: int, **overrides):
-    """The built-in MoE model: a 4-layer Qwen3-MoE, 8 experts, top-2 (about 2.6M parameters,
-    0.8M active per token, like the dense tiny model)."""
-    from transformers import Qwen3MoeConfig
-
-    experts = dict(moe_intermediate_size=192, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                   decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01)
-    return Qwen3MoeConfig(**{"vocab_size": vocab_size, **_TINY_TRUNK, **experts, **overrides})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -155,6 +67,22 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
         raise ModelError(f"device {device!r}: Apple's MPS is not available on this machine (use --device cpu or auto)")
     return dev
+
+
+def gguf_dir(path: Path, name: str) -> Path | None:
+    """The converted model directory of a .gguf file (or of a directory holding one); None if neither."""
+    from gspo.gguf_models import converted, gguf_source
+    from gspo.reporting import line_on_stderr
+
+    src = gguf_source(path, name)
+    return None if src is None else converted(src, log=line_on_stderr)
+
+
+def gguf_info(path: Path) -> dict | None:
+    """What a directory converted from a GGUF file records (gspo.gguf_models); None for any other."""
+    from gspo.gguf_models import source_info
+
+    return source_info(path)
 
 
 def resolve_model_path(name_or_path: str, *, revision: str | None = None) -> Path:
@@ -170,9 +98,11 @@ def resolve_model_path(name_or_path: str, *, revision: str | None = None) -> Pat
     from gspo.hub import HubError, close_to, looks_like_hub_id, model_dir, nearby
 
     path, valid = Path(name_or_path).expanduser(), ", ".join(BUILTIN_MODELS)
+    if path.exists() and (converted := gguf_dir(path, name_or_path)) is not None:  # a .gguf: converted once, cached
+        return converted
     if path.exists() and not path.is_dir():
         raise ModelError(f"model {name_or_path}: a file, not a model directory (a Hugging Face model is a directory "
-                         "with config.json)")
+                         "with config.json, or a .gguf file)")
     # a Hub id is only tried for what no local path can be, and not for a near miss of a built-in name
     if not path.is_dir() and looks_like_hub_id(name_or_path) and not close_to(name_or_path, BUILTIN_MODELS):
         try:
@@ -180,6 +110,8 @@ def resolve_model_path(name_or_path: str, *, revision: str | None = None) -> Pat
         except HubError as e:  # a bare name may be a misspelt built-in
             raise (HubError(f"{e}; nor a local directory (built-in models: {valid})") if "/" not in name_or_path
                    else e) from None
+    elif not path.is_dir() and name_or_path.lower().endswith(".gguf"):
+        raise ModelError(f"model {name_or_path}: no such file{nearby(name_or_path, files=True)}")
     elif not path.is_dir():
         raise ModelError(f"model {name_or_path}: no such directory{nearby(name_or_path, BUILTIN_MODELS)} "
                          f"(built-in models: {valid})")
@@ -290,6 +222,8 @@ def load_policy(name_or_path: str, *, dtype: torch.dtype = torch.float32, device
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
     if hub:  # as transformers records a model loaded by id (a LoRA adapter then names it as its base)
         model.config._name_or_path = model.name_or_path = name_or_path
+    elif (gguf := gguf_info(path)) is not None:  # the .gguf file, not the cache directory converted from it
+        model.config._name_or_path = model.name_or_path = gguf["source"]
     return model, tokenizer
 
 

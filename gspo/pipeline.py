@@ -63,6 +63,7 @@ from gspo.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.models import DTYPES, cast_parameters, disable_dropout, resolve_device
 from gspo.produce import Produced, produce
 from gspo.rollout import stop_token_ids
+from gspo.tasks.base import for_tokenizer
 from gspo.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
 
 Tensor = torch.Tensor
@@ -198,6 +199,7 @@ def sampling_side(cfg, device: torch.device) -> Side:
         dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
         own = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype, rollout_dtype="same")
     policy, tokenizer = load_policy_for(own, None, device, inputs)
+    task = for_tokenizer(task, tokenizer)  # as the trainer's process frames its prompts
     if own.policy.param_dtype != cfg.policy.param_dtype:  # where the trainer's process makes its low-precision copy
         cast_parameters(policy, DTYPES[own.policy.param_dtype])
     disable_dropout(policy)

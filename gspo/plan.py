@@ -16,6 +16,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 
 | key | value |
 | --- | --- |
+| `model` | `{"name", "gguf", "path"}`: the policy as named; for a .gguf file what its conversion records (gspo.gguf_models: source, architecture, quantization, parameters) and the converted directory |
 | `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
 | `threads` | `{"count", "why"}`: torch's CPU threads in this process and how that count was chosen (gspo.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started) |
@@ -48,9 +49,11 @@ fall back to Hugging Face's forward; that is said in its own warning when it hap
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from gspo import distributed, fastdecode
+from gspo import distributed, fastdecode, gguf_models
 from gspo.words import plural
 from gspo.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.rollout import PolicySampler
@@ -84,6 +87,7 @@ def plan(run) -> dict:
         warnings.append("old_logp: sampling, but multi-turn episodes record no experts while sampling: Routing "
                         "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
     return {
+        "model": _model(run),
         "engine": engine,
         "rollouts": {"max_staleness": cfg.async_rl.max_staleness, "workers": workers, "devices": devices,
                      "mode": "ranks" if dist.link is not None else "processes" if workers else "this process"},
@@ -141,6 +145,8 @@ def describe(p: dict, warnings: bool = True) -> str:
         + ("; gradient checkpointing" if p["gradient_checkpointing"] else ""),
         f"  {lora}; {moe}; {env}",
     ]
+    if (m := p.get("model") or {}).get("gguf"):
+        lines.insert(1, f"  model: {m['gguf']['source']} ({gguf_models.describe(m['gguf'])}; converted copy {m['path']})")
     r = p["rollouts"]
     if r["max_staleness"] or r["workers"]:
         by = {"ranks": f"the torchrun world's last {r['workers']} rank(s)",
@@ -149,6 +155,17 @@ def describe(p: dict, warnings: bool = True) -> str:
     if warnings:
         lines += [f"  warning: {' '.join(w.split())}" for w in p["warnings"]]
     return "\n".join(lines)
+
+
+def _model(run) -> dict:
+    """The policy's name and, for a GGUF file, where it came from (gspo.gguf_models)."""
+    name = run.cfg.policy.model
+    if not isinstance(name, str) or not Path(name).expanduser().exists():  # an object, a built-in, a Hub id
+        return {"name": name, "gguf": None}
+    src = gguf_models.gguf_source(Path(name).expanduser(), name)
+    path = gguf_models.converted(src) if src else None  # cached by the load: a lookup
+    info = gguf_models.source_info(path) if path else None
+    return {"name": name, "gguf": info, "path": str(path) if info else None}
 
 
 def _dtype(model) -> str | None:

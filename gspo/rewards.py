@@ -21,6 +21,8 @@ Built-ins are plain per-completion functions (with doctests) made batched by `pe
 | `math_verify` | 1.0 if `math-verify` finds the completion's answer equivalent to the gold answer* |
 | `format` | 1.0 if the completion matches `--format-pattern` (a regex, full match, DOTALL) |
 | `length` | −(completion tokens / max_new_tokens), in [−1, 0]: a length penalty |
+| `reasoning_gym` | a reasoning-gym task's own verifier on the text in the last `<answer>...</answer>` (gspo.tasks.gym) |
+| `answer_format` | 1.0 if the completion ends with one non-empty `<answer>...</answer>` |
 | a model directory or hub id | a learned reward model's score, `logits[:, 0]` (gspo.reward_model) |
 
 *The gold answer is the part after the last `####` when there is one (GSM8K's worked solutions
@@ -177,7 +179,8 @@ numeric_match.__name__ = "numeric_match"
 math_verify = per_completion(_math_verify)
 math_verify.__name__ = "math_verify"
 
-BUILTIN_REWARDS = ("exact_match", "exact_integer", "numeric_match", "math_verify", "format", "length")
+BUILTIN_REWARDS = ("exact_match", "exact_integer", "numeric_match", "math_verify", "format", "length",
+                   "reasoning_gym", "answer_format")  # the last two: reasoning-gym tasks' (gspo.tasks.gym)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,6 +205,10 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
         return Reward(getattr(spec, "__name__", type(spec).__name__), spec)
     if not isinstance(spec, str):
         raise RewardError(f"reward {spec!r}: expected a callable or a name, got {type(spec).__name__}")
+    if spec in ("reasoning_gym", "answer_format"):
+        from gspo.tasks.gym import REWARDS
+
+        return Reward(spec, REWARDS[spec])
     if spec in BUILTIN_REWARDS:
         fn = {"exact_match": exact_match, "exact_integer": per_completion(exact_integer), "math_verify": math_verify,
               "numeric_match": numeric_match, "format": format_reward(format_pattern),

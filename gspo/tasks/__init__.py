@@ -3,7 +3,8 @@
 A task has `train_batch(step, n, seed) -> list[Example]` (a function of its arguments alone,
 so a resumed run sees the same prompts), `test_set(n) -> list[Example]` (fixed), and
 `default_rewards` / `default_max_new_tokens`. Built-in tasks are named here (`arithmetic`,
-`addition`, `chain` with long answers, and `calculator`, multi-turn with a tool); a user's dataset
+`addition`, `chain` with long answers, and `calculator`, multi-turn with a tool), and any of
+reasoning-gym's generators as `reasoning_gym:NAME` (gspo.tasks.gym); a user's dataset
 (a file, a directory, a Hugging Face Hub id, or rows in memory) becomes a `gspo.data.DatasetTask`.
 """
 
@@ -14,6 +15,7 @@ from gspo.tasks.arithmetic import ArithmeticTask
 from gspo.tasks.base import DrawnSplits
 from gspo.tasks.calculator import CalculatorTask
 from gspo.tasks.chain import ChainTask
+from gspo.tasks.gym import GymTask, is_gym, parse_options
 
 TASKS = {
     "arithmetic": lambda: ArithmeticTask(max_digits=3, ops="+-", name="arithmetic"),
@@ -23,7 +25,11 @@ TASKS = {
 }
 
 
-def get_task(name: str):
+def get_task(name: str, options: tuple[str, ...] = (), test_size: int = 500, answer_from: str = "tag"):
+    """A built-in task by name, or reasoning-gym's (`reasoning_gym:NAME`, with its KEY=VALUE options
+    and the rule its verifier's answer is taken by)."""
+    if is_gym(name):
+        return GymTask.from_spec(name, parse_options(options), test_size=test_size, answer_from=answer_from)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
     return TASKS[name]()
@@ -41,7 +47,7 @@ def build_task(data: Data, rewards: tuple = (), eval_size: int = 500, *, train_r
     train_rows / eval_rows: in-memory rows that replace data.dataset / data.eval_dataset."""
     dataset = train_rows if train_rows is not None else data.dataset
     if dataset is None:
-        return get_task(data.task)
+        return get_task(data.task, data.task_options, eval_size, data.answer_from)
     from gspo.data import DatasetTask, load_dataset_task
 
     names = rewards or DatasetTask.default_rewards
@@ -49,4 +55,5 @@ def build_task(data: Data, rewards: tuple = (), eval_size: int = 500, *, train_r
                              eval_size=eval_size, require_answer=any(r in NEEDS_ANSWER for r in names))
 
 
-__all__ = ["TASKS", "ArithmeticTask", "CalculatorTask", "ChainTask", "DrawnSplits", "build_task", "get_task"]
+__all__ = ["TASKS", "ArithmeticTask", "CalculatorTask", "ChainTask", "DrawnSplits", "GymTask", "build_task", "get_task",
+           "is_gym"]

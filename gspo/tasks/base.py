@@ -83,11 +83,15 @@ class SystemPrompt:
         task.test_set(1)[0].prompt   # [{'role': 'system', ...}, {'role': 'user', 'content': '...'}]
     """
 
-    def __init__(self, task, text: str):
+    def __init__(self, task, text: str, default: bool = False, plain: bool = False):
         self.task = task
         self.text = text
+        self.default = default  # the task's own (reasoning-gym's answer format), not --system-prompt
+        self.plain = plain  # as plain text: for a tokenizer without a chat template (`for_tokenizer`)
 
     def _rewrite(self, examples: list[Example]) -> list[Example]:
+        if self.plain:
+            return [dataclasses.replace(ex, prompt=f"{self.text}\n\n{ex.prompt}\n") for ex in examples]
         return [dataclasses.replace(ex, prompt=with_system(ex.prompt, self.text)) for ex in examples]
 
     def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
@@ -100,3 +104,21 @@ class SystemPrompt:
         if name == "task":  # not set yet (copy, pickle): no recursion
             raise AttributeError(name)
         return getattr(self.task, name)
+
+
+def for_tokenizer(task, tokenizer):
+    """`task` as `tokenizer` can read it: a task's own system prompt (not --system-prompt) on a
+    tokenizer without a chat template becomes plain text before each prompt (the instructions, a
+    blank line, the question, a newline); the run says so (`prompt_note`). Anything else as it is."""
+    if isinstance(task, SystemPrompt) and task.default and not task.plain and not getattr(tokenizer, "chat_template", None):
+        return SystemPrompt(task.task, task.text, default=True, plain=True)
+    return task
+
+
+def prompt_note(task, model: str) -> list[str]:
+    """The run's line when `for_tokenizer` made prompts plain text."""
+    if isinstance(task, SystemPrompt) and task.plain:
+        return [f"prompts: plain text, the tokenizer of {model} has no chat template: the task's instructions, a "
+                "blank line, then the question"]
+    return []
+
