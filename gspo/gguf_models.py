@@ -148,12 +148,12 @@ def content_hash(path: Path) -> str:
 def converted(src: Path, log=None) -> Path:
     """The model directory converted from the GGUF file `src` (converting it the first time;
     `log` gets one line saying so). Raises GGUFError (one line)."""
-    info = header(src)
-    check_architecture(src, info["architecture"])
     digest = content_hash(src)
     out = cache_root() / f"{digest[:16]}-{src.name[:-len(GGUF)]}"
-    if (out / INFO).exists():
+    if (out / INFO).exists():  # converted before: every later start (and every later part of a run) ends here
         return out
+    info = header(src)
+    check_architecture(src, info["architecture"])
     if log:
         log(f"model {src}: converting the GGUF file ({info['architecture']}, {info['quantization']}) to a float32 "
             f"model directory, once: {out}")

@@ -21,7 +21,7 @@ Built-ins are plain per-completion functions (with doctests) made batched by `pe
 | `math_verify` | 1.0 if `math-verify` finds the completion's answer equivalent to the gold answer* |
 | `format` | 1.0 if the completion matches `--format-pattern` (a regex, full match, DOTALL) |
 | `length` | −(completion tokens / max_new_tokens), in [−1, 0]: a length penalty |
-| `reasoning_gym` | a reasoning-gym task's own verifier on the text in the last `<answer>...</answer>` (gspo.tasks.gym) |
+| `reasoning_gym` | a reasoning-gym task's own verifier on the reply's answer, by `--answer-from` (gspo.tasks.gym) |
 | `answer_format` | 1.0 if the completion ends with one non-empty `<answer>...</answer>` |
 | a model directory or hub id | a learned reward model's score, `logits[:, 0]` (gspo.reward_model) |
 

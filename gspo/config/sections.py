@@ -143,7 +143,8 @@ class Rewards:
     """How completions are scored."""
 
     reward: tuple[str, ...] = opt((),
-        "Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length), "
+        "Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length; "
+        "reasoning_gym and answer_format for reasoning_gym tasks), "
         "module:function / file.py:function, or a learned reward model (an AutoModelForSequenceClassification "
         "directory or Hub id, scored on prompt + completion with its own tokenizer and chat template). Empty: "
         "the task's default (exact_integer for the built-in tasks, exact_match for a dataset). The first "
