@@ -15,7 +15,8 @@ file's content (sha256; a stat record skips rehashing an unchanged file). From t
 part of gspo (policy, frozen reference, PPO's critic, rollout workers, `gspo eval`, `gspo
 export`, the vLLM engine) reads that directory as it reads any model directory. A conversion is
 written to a temporary directory and renamed into place, so a killed conversion leaves nothing
-half-written behind, and two runs converting at once both end with the same directory.
+half-written behind; a lock in the cache (fcntl) makes torchrun's ranks, or two runs, starting at
+once convert once while the others wait.
 
 One line each: the `gguf` package missing (pip install 'gspo[gguf]'), a file that is not GGUF
 or is cut short, an architecture transformers cannot read from GGUF, an encoder model.
@@ -25,11 +26,13 @@ Left out: GGUF files on the Hub (`org/name` with a file name), sharded GGUF (`-0
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 GGUF = ".gguf"
@@ -129,7 +132,9 @@ def content_hash(path: Path) -> str:
     stamp = hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
     memo = cache_root() / "hashes" / stamp
     try:
-        return memo.read_text().strip()
+        known = memo.read_text().strip()
+        if len(known) == 64:
+            return known
     except OSError:
         pass
     h = hashlib.sha256()
@@ -137,9 +142,11 @@ def content_hash(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     digest = h.hexdigest()
-    try:
+    try:  # whole or absent: another process may be reading it
         memo.parent.mkdir(parents=True, exist_ok=True)
-        memo.write_text(digest)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(digest)
+        os.replace(tmp, memo)
     except OSError:  # a read-only cache: hash again next time
         pass
     return digest
@@ -154,14 +161,40 @@ def converted(src: Path, log=None) -> Path:
         return out
     info = header(src)
     check_architecture(src, info["architecture"])
-    if log:
-        log(f"model {src}: converting the GGUF file ({info['architecture']}, {info['quantization']}) to a float32 "
-            f"model directory, once: {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    with _lock(out):  # torchrun's ranks, or two runs, starting at once: one converts, the others wait and read it
+        if (out / INFO).exists():
+            return out
+        if log:
+            log(f"model {src}: converting the GGUF file ({info['architecture']}, {info['quantization']}) to a "
+                f"float32 model directory, once: {out}")
+        _convert_into(src, out, {"source": str(src.resolve()), "sha256": digest, **info})
+    return out
+
+
+@contextlib.contextmanager
+def _lock(out: Path):
+    """An exclusive lock on `<out>.lock` (fcntl; where there is none, no lock: the rename below
+    still keeps one whole copy)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    with open(out.parent / f".{out.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _convert_into(src: Path, out: Path, info: dict) -> None:
+    """Convert `src` into a temporary directory beside `out`, then rename it into place."""
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     try:
         _convert(src, tmp)
-        (tmp / INFO).write_text(json.dumps({"source": str(src.resolve()), "sha256": digest, **info}, indent=1) + "\n")
+        (tmp / INFO).write_text(json.dumps(info, indent=1) + "\n")
         tmp.chmod(0o755)  # mkdtemp's 0700: a shared cache is read by others too
         try:
             tmp.rename(out)
@@ -170,7 +203,6 @@ def converted(src: Path, log=None) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _convert(src: Path, dest: Path) -> None:

@@ -37,6 +37,15 @@ def test_held_out_set_is_fixed_distinct_and_never_trained_on():
         assert 0 <= int(x) < 100 and 0 <= int(y) < 100 and e.answer == str(int(x) + int(y))
 
 
+def test_no_held_out_set_with_eval_size_0_and_a_note_when_problems_run_short():
+    none = get_task("reasoning_gym:basic_arithmetic", SUMS, 0)
+    assert none.test_set() == [] and len(none.train_batch(1, 8)) == 8
+    # one-digit sums: 10 x 10 pairs (and a few spellings of each), fewer than the 150 held-out problems asked for
+    few = get_task("reasoning_gym:basic_arithmetic", ("max_terms=2", "max_digits=1", "operators=[+]",
+                                                      "allow_negation=false", "allow_parentheses=false"), 150)
+    assert len(few.test_set()) < 150 and f"only {len(few.test_set())} distinct held-out problems in 600 draws" in few.notes[0]
+
+
 def test_the_reward_is_the_generators_verifier_with_its_partial_credit():
     task = get_task("reasoning_gym:basic_arithmetic", SUMS, 4)
     e = task.test_set(1)[0]

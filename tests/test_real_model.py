@@ -304,3 +304,37 @@ def test_another_architecture_without_a_chat_template_on_a_reasoning_gym_task(co
     assert f"prompts: plain text, the tokenizer of {model_dir} has no chat template" in said, said
     first = (run / "samples.jsonl").read_text().splitlines()[0]
     assert f'"prompt": {json.dumps(SYSTEM_PROMPT + chr(10) + chr(10))[:-1]}Your task is to count how many legs' in first
+
+
+def test_two_processes_starting_at_once_convert_once(gspo_cache, tmp_path, monkeypatch):
+    # torchrun's ranks (or two runs) naming the same new .gguf at once: one converts, the other waits on
+    # the cache's lock and reads the finished directory (a stand-in conversion here: 0.5 s, counted)
+    import threading
+    import time
+
+    import gguf
+    import numpy as np
+
+    from gspo import gguf_models
+
+    f = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(f), "llama")
+    w.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    calls, logged = [], []
+
+    def fake_convert(src, dest):
+        calls.append(src)
+        time.sleep(0.5)
+        (dest / "config.json").write_text("{}")
+
+    monkeypatch.setattr(gguf_models, "_convert", fake_convert)
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(gguf_models.converted(f, log=logged.append)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(logged) == 1 and outs[0] == outs[1]
+    assert (outs[0] / "config.json").exists() and gguf_models.source_info(outs[0])["architecture"] == "llama"

@@ -216,8 +216,11 @@ class GymTask:
                             f"({type(e).__name__}: {' '.join(str(e).split())[:160] or 'a check failed'})") from None
 
     def _draw_test(self) -> list[Example]:
-        ds = self._generator(("test",), 4 * self.test_size)
         out, seen = [], set()
+        self._test_questions = seen
+        if self.test_size == 0:  # --eval-size 0: nothing is evaluated (reasoning-gym refuses a dataset of size 0)
+            return out
+        ds = self._generator(("test",), 4 * self.test_size)
         for i in range(len(ds)):
             if len(out) == self.test_size:
                 break
@@ -228,7 +231,6 @@ class GymTask:
         if len(out) < self.test_size:
             self.notes.append(f"task {self.name}: only {len(out)} distinct held-out problems in "
                               f"{4 * self.test_size} draws (asked for {self.test_size})")
-        self._test_questions = seen
         return out
 
     @functools.lru_cache(maxsize=8)
