@@ -187,3 +187,20 @@ def test_gspo_eval_takes_a_reasoning_gym_task_and_its_options(capsys):
                  "--no-progress", "--threads", "1"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["task"] == "reasoning_gym:chain_sum" and result["n"] == 3 and result["metric"] == "reasoning_gym"
+
+
+@pytest.mark.slow
+def test_gspo_compare_takes_a_reasoning_gym_task(tmp_path):
+    from tests.test_cli import gspo
+
+    out = tmp_path / "cmp"
+    r = gspo("compare", "--configs", "gspo", "grpo", "--seeds", "0", "--steps", "1", "--model", "tiny",
+             "--task", "reasoning_gym:chain_sum", "--task-option", "max_terms=2", "--answer-from", "last_number",
+             "--max-new-tokens", "4", "--max-prompt-length", "56", "--eval-size", "4", "--prompts-per-step", "2",
+             "--group-size", "2", "--no-progress", "--output-dir", str(out))  # tiny: 64 positions
+    assert r.returncode == 0, r.stderr
+    report = (out / "report.md").read_text()
+    assert "task `reasoning_gym:chain_sum`" in report
+    for name in ("gspo", "grpo"):
+        config = (out / "runs" / f"{name}-seed0" / "config.yaml").read_text()
+        assert "task: reasoning_gym:chain_sum" in config and "max_terms=2" in config
