@@ -36,8 +36,8 @@ class EvalArgs:
     """Built-in task, or reasoning_gym:NAME (default: the run's, else arithmetic; `gspo tasks` lists them)."""
     task_options: tuple[str, ...] | None = None
     """A reasoning_gym task's generator options, KEY=VALUE; repeat --task-option (default: the run's)."""
-    answer_from: Literal["tag", "last_line", "last_number"] | None = None
-    """What a reasoning_gym task's verifier scores: tag, last_line or last_number (default: the run's, else tag)."""
+    answer_from: Literal["tag", "tag_only", "last_line", "last_number"] | None = None
+    """What a reasoning_gym task's verifier scores: tag, tag_only, last_line or last_number (default: the run's, else tag)."""
     system_prompt: str | None = None
     """A system message before every prompt (default: the run's, else the task's)."""
     dataset: str | None = None

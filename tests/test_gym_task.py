@@ -50,16 +50,19 @@ def test_the_reward_is_the_generators_verifier_with_its_partial_credit():
     task = get_task("reasoning_gym:basic_arithmetic", SUMS, 4)
     e = task.test_set(1)[0]
     gold = e.answer
-    got = scores(task, [e] * 5, [f"<answer>{gold}</answer>", f"so <answer> {gold} </answer>", f"<answer>= {gold}</answer>",
-                                 f"{gold}", "<answer>1</answer><answer>" + gold + "</answer>"])
+    got = scores(task, [e] * 6, [f"<answer>{gold}</answer>", f"so <answer> {gold} </answer>", f"<answer>= {gold}</answer>",
+                                 f"{gold}", f"I think\nit is {gold}\n", "<answer>1</answer><answer>" + gold + "</answer>"])
     # exact 1; spaces inside the tags stripped 1; "= 71" holds "71": reasoning-gym's len(gold)/len(answer);
-    # no tags: no answer, 0; two tagged answers: the last counts
-    assert got == [1.0, 1.0, len(gold) / (len(gold) + 2), 0.0, 1.0]
+    # no tags: the last line, "71" 1 and "it is 71" 2/8; two tagged answers: the last counts
+    assert got == [1.0, 1.0, len(gold) / (len(gold) + 2), 1.0, len(gold) / (len(gold) + 6), 1.0]
+    strict = get_task("reasoning_gym:basic_arithmetic", SUMS, 4, answer_from="tag_only").test_set(1)[0]
+    assert scores(task, [strict] * 2, [f"{gold}", f"<answer>{gold}</answer>"]) == [0.0, 1.0]  # no tags: no answer
 
 
 def test_answer_rules():
     assert extract_answer("a <answer>1</answer> b <answer>2</answer>") == "2"
-    assert extract_answer("no tags") is None and extract_answer("", "last_line") is None
+    assert extract_answer("no tags", "tag_only") is None and extract_answer("no tags") == "no tags"
+    assert extract_answer("", "last_line") is None and extract_answer("  \n") is None
     assert extract_answer("first\n\n  the end  \n\n", "last_line") == "the end"
     assert extract_answer("3 + 4 = 7, and 1,250 apples.", "last_number") == "1250"
     assert extract_answer("minus: -12", "last_number") == "-12" and extract_answer("none", "last_number") is None

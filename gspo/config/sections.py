@@ -105,10 +105,11 @@ class Data:
         "is the default; tiny-long-moe is its MoE twin), or calculator (multi-turn: two-digit products with a "
         "calculator tool; its model, tiny-tool, is the default); or reasoning_gym:NAME, one of reasoning-gym's "
         "generators (a mix: reasoning_gym:a=2,b=1; `gspo tasks` lists them; needs --model). Ignored with --dataset.")
-    answer_from: Literal["tag", "last_line", "last_number"] = opt("tag",
+    answer_from: Literal["tag", "tag_only", "last_line", "last_number"] = opt("tag",
         "What a reasoning_gym task's verifier scores: tag, the text inside the last <answer>...</answer> "
-        "(reasoning-gym's convention; the default system prompt asks for it); last_line, the completion's last "
-        "non-empty line; last_number, its last number (for small models that never write the tags).")
+        "(reasoning-gym's convention; the default system prompt asks for it), else the reply's last non-empty "
+        "line; tag_only, the tags or nothing (scored 0); last_line; last_number, the reply's last number (for "
+        "small models that never write the tags).")
     task_options: tuple[str, ...] = opt((),
         "Options of a reasoning_gym task's generator, KEY=VALUE (values read as YAML scalars: 3, true, [1, 2]); "
         "repeat --task-option KEY=VALUE. In a mix, NAME.KEY=VALUE sets one generator's. YAML and Python also "

@@ -19,10 +19,10 @@ the same item of a reserve block, so the two never overlap.
 
 Prompts are the generator's question, as the user's turn; the default system prompt
 (SYSTEM_PROMPT) asks for the final answer inside <answer>...</answer>, as reasoning-gym's own
-prompts do. Rewards (gspo.tasks.gym_rewards): `reasoning_gym`, the generator's own
-`score_answer` (partial credit kept) on the text inside the last <answer>...</answer> (no such
-tags: the answer is None, scored 0 by every generator), and `answer_format`, 1.0 when the
-completion ends with one non-empty <answer>...</answer>.
+prompts do. Rewards (below): `reasoning_gym`, the generator's own `score_answer` (partial
+credit kept) on the answer `extract_answer` finds by the --answer-from rule (default: the text
+inside the last <answer>...</answer>, else the reply's last line), and `answer_format`, 1.0 when
+the completion ends with one non-empty <answer>...</answer>.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ BLOCK = 256  # training problems per seeded generator
 SYSTEM_PROMPT = ("Solve the problem. Give your final answer inside <answer> </answer> tags, for example "
                  "<answer>42</answer>, with nothing but the answer inside them.")
 # the default system prompt for each --answer-from rule
-SYSTEM_PROMPTS = {"tag": SYSTEM_PROMPT,
+SYSTEM_PROMPTS = {"tag": SYSTEM_PROMPT, "tag_only": SYSTEM_PROMPT,
                   "last_line": "Solve the problem. End your reply with the final answer alone on its last line.",
                   "last_number": "Solve the problem. End your reply with the final answer as a number."}
 RESERVED = ("size", "seed")
@@ -183,7 +183,7 @@ class GymTask:
     default_rewards: tuple[str, ...] = ("reasoning_gym",)
     default_max_new_tokens: int = 256
     default_system_prompt: str = SYSTEM_PROMPT
-    answer_from: str = "tag"  # what the verifier scores (extract): tag, last_line or last_number
+    answer_from: str = "tag"  # what the verifier scores (extract_answer): tag, tag_only, last_line or last_number
     notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -277,23 +277,28 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 def extract_answer(text: str, rule: str = "tag") -> str | None:
     """The answer a completion gives, by `rule` (--answer-from); None when it gives none.
-    tag: the text inside the last <answer>...</answer>, stripped (reasoning-gym's own rule);
-    last_line: the last non-empty line, stripped; last_number: the last number, its thousands
-    commas dropped.
+    tag: the text inside the last <answer>...</answer>, stripped, and for a reply without the
+    tags its last non-empty line (a model that never writes them still gets its answer scored,
+    with the verifier's partial credit for a line that holds more than the answer); tag_only: the
+    tags or nothing (reasoning-gym's own extract_answer); last_line: the last non-empty line,
+    stripped; last_number: the last number, its thousands commas dropped.
 
-    >>> extract_answer("5 + 7 = 12, so <answer> 12 </answer>"), extract_answer("12")
+    >>> extract_answer("5 + 7 = 12, so <answer> 12 </answer>"), extract_answer("so 12", "tag_only")
     ('12', None)
-    >>> extract_answer("so it is\n  1,234 \n", "last_line"), extract_answer("7 + 5 = 12.", "last_number")
-    ('1,234', '12')
+    >>> extract_answer("7 + 5 = 12.\\n"), extract_answer("so it is\\n  1,234 \\n", "last_line")
+    ('7 + 5 = 12.', '1,234')
+    >>> extract_answer("7 + 5 = 12.", "last_number")
+    '12'
     """
-    if rule == "last_line":
-        lines = [line.strip() for line in text.splitlines() if line.strip()]
-        return lines[-1] if lines else None
     if rule == "last_number":
         found = _NUMBER.findall(text)
         return found[-1].replace(",", "") if found else None
-    found = _ANSWER.findall(text)
-    return found[-1].strip() if found else None
+    if rule != "last_line":
+        found = _ANSWER.findall(text)
+        if found or rule == "tag_only":
+            return found[-1].strip() if found else None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
 
 
 @functools.lru_cache(maxsize=64)
