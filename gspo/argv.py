@@ -103,6 +103,8 @@ def list_flags(cls) -> set[str]:
     hints = option_types() if cls is TrainConfig else typing.get_type_hints(cls)
     out = set()
     for name, hint in hints.items():
+        if type(None) in typing.get_args(hint):  # `tuple[str, ...] | None` (gspo eval's options) is a list flag too
+            hint = next(a for a in typing.get_args(hint) if a is not type(None))
         args = typing.get_args(hint)
         if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
             out.add("--" + name.replace("_", "-"))

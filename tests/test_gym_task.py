@@ -207,3 +207,13 @@ def test_gspo_compare_takes_a_reasoning_gym_task(tmp_path):
     for name in ("gspo", "grpo"):
         config = (out / "runs" / f"{name}-seed0" / "config.yaml").read_text()
         assert "task: reasoning_gym:chain_sum" in config and "max_terms=2" in config
+
+
+def test_gspo_eval_keeps_every_repeated_flag():
+    # `gspo eval --task-option a=1 --task-option b=2` (and --reward twice): every value, not the last one only
+    from gspo.argv import list_flags, merge_repeated, parse
+    from gspo.eval_command import EvalArgs
+
+    args = ["--model", "tiny", "--task-option", "a=1", "--task-option", "b=2", "--reward", "x", "--reward", "y"]
+    a = parse(EvalArgs, merge_repeated(args, list_flags(EvalArgs)), "gspo eval")
+    assert a.task_options == ("a=1", "b=2") and a.reward == ("x", "y")
