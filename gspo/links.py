@@ -33,7 +33,9 @@ it also runs at exit, before multiprocessing's own exit joins children without a
 trainer rank 0 sends requests, each worker answers every trainer process with its share; a
 thread per worker receives, so that neither side's sends wait for the other's work. A rollout
 rank whose trainer rank 0 is gone (its connection closed) exits within `GONE_GRACE_S`, mid-batch
-or not; torchrun's agent stops the rest of the world.
+or not; torchrun's agent stops the rest of the world. At the end of a run a rollout rank says
+goodbye to each trainer process, rank 0 last (its goodbye releases the trainers' last barrier),
+and a trainer that stopped waiting for it is no failure: the run is over.
 """
 
 from __future__ import annotations
@@ -394,7 +396,14 @@ class RankEnd:
         _send(msg, dest, self.group)
 
     def close(self) -> None:
+        """Say goodbye to each trainer process, rank 0 last: its goodbye lets it leave, and with it
+        (their barrier) the others. A trainer that stopped waiting for its goodbye (it waits
+        CLOSE_STOP_S + CLOSE_TERM_S from its own close, and rank 0 may come far later, writing the
+        final checkpoint) may be gone: the run is over, and that is no failure of this rank."""
         if self.gone:  # no one to say goodbye to
             return
-        for r in range(self.trainers):
-            _send(("bye",), r, self.group)
+        for r in reversed(range(self.trainers)):
+            try:
+                _send(("bye",), r, self.group)
+            except Exception:  # noqa: BLE001 (its connection closed: it has left)
+                pass
