@@ -6,7 +6,7 @@
 The calculator task's episodes with the built-in `tiny-tool` model (8 prompts x 8 episodes,
 up to 3 turns, 80 tokens a turn), its calculator tool made to wait `latency` seconds per call
 as a remote tool would (a web search, a sandbox, a grader behind HTTP). The environment class
-differs only in `concurrency` (gspo.env.Environment): how many episodes' steps of a turn run
+differs only in `concurrency` (gspo.tasks.env.Environment): how many episodes' steps of a turn run
 at once, in threads. Each setting samples the same episodes from the same seed (checked:
 same tokens), `repeats` times; reported: the median wall time of a rollout, of which the
 model's sampling is the same in every row, and the speed-up over `concurrency = 1`, beside the
@@ -23,9 +23,9 @@ import time
 import common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-from gspo.episodes import Draws, EpisodeSpec, run_episodes
-from gspo.models import load_policy
-from gspo.rollout import PolicySampler, sampling_params
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
+from gspo.models.loading import load_policy
+from gspo.sampling.rollout import PolicySampler, sampling_params
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
 
 

@@ -10,7 +10,7 @@ own process; reported is the growth of peak resident memory once the inputs exis
 states, head weight, targets): what the loss's forward and backward allocate.
 
 - full: logits = h W^T (tokens x vocab, fp32), log_softmax, gather (what a plain forward does)
-- gspo: gspo.lmhead.chunked_logprobs (chunks of 128 MiB of logits, recomputed in the backward
+- gspo: gspo.models.lmhead.chunked_logprobs (chunks of 128 MiB of logits, recomputed in the backward
   pass beyond 512 MiB; never tokens x vocab at once)
 
 Log-probs and gradients of the two paths are equal to 1e-5 (tests/test_lmhead.py).
@@ -30,8 +30,8 @@ from common import ROOT, peak_rss_mb
 def worker(args) -> None:
     import torch
 
-    from gspo.lmhead import chunked_logprobs
-    from gspo.losses import policy_loss
+    from gspo.models.lmhead import chunked_logprobs
+    from gspo.algo.losses import policy_loss
     from gspo.config import Loss
 
     torch.set_num_threads(args.threads)

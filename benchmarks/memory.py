@@ -55,7 +55,7 @@ def model_dir(layers: int) -> str:
         import torch
         from transformers import Qwen3ForCausalLM
 
-        from gspo.models import tiny_config
+        from gspo.models.loading import tiny_config
 
         kw = dict(SHAPE, num_hidden_layers=layers)
         vocab = kw.pop("vocab")
@@ -73,8 +73,8 @@ def synthetic_batch(run, rows: int, length: int):
 
     import torch
 
-    from gspo.rollout import Rollout
-    from gspo.trainer import Batch
+    from gspo.sampling.rollout import Rollout
+    from gspo.train.trainer import Batch
 
     g = torch.Generator().manual_seed(0)
     V = run.policy.config.vocab_size
@@ -100,8 +100,8 @@ def child(args) -> None:
     import torch
 
     from gspo.config import SECTION_OF, TrainConfig
-    from gspo.run import build_run
-    from gspo.trainer import update
+    from gspo.train.run import build_run
+    from gspo.train.trainer import update
 
     torch.set_num_threads(args.threads)
     known = set(SECTION_OF)

@@ -9,14 +9,14 @@ torch.set_num_threads(2):
 - one decode step at B = 64 rows (8 chain prompts x 8 samples): median of `--steps` steps after
   10 warm-up steps (the compact decoder's first step, computed both ways for its check, is
   among them), the same tokens fed to both decoders;
-- one rollout as the `length` preset samples it (gspo.compare): 8 chain-task prompts x group 8,
-  max_new_tokens 240 (the chain task's), temperature 1, routing recorded (gspo.moe.Routing, as
+- one rollout as the `length` preset samples it (gspo.lab.compare): 8 chain-task prompts x group 8,
+  max_new_tokens 240 (the chain task's), temperature 1, routing recorded (gspo.models.moe.Routing, as
   a run with sampling-time log-probs does); the two decoders alternate `--repeats` times after
   a warm-up, the same seed each time (so the same tokens), median wall time.
 
 `--variants` times the compact step with its sparse blocks computed as (a) the model's own
 block module, `layer.mlp(h[:, None])`, (b) the router module then the model's experts module,
-(c) the router module then gspo.fastmoe's grouped experts (what the compact step does).
+(c) the router module then gspo.models.fastmoe's grouped experts (what the compact step does).
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo import fastdecode, fastmoe
-from gspo.models import load_policy
-from gspo.moe import Routing
-from gspo.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+from gspo.sampling import fastdecode
+from gspo.models import fastmoe
+from gspo.models.loading import load_policy
+from gspo.models.moe import Routing
+from gspo.sampling.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
 from gspo.tasks import get_task
 
 PROMPTS, GROUP, MAX_NEW = 8, 8, 240
@@ -105,7 +106,7 @@ def main() -> None:
         if args.variants:
             own = fastmoe.sparse_moe
             for name, fn in (("block module", block_module), ("router + experts module", experts_module),
-                             ("router + gspo.fastmoe experts", own)):
+                             ("router + gspo.models.fastmoe experts", own)):
                 fastmoe.sparse_moe = fn
                 t = step_median(model, prompts, fastdecode.FastDecoder, args.steps)
                 print(f"  compact step, MoE MLP as {name}: {t * 1e3:.2f} ms")

@@ -3,10 +3,10 @@
     python benchmarks/multiturn_cache.py                 # ~1 minute on 2 quiet CPU cores
     python benchmarks/multiturn_cache.py --steps 1 2 3 --repeats 5
 
-The rollout of `gspo train --task calculator` with its defaults (built by gspo.run.build_run and
-sampled by gspo.produce.rollout, as training samples it: 32 prompts x 8 episodes, up to 3 turns,
+The rollout of `gspo train --task calculator` with its defaults (built by gspo.train.run.build_run and
+sampled by gspo.sampling.produce.rollout, as training samples it: 32 prompts x 8 episodes, up to 3 turns,
 80 tokens a turn, the built-in `tiny-tool` model), once with gspo's own sampler keeping each
-episode's KV cache from one turn to the next (gspo.turncache: a later turn feeds its last sampled
+episode's KV cache from one turn to the next (gspo.sampling.turncache: a later turn feeds its last sampled
 token and the environment's tokens) and once with `PolicySampler(keep_cache=False)`, every turn
 prefilling its whole conversation. Same seed, same weights: the tokens must be identical (checked)
 and the log-probs equal to 1e-5. Reported per turn: the rows sampled, the `sample` call's wall time
@@ -26,12 +26,12 @@ from collections import defaultdict
 import common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-import gspo.rollout as rollout_module
+import gspo.sampling.rollout as rollout_module
 from gspo.config import TrainConfig
-from gspo.produce import rollout
-from gspo.rollout import PolicySampler
-from gspo.run import build_run
-from gspo.turncache import TurnCache
+from gspo.sampling.produce import rollout
+from gspo.sampling.rollout import PolicySampler
+from gspo.train.run import build_run
+from gspo.sampling.turncache import TurnCache
 
 
 class Clock:

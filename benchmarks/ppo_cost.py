@@ -29,9 +29,9 @@ def worker(args) -> None:
     import transformers  # noqa: F401  (imported before the baseline: libraries are not the run's memory)
 
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.run import build_run
-    from gspo.trainer import train_step
+    from gspo.train.resolve import resolve
+    from gspo.train.run import build_run
+    from gspo.train.trainer import train_step
 
     base_rss = peak_rss_mb()
     torch.set_num_threads(args.threads)

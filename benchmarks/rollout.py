@@ -41,9 +41,9 @@ def vllm_side(model, tok, prompts, G: int, L: int):
         return None
     import torch
 
-    from gspo.rollout import sampling_params
+    from gspo.sampling.rollout import sampling_params
     from gspo.config import VLLM
-    from gspo.vllm_engine import VLLMSampler
+    from gspo.sampling.vllm_engine import VLLMSampler
 
     engine = VLLMSampler(model.name_or_path, VLLM(vllm_max_model_len=int(model.config.max_position_embeddings)),
                          dtype="float32", seed=0)
@@ -67,8 +67,8 @@ def main() -> None:
 
     import torch
 
-    from gspo.models import load_policy
-    from gspo.rollout import generate, left_pad, sampling_params
+    from gspo.models.loading import load_policy
+    from gspo.sampling.rollout import generate, left_pad, sampling_params
     from gspo.tasks import get_task
 
     torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ that same batch, whole and by part:
   with the entropy the trainer logs) and the loss;
 - backward: `loss.backward()`;
 - optimizer: gradient clipping and the AdamW step;
-- the LM head alone: `gspo.lmhead.chunked_logprobs` forward and backward on the minibatch's hidden
+- the LM head alone: `gspo.models.lmhead.chunked_logprobs` forward and backward on the minibatch's hidden
   states (a part of forward and backward above);
 
 and with one lever changed at a time: no entropy (`policy/entropy` not computed), packing
@@ -34,8 +34,8 @@ from vs_trl import CONFIGS, matmul_peak
 
 def build(threads: int, **over):
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.run import build_run
+    from gspo.train.resolve import resolve
+    from gspo.train.run import build_run
 
     model, P, G, L = CONFIGS["mid"]
     cfg = resolve(TrainConfig(model=model_path(model), prompts_per_step=P, group_size=G, max_new_tokens=L,
@@ -46,10 +46,10 @@ def build(threads: int, **over):
 
 def parts(run, batch, repeats: int, entropy: bool = True, head_too: bool = False) -> dict:
     """Median seconds of each part of one update (all its minibatches), over `repeats` updates."""
-    from gspo import trainer
-    from gspo.aggregation import agg_count
-    from gspo.lmhead import chunked_logprobs
-    from gspo.logprobs import Split, passes
+    from gspo.train import trainer
+    from gspo.algo.aggregation import agg_count
+    from gspo.models.lmhead import chunked_logprobs
+    from gspo.models.logprobs import Split, passes
 
     cfg, ro = run.cfg, batch.rollout
     mask = ro.completion_mask
@@ -82,7 +82,7 @@ def parts(run, batch, repeats: int, entropy: bool = True, head_too: bool = False
                 with torch.no_grad():
                     hidden = run.policy.model(input_ids=ro.input_ids[idx],
                                               attention_mask=ro.attention_mask[idx]).last_hidden_state
-                T = mask.shape[1]  # the completion's positions, as gspo.logprobs takes them
+                T = mask.shape[1]  # the completion's positions, as gspo.models.logprobs takes them
                 h = hidden[:, -T - 1:-1].reshape(-1, hidden.shape[-1]).detach().requires_grad_(True)
                 targets = ro.input_ids[idx][:, -T:].reshape(-1)
                 t = time.perf_counter()
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from gspo.trainer import train_step
+    from gspo.train.trainer import train_step
 
     peak = matmul_peak(args.threads)
     print(f"machine: {args.threads} threads, fp32 matmul peak {peak:.0f} GFLOP/s\n")

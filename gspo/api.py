@@ -20,15 +20,15 @@ In the spirit of TRL's `GRPOTrainer(model=..., reward_funcs=[...], train_dataset
   answer as `config.answer_column`; every column reaches the rewards);
 - `reward_funcs`: callables called by keyword as TRL calls them (`prompts=`, `completions=`,
   `completion_ids=`, every column; return None where a reward does not apply), reward names
-  (gspo.rewards), and/or learned reward models by directory or Hub id (gspo.reward_model);
-- `env`: the environment of multi-turn episodes, a class (gspo.env; one instance per episode)
+  (gspo.rewards.builtin), and/or learned reward models by directory or Hub id (gspo.rewards.model);
+- `env`: the environment of multi-turn episodes, a class (gspo.tasks.env; one instance per episode)
   or its `path.py:Class` name;
 - `callbacks`: each a callable `(step, metrics) -> bool | None`, or an object with such an
   `on_step_end` method; it sees every step's metrics (the row of metrics.jsonl) and stops the
   run by returning True (a checkpoint is written at that step, then the final evaluation).
 
 TRL's names work too: `args=` for the config (`gspo.TrainConfig.from_trl(num_generations=8)`
-takes GRPOConfig's options, gspo.aliases) and `processing_class=` for the tokenizer.
+takes GRPOConfig's options, gspo.config.trl) and `processing_class=` for the tokenizer.
 The configuration is type-checked when the trainer is made (`steps="2"` is a one-line
 ConfigError naming the field). Objects cannot be written to `config.yaml`: it records a
 placeholder (`<train_dataset>`), and resuming such a run (`trainer.train(resume=run_dir)`)
@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from gspo.config import ConfigError, TrainConfig, options
-from gspo.checks import check_value
-from gspo.configfile import in_memory, load_yaml
-from gspo.run import Inputs
+from gspo.config.checks import check_value
+from gspo.config.yamlfile import in_memory, load_yaml
+from gspo.train.run import Inputs
 
 
 class Trainer:
@@ -91,7 +91,7 @@ class Trainer:
         """Train; returns the run's summary. resume: a run directory to continue (its saved
         configuration; the options of this trainer's config that are safe to change apply)."""
         from gspo.export import from_run
-        from gspo.trainer import train
+        from gspo.train.trainer import train
 
         cfg = self.config
         if resume is not None and not self._given:  # the run's saved config, with the objects and any edits since
@@ -117,7 +117,7 @@ class Trainer:
         (a copy: `trainer.model` keeps its adapters), parameters in `dtype` (default: the run's
         --dtype), as `save_model` writes it. None where this process holds no whole policy (FSDP)."""
         from gspo.export import plain_model
-        from gspo.models import DTYPES
+        from gspo.models.loading import DTYPES
 
         if self._trained is None:
             return None

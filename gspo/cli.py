@@ -20,20 +20,20 @@ from dataclasses import dataclass
 
 import tyro
 
-# gspo's options (gspo.argv, gspo.config, gspo.configfile) import no torch: `gspo --help`, `--version`,
+# gspo's options (gspo.commands.argv, gspo.config, gspo.config.yamlfile) import no torch: `gspo --help`, `--version`,
 # an unknown command and usage errors found while parsing answer without it; torch and transformers are
 # imported by the command that uses them, once its options are known to be good (tests/test_cli_startup.py)
-from gspo.argv import UsageError
-from gspo.argv import list_flags as _list_flags
-from gspo.argv import merge_repeated as _merge_repeated
-from gspo.tasks_command import cmd_tasks
-from gspo.argv import parse as _parse
-from gspo.argv import take as _take
-from gspo.argv import take_many as _take_many
-from gspo.checks import arguments_error, one_line, plural
+from gspo.commands.argv import UsageError
+from gspo.commands.argv import list_flags as _list_flags
+from gspo.commands.argv import merge_repeated as _merge_repeated
+from gspo.commands.tasks import cmd_tasks
+from gspo.commands.argv import parse as _parse
+from gspo.commands.argv import take as _take
+from gspo.commands.argv import take_many as _take_many
+from gspo.config.checks import arguments_error, one_line, plural
 from gspo.config import ConfigError, TrainConfig
-from gspo.configfile import in_memory, load_yaml
-from gspo.eval_command import EvalArgs, cmd_eval, eval_config  # noqa: F401 (importable here)
+from gspo.config.yamlfile import in_memory, load_yaml
+from gspo.commands.eval import EvalArgs, cmd_eval, eval_config  # noqa: F401 (importable here)
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 
@@ -49,7 +49,7 @@ commands:
 
 def cmd_train(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
-        from gspo.help import train_help
+        from gspo.commands.help import train_help
 
         print(train_help())
         return 0
@@ -71,7 +71,7 @@ def cmd_train(args: list[str]) -> int:
         base = load_yaml(config_file) if config_file else TrainConfig()
         cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo train", default=base)
         from gspo.api import Trainer  # torch and transformers: once the options are known to be good
-        from gspo.run import check_processes
+        from gspo.train.run import check_processes
 
         if any(a.partition("=")[0] == "--parallel" for a in args):  # as given (ddp, the default, is refused here only)
             check_processes(cfg.run.parallel)
@@ -133,7 +133,7 @@ def cmd_plot(args: list[str]) -> int:
     a = _parse(PlotArgs, args, "gspo plot")
     if not a.runs:
         raise UsageError("give at least one run directory")
-    from gspo.plot import plot_runs
+    from gspo.lab.plot import plot_runs
 
     out = plot_runs(a.runs, [m.strip() for m in a.metrics.split(",") if m.strip()], a.output,
                     smooth_n=a.smooth, title=a.title)
@@ -146,7 +146,7 @@ def cmd_compare(args: list[str]) -> int:
     import dataclasses
     import time
 
-    from gspo.compare import COMPARE_PRESETS, CompareOptions, compare, compare_help
+    from gspo.lab.compare import COMPARE_PRESETS, CompareOptions, compare, compare_help
 
     configs, args = _take_many(args, "--configs")
     lags, args = _take_many(args, "--lags")
@@ -188,10 +188,10 @@ COMPARE_SEEDS = (0, 1, 2)
 
 
 def _study(preset, configs: list[str], lags: list[str], precisions: list[str], args: list[str]):
-    """The preset's study along its factor (gspo.studies), its levels from --lags / --precisions
+    """The preset's study along its factor (gspo.lab.studies), its levels from --lags / --precisions
     (the factor's own flag among the base options is refused: the study sets it)."""
-    from gspo.compare import parse_config
-    from gspo.studies import AXES, Study, levels_arg
+    from gspo.lab.compare import parse_config
+    from gspo.lab.studies import AXES, Study, levels_arg
 
     given = {"--lags": lags, "--precisions": precisions}
     for flag, values in given.items():
@@ -260,12 +260,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gspo {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from gspo.lifecycle import Interrupted
+        from gspo.train.lifecycle import Interrupted
 
         if not isinstance(e, Interrupted):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # every process stopped at this step: one says so
-            from gspo.distributed import command_line
+            from gspo.dist.distributed import command_line
 
             resume = command_line([name, "--resume", str(e.run_dir)])  # under torchrun, the torchrun line
             print(f"gspo {name}: {e.line(resume)}", file=sys.stderr, flush=True)
@@ -273,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say_once(line: str) -> None:
-    """gspo.distributed.say_once (it imports torch): only another rank under torchrun needs more
+    """gspo.dist.distributed.say_once (it imports torch): only another rank under torchrun needs more
     than printing the line, as say_once does on rank 0."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
         return
-    from gspo.distributed import say_once
+    from gspo.dist.distributed import say_once
 
     say_once(line)
 
@@ -288,7 +288,7 @@ def entry() -> None:
     code = main()
     if "torch" not in sys.modules:  # help, --version, a usage error: no torch, no gloo threads to outlive
         sys.exit(code)
-    from gspo.distributed import exit_process
+    from gspo.dist.distributed import exit_process
 
     exit_process(code)
 

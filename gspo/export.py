@@ -9,7 +9,7 @@
 OUT holds only what `AutoModelForCausalLM.from_pretrained(OUT)` and vLLM read: the weights
 (a LoRA adapter merged into its base with PEFT's `merge_and_unload`), `config.json` (its
 `dtype` and `torch_dtype` those of the weights), the tokenizer, a `generation_config.json`
-whose `eos_token_id` lists the run's stop tokens (gspo.rollout.stop_token_ids), and a
+whose `eos_token_id` lists the run's stop tokens (gspo.sampling.rollout.stop_token_ids), and a
 `README.md` model card that carries the run's configuration. No optimizer, trainer state or
 `config.yaml`: nothing a reader of OUT would not know. The weights are in the run's compute
 `--dtype` unless `dtype` says otherwise: the precision the policy sampled and was rewarded in.
@@ -37,13 +37,13 @@ import torch
 import tyro
 import yaml
 
-from gspo import checkpoint as ckpt
-from gspo.words import plural
-from gspo.command import NOT_IN_COMMAND, train_command
+from gspo.train import checkpoint as ckpt
+from gspo.io.words import plural
+from gspo.commands.train_command import NOT_IN_COMMAND, train_command
 from gspo.config import TrainConfig, to_dict
-from gspo.configfile import load_yaml
-from gspo.hub import nearby
-from gspo.models import BUILTIN_MODELS, DTYPES, unwrap
+from gspo.config.yamlfile import load_yaml
+from gspo.io.hub import nearby
+from gspo.models.loading import BUILTIN_MODELS, DTYPES, unwrap
 
 
 class ExportError(ValueError):
@@ -78,7 +78,7 @@ class Trained:
     tokenizer: object
     cfg: TrainConfig  # the run's resolved configuration
     step: int  # training steps behind these weights
-    stop_ids: tuple[int, ...]  # the run's stop tokens (gspo.rollout.stop_token_ids)
+    stop_ids: tuple[int, ...]  # the run's stop tokens (gspo.sampling.rollout.stop_token_ids)
     evals: list[dict] = field(default_factory=list)  # held-out evaluations, {"step", "accuracy", "n", ...}
     run_dir: Path | None = None  # for an example prompt (samples.jsonl)
     base_model: str | None = None  # the LoRA base, when it is not cfg.policy.model (--base-model)
@@ -101,7 +101,7 @@ def export(source: str | Path, out: str | Path, *, dtype: str | None = None, bas
 
 
 def from_run(run) -> Trained | None:
-    """What a finished gspo.run.Run's policy exports as (gspo.api.Trainer keeps it); None where
+    """What a finished gspo.train.run.Run's policy exports as (gspo.api.Trainer keeps it); None where
     the policy is sharded (FSDP): the run's final checkpoint holds its gathered weights."""
     if run.dist.enabled and run.dist.parallel == "fsdp":
         return None
@@ -132,9 +132,9 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path:
 def load_trained(path: Path, *, dtype: str, base_model: str | None = None) -> Trained:
     """A checkpoint's policy on the CPU: full weights in `dtype`; a LoRA adapter on its base in
     float32 (merged in float32, then cast once)."""
-    from gspo.models import AdapterLoad, load_policy
-    from gspo.rollout import stop_token_ids
-    from gspo.models import quiet_peft
+    from gspo.models.loading import AdapterLoad, load_policy
+    from gspo.sampling.rollout import stop_token_ids
+    from gspo.models.loading import quiet_peft
 
     cfg = load_yaml(path / "config.yaml")
     adapter = (path / "adapter_config.json").exists()
@@ -252,7 +252,7 @@ ALGORITHMS = {"gspo": "GSPO (Group Sequence Policy Optimization)", "grpo": "GRPO
 def hub_id(name: str | None) -> str | None:
     """The hub id a model or dataset name stands for, if any: the id itself, or the id of a
     hub cache snapshot directory (`.../models--ORG--NAME/snapshots/<hash>`)."""
-    from gspo.hub import looks_like_hub_id
+    from gspo.io.hub import looks_like_hub_id
 
     if not name or name in BUILTIN_MODELS or name.startswith("<"):
         return None

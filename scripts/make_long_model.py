@@ -4,7 +4,7 @@
     python scripts/make_long_model.py --arch moe       # writes gspo/assets/tiny-long-moe (8 experts, top-2)
     python scripts/make_long_model.py --arch moe --experts 16 --top-k 4 --out /tmp/long-moe16   # a stress knob
 
-What it makes. `tiny-long`: the built-in dense architecture (`gspo.models.tiny_config`, a
+What it makes. `tiny-long`: the built-in dense architecture (`gspo.models.loading.tiny_config`, a
 4-layer Qwen3, hidden 128) with 384 positions and the same character tokenizer, warm-started
 by supervised training on the `chain` task's training problems (never its test split), whose
 steps are written with one schoolchild mistake, *forgetting the carry when the ones make ten*:
@@ -38,9 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
-from gspo.evaluation import EvalOptions, evaluate  # noqa: E402
-from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
-from gspo.rewards import load_rewards  # noqa: E402
+from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
+from gspo.models.loading import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
+from gspo.rewards.builtin import load_rewards  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 from gspo.tasks.chain import LENGTH_BINS, TARGET, parse_prompt  # noqa: E402
 from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402

@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo.evaluation import EvalOptions, evaluate  # noqa: E402
-from gspo.models import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
+from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
+from gspo.models.loading import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 
 
@@ -134,7 +134,7 @@ def main():
         if (step + 1) % 500 == 0:
             print(f"step {step + 1}/{args.steps} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
     model.eval()
-    from gspo.rewards import load_rewards
+    from gspo.rewards.builtin import load_rewards
 
     res = evaluate(model, tokenizer, task, load_rewards(["exact_integer"], None), EvalOptions(n=1000, k=8))
     print(f"greedy accuracy {res['accuracy']:.3f}  sample accuracy {res['sample_accuracy']:.3f}  "

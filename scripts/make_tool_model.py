@@ -3,9 +3,9 @@
     python scripts/make_tool_model.py                  # writes gspo/assets/tiny-tool
     python scripts/make_tool_model.py --out /tmp/tool  # somewhere else
 
-What it makes. `tiny-tool`: the built-in dense architecture (`gspo.models.tiny_config`, a
+What it makes. `tiny-tool`: the built-in dense architecture (`gspo.models.loading.tiny_config`, a
 4-layer Qwen3, hidden 128) with 256 positions and the chat tokenizer
-(`gspo.models.build_chat_tokenizer`: characters, the chat markers, `<|im_end|>` as EOS, a
+(`gspo.models.loading.build_chat_tokenizer`: characters, the chat markers, `<|im_end|>` as EOS, a
 Qwen-style chat template with Hermes `<tool_call>`s), warm-started by supervised training on
 whole `calculator` episodes of the task's training problems (never its test split), rendered
 through the chat template with the `calculator` tool exactly as a multi-turn rollout lays
@@ -49,8 +49,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
-from gspo.env import tool_schemas  # noqa: E402
-from gspo.models import ASSETS, build_chat_tokenizer, tiny_config  # noqa: E402
+from gspo.tasks.env import tool_schemas  # noqa: E402
+from gspo.models.loading import ASSETS, build_chat_tokenizer, tiny_config  # noqa: E402
 from gspo.tasks.calculator import FORMS, CalculatorTask, calculator, expression  # noqa: E402
 from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
 

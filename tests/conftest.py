@@ -6,14 +6,14 @@ import torch
 # Two cores: keep torch from oversubscribing them when pytest-xdist runs two workers.
 THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch.set_num_threads(THREADS)
-# and every run in the tests, here or in a subprocess, takes that count (gspo.threads: OMP_NUM_THREADS is the
+# and every run in the tests, here or in a subprocess, takes that count (gspo.dist.threads: OMP_NUM_THREADS is the
 # user's choice), not one chosen by the load of the moment: runs compared bit for bit must compute alike
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from gspo.models import build_char_tokenizer
+    from gspo.models.loading import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -22,7 +22,7 @@ def random_tiny_model(tokenizer, seed=0, **overrides):
     """A randomly initialised 2-layer Qwen3 for fast tests (not the trained built-in)."""
     from transformers import Qwen3ForCausalLM
 
-    from gspo.models import tiny_config
+    from gspo.models.loading import tiny_config
 
     torch.manual_seed(seed)
     kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -79,7 +79,7 @@ def build_chat_model(path, *, seed=0, chat_template=True):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-    from gspo.models import tiny_config
+    from gspo.models.loading import tiny_config
 
     special = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
     vocab = {t: i for i, t in enumerate(special)}

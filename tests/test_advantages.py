@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.advantages import gae, group_advantages, masked_whiten
+from gspo.algo.advantages import gae, group_advantages, masked_whiten
 
 D = torch.float64
 

@@ -4,7 +4,7 @@ correction between them (`--rollout-is`, π_prox/π_behav).
 
 Under staleness the two anchors differ. Every registered loss must compute its ratio against exactly
 the `old_logp` it is handed (never `rollout_logp` nor anything else: SkyRL PR #1859 anchored CISPO on
-the recomputed log-probs, so its correction did nothing), and `gspo.batch.prepare` must hand it the one
+the recomputed log-probs, so its correction did nothing), and `gspo.train.batch.prepare` must hand it the one
 the option names.
 
 The hand case (float64), two responses of two tokens, every token a completion token, Â = [+1, -1]:
@@ -23,13 +23,13 @@ import math
 import pytest
 import torch
 
-from gspo.batch import Scored, prepare
+from gspo.train.batch import Scored, prepare
 from gspo.config import Corrections, Loss, TrainConfig
-from gspo.logprobs import token_logprobs
-from gspo.losses import LOSSES, policy_loss, rollout_is_weights
-from gspo.rewards import score_completions
-from gspo.rollout import decode_completions, encode_prompts, sampling_params
-from gspo.run import build_run
+from gspo.models.logprobs import token_logprobs
+from gspo.algo.losses import LOSSES, policy_loss, rollout_is_weights
+from gspo.rewards.builtin import score_completions
+from gspo.sampling.rollout import decode_completions, encode_prompts, sampling_params
+from gspo.train.run import build_run
 
 D = torch.float64
 E = math.exp
@@ -194,7 +194,7 @@ IS_BY_COLUMN = [2.0, E(-0.5), E(0.2), E(-0.3)]
 def stale_batch(tmp_path, **options):
     """A run on the built-in tiny model (float64), one rollout from the run's sampler whose `logp` is
     overwritten by a stale behaviour tensor, and prepare's batch of it. Returns (run, batch, behaviour,
-    the policy's log-probs, the completion mask). (gspo.trainer's `rollout` is this, plus stop strings
+    the policy's log-probs, the completion mask). (gspo.train.trainer's `rollout` is this, plus stop strings
     and episodes; it is not imported here, so that these tests stand apart from the trainer's loop.)"""
     cfg = TrainConfig(prompts_per_step=2, group_size=2, max_new_tokens=4, num_minibatches=1, progress=False,
                       output_dir=str(tmp_path / "run"), **options)

@@ -8,7 +8,7 @@ import pytest
 
 import gspo
 from gspo.config import ConfigError
-from gspo.models import ModelError, load_policy
+from gspo.models.loading import ModelError, load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = dict(prompts_per_step=4, group_size=4, eval_size=8, max_new_tokens=8, progress=False)
@@ -68,7 +68,7 @@ def test_objects_datasets_rewards_and_callbacks(tmp_path):
 
 
 def ckpt_steps(run):
-    from gspo import checkpoint as ckpt
+    from gspo.train import checkpoint as ckpt
 
     return [d.name for _, d in ckpt.checkpoint_dirs(run)]
 

@@ -1,4 +1,4 @@
-"""Asynchronous RL (gspo.pipeline, gspo.produce): a fixed lag of K versions, rollout workers, resume.
+"""Asynchronous RL (gspo.sampling.pipeline, gspo.sampling.produce): a fixed lag of K versions, rollout workers, resume.
 
 The equalities here are exact (bit for bit on CPU), not within a tolerance: a worker samples
 batch t with exactly the weights of version max(0, t-1-K), as the trainer's own process does,
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo import checkpoint as ckpt
+from gspo.train import checkpoint as ckpt
 from tests.test_distributed import ENV, metrics, weights
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def test_k0_is_the_synchronous_run(runs):
     # the run trained: the policy moved (else equal weights prove nothing)
     from safetensors.torch import load_file
 
-    from gspo.models import BUILTIN_MODELS
+    from gspo.models.loading import BUILTIN_MODELS
 
     w0 = load_file(BUILTIN_MODELS["tiny"] / "model.safetensors")
     assert any(not torch.equal(w0[k], v) for k, v in weights(runs["k0"]).items())
@@ -136,13 +136,13 @@ def test_fixed_lag_staleness_is_exact(runs, k):
 
 
 def test_fixed_lag_requests_each_batch_from_the_right_version(tmp_path, monkeypatch):
-    # in process, recording what the pipeline asks gspo.produce for: K=1, 4 steps. At the start
+    # in process, recording what the pipeline asks gspo.sampling.produce for: K=1, 4 steps. At the start
     # of step t (version t-1) batches t .. min(t+1, 4) not yet asked for are sampled:
     #   step 1 (v0): batches 1, 2;  step 2 (v1): 3;  step 3 (v2): 4;  step 4 (v3): nothing
     # so batch t comes from version max(0, t-2): 0, 0, 1, 2
-    from gspo import pipeline
+    from gspo.sampling import pipeline
     from gspo.config import TrainConfig
-    from gspo.trainer import train as train_in_process
+    from gspo.train.trainer import train as train_in_process
 
     calls, real = [], pipeline.produce
 
@@ -335,7 +335,7 @@ def test_drop_uniform_groups_reports_each_step(tmp_path):
 
 
 def _rollout(P: int, T: int, base: int, B: int = 4, G: int = 2):
-    from gspo.sequences import Rollout
+    from gspo.models.sequences import Rollout
 
     ids = torch.arange(B * P).view(B, P) + base + 1
     comp = torch.arange(B * T).view(B, T) + base + 101
@@ -345,8 +345,8 @@ def _rollout(P: int, T: int, base: int, B: int = 4, G: int = 2):
 
 
 def test_gather_groups_pads_and_picks_by_hand():
-    from gspo.produce import _gather_groups, _pad, uniform_groups
-    from gspo.scoring import Scored
+    from gspo.sampling.produce import _gather_groups, _pad, uniform_groups
+    from gspo.tasks.scoring import Scored
 
     # uniform_groups: G=2, rewards (1,1) (0,1) (0.5,0.5) -> flat, signal, flat
     assert uniform_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2).tolist() == [True, False, True]
@@ -396,7 +396,7 @@ def test_async_config_errors_are_one_line(tmp_path, args, name):
 def test_the_api_refuses_objects_with_workers(tmp_path, char_tokenizer):
     from gspo import Trainer
     from gspo.config import ConfigError, TrainConfig
-    from gspo.run import Inputs, build_run
+    from gspo.train.run import Inputs, build_run
     from tests.conftest import random_tiny_model
 
     cfg = dict(steps=1, prompts_per_step=4, group_size=4, eval_size=8, rollout_workers=1)

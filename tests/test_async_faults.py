@@ -1,5 +1,5 @@
 """Rollout workers at the size a user runs them: a worker or a trainer killed, a second Ctrl-C, an
-error in the trainer, each while a batch of megabytes is in flight (gspo.links, gspo.pipeline).
+error in the trainer, each while a batch of megabytes is in flight (gspo.dist.links, gspo.sampling.pipeline).
 
 Why these sizes. A worker's result carries the batch's dataset rows, completions and reward parts;
 a pipe holds 64 KiB. Each row of the dataset here has a 96 KiB `context` column (a GSM8K row with a
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo import checkpoint as ckpt
+from gspo.train import checkpoint as ckpt
 from tests.test_async import _children, _wait_for
 from tests.test_distributed import ENV
 

@@ -3,8 +3,8 @@ reward that checks only the final number; the built-in models that fit its answe
 
 import pytest
 
-from gspo.models import load_policy
-from gspo.rewards import load_rewards
+from gspo.models.loading import load_policy
+from gspo.rewards.builtin import load_rewards
 from gspo.tasks import get_task
 from gspo.tasks.chain import (START, STEP, TARGET, chain_answer, last_number, length_bin, parse_prompt,
                               reference_steps)

@@ -221,7 +221,7 @@ def test_no_evaluation_with_eval_size_0(tmp_path):
 def test_plot_does_not_smooth_evaluations_and_checks_metrics(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    from gspo.plot import PlotError, plot_runs
+    from gspo.lab.plot import PlotError, plot_runs
 
     run = tmp_path / "run"
     run.mkdir()

@@ -76,10 +76,10 @@ def test_help_version_and_usage_errors_import_no_torch(args, code, text):
 
 
 # Errors found once the options parsed import torch: the algorithm is checked against the registered
-# losses first (gspo.losses), then TRL's names (`--num-generations x`) and the option's bounds.
+# losses first (gspo.algo.losses), then TRL's names (`--num-generations x`) and the option's bounds.
 # These import torch, not transformers: `train --help` lists the algorithms and their presets, the
-# losses registered in gspo.losses (a torch module); compare's presets and help live in gspo.compare
-# (gspo.checkpoint: torch), export's options in gspo.export (torch at its top).
+# losses registered in gspo.algo.losses (a torch module); compare's presets and help live in gspo.lab.compare
+# (gspo.train.checkpoint: torch), export's options in gspo.export (torch at its top).
 TORCH_ONLY = [
     (["train", "--help"], "usage: gspo train [--config FILE]"),
     (["compare", "--help"], "gspo compare: train several configurations"),
@@ -101,12 +101,12 @@ import gspo
 assert "torch" not in sys.modules and "gspo.api" not in sys.modules
 from gspo import TrainConfig
 assert gspo.__all__ == ["Trainer", "TrainConfig", "__version__"] and isinstance(gspo.__version__, str)
-cfg = gspo.TrainConfig.from_trl(num_generations=8)  # gspo.aliases registers from_trl when first asked
+cfg = gspo.TrainConfig.from_trl(num_generations=8)  # gspo.config.trl registers from_trl when first asked
 assert cfg.group_size == 8 and TrainConfig is gspo.TrainConfig
 assert "torch" not in sys.modules and "transformers" not in sys.modules
 from gspo import Trainer  # the training stack, on first use
 assert Trainer.__module__ == "gspo.api" and "torch" in sys.modules
-assert gspo.models.BUILTIN_MODELS  # a submodule as an attribute, as when `import gspo` imported them all
+assert gspo.models.loading.BUILTIN_MODELS  # a submodule as an attribute, as when `import gspo` imported them all
 assert {"Trainer", "TrainConfig"} <= set(dir(gspo))
 try:
     gspo.no_such_name

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from gspo import checkpoint as ckpt
+from gspo.train import checkpoint as ckpt
 from gspo.cli import main
-from gspo.compare import summarise
+from gspo.lab.compare import summarise
 from gspo.config import RESUME_SAFE, TrainConfig
-from gspo.jobs import NOT_THE_RUN, differences, saved_config, set_aside
-from gspo.resolve import resolve
+from gspo.lab.jobs import NOT_THE_RUN, differences, saved_config, set_aside
+from gspo.train.resolve import resolve
 from tests.test_cli import gspo
 from tests.test_jobs import _steps
 
@@ -29,7 +29,7 @@ def _files(run):
 
 
 def test_what_is_not_the_run_is_what_a_resume_may_change():
-    # a resumed run takes these from the configuration asked for: gspo.resolve.resume_config must allow it
+    # a resumed run takes these from the configuration asked for: gspo.train.resolve.resume_config must allow it
     assert set(NOT_THE_RUN) - {"output_dir"} <= set(RESUME_SAFE)
 
 

@@ -4,10 +4,10 @@ import dataclasses
 
 import pytest
 
-from gspo.checkpoint import config_yaml
+from gspo.train.checkpoint import config_yaml
 from gspo.config import ConfigError, TrainConfig
-from gspo.resolve import resolve
-from gspo.configfile import load_yaml
+from gspo.train.resolve import resolve
+from gspo.config.yamlfile import load_yaml
 
 
 def test_presets_fill_clip_ranges():
@@ -152,7 +152,7 @@ def test_bounds_come_from_the_option_and_say_which(changes, message):
 
 
 def test_the_flags_stay_flat_and_group_by_section():
-    from gspo.argv import parse
+    from gspo.commands.argv import parse
 
     cfg = parse(TrainConfig, ["--group-size", "4", "--clip-low", "0.1", "--no-progress", "--stop-token", "a", "b"],
                 "gspo train")

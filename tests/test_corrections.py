@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from gspo.losses import aggregate, policy_loss, rollout_is_weights
+from gspo.algo.losses import aggregate, policy_loss, rollout_is_weights
 from gspo.config import Corrections, Loss
 
 D = torch.float64

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from gspo.data import DataError, load_dataset_task, read_records
+from gspo.tasks.data import DataError, load_dataset_task, read_records
 from gspo.config import Data
 
 ROWS = [{"prompt": f"q{i}", "answer": str(i), "level": i % 3} for i in range(20)]

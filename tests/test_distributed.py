@@ -21,9 +21,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo import checkpoint as ckpt
-from gspo.distributed import Dist
-from gspo.metrics import Max, Mean, Min, reduce_across
+from gspo.train import checkpoint as ckpt
+from gspo.dist.distributed import Dist
+from gspo.algo.metrics import Max, Mean, Min, reduce_across
 from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow
@@ -93,7 +93,7 @@ def test_two_processes_match_one(tmp_path, single, parallel):
     assert len(a) == 3
     assert_same_metrics(a, b)
     # the updates were real: the policy moved by much more than the tolerance
-    from gspo.models import BUILTIN_MODELS
+    from gspo.models.loading import BUILTIN_MODELS
 
     w0 = load_file(BUILTIN_MODELS["tiny"] / "model.safetensors")
     wa, wb = weights(single), weights(run)
@@ -164,7 +164,7 @@ def test_distributed_run_killed_and_resumed(tmp_path, single, parallel):
 def test_a_failure_is_said_once_and_a_ranks_own_failure_too(monkeypatch, capsys):
     # rank 0 says a failure at once; rank 1 says it only after the grace period, in which
     # torchrun stops it when rank 0 failed alike (so one line), and with its rank when it did not
-    from gspo import distributed
+    from gspo.dist import distributed
 
     monkeypatch.setattr(distributed.time, "sleep", lambda s: waited.append(s))
     waited = []
@@ -257,10 +257,10 @@ def _head_worker(rank: int, init_file: str, out_dir: str, parallel: str):
     import torch.distributed as td
     from torch.distributed.device_mesh import init_device_mesh
 
-    import gspo.logprobs as lp
-    from gspo import parallel as par
-    from gspo.models import build_char_tokenizer
-    from gspo.rollout import generate, sampling_params
+    import gspo.models.logprobs as lp
+    from gspo.dist import parallel as par
+    from gspo.models.loading import build_char_tokenizer
+    from gspo.sampling.rollout import generate, sampling_params
     from tests.conftest import random_tiny_model
 
     td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -327,7 +327,7 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, s
 def test_a_torchrun_worker_exits_with_its_status_and_its_output_flushed():
     # under torchrun a worker ends with os._exit (no interpreter finalization, where gloo's
     # threads could abort a run that succeeded): the status and buffered output must survive
-    code = ("import sys; from gspo.distributed import exit_process; print('out', end=''); "
+    code = ("import sys; from gspo.dist.distributed import exit_process; print('out', end=''); "
             "print('err', end='', file=sys.stderr); exit_process(3)")
     for env in ({**ENV, "TORCHELASTIC_RUN_ID": "x"}, ENV):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

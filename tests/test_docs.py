@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.losses import AGG_MODES, policy_loss
+from gspo.algo.losses import AGG_MODES, policy_loss
 from gspo.config import Loss
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,16 +15,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo import vllm_engine
+from gspo.sampling import vllm_engine
 from gspo.config import TrainConfig
-from gspo.resolve import resolve
-from gspo.env import Environment, Step
-from gspo.models import build_chat_tokenizer
-from gspo.rollout import sampling_params
+from gspo.train.resolve import resolve
+from gspo.tasks.env import Environment, Step
+from gspo.models.loading import build_chat_tokenizer
+from gspo.sampling.rollout import sampling_params
 from gspo.tasks.calculator import CalculatorTask
-from gspo.trainer import rollout
+from gspo.train.trainer import rollout
 from gspo.config import VLLM
-from gspo.vllm_engine import EngineError, VLLMSampler, check_version
+from gspo.sampling.vllm_engine import EngineError, VLLMSampler, check_version
 
 TURN = "12<|im_end|>"  # every model turn: an answer that ends the turn
 

@@ -17,11 +17,11 @@ from transformers import AutoModelForCausalLM
 
 import gspo
 from gspo.cli import _list_flags, _merge_repeated, _parse, main
-from gspo.command import NOT_IN_COMMAND, applies, train_command
+from gspo.commands.train_command import NOT_IN_COMMAND, applies, train_command
 from gspo.config import TrainConfig, options
-from gspo.configfile import load_yaml
+from gspo.config.yamlfile import load_yaml
 from gspo.export import ExportError, from_run, hub_id, load_trained, write
-from gspo.resolve import checked, resolve
+from gspo.train.resolve import checked, resolve
 
 TINY = dict(steps=2, prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=4, progress=False)
 STANDARD = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -78,7 +78,7 @@ def test_export_loads_with_transformers_and_gives_the_runs_logprobs(full_run, tm
     for got, want in zip(token_logprobs(model, tok), token_logprobs(trainer.model, tok)):  # the run's final policy
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
     assert not list(tmp_path.glob(".out.tmp-*"))  # the temporary directory was renamed
-    base = load_file(gspo.models.BUILTIN_MODELS["tiny"] / "model.safetensors")
+    base = load_file(gspo.models.loading.BUILTIN_MODELS["tiny"] / "model.safetensors")
     assert any(not torch.equal(w, base[k]) for k, w in load_file(out / "model.safetensors").items())  # trained
 
 
@@ -92,7 +92,7 @@ def test_lora_export_is_merged_and_matches_the_peft_policy(lora_run, tmp_path):
     assert hasattr(trainer.model, "peft_config")  # the trained policy: the PEFT model, adapters trained
     for got, want in zip(token_logprobs(model, tok), token_logprobs(trainer.model, tok)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    base = AutoModelForCausalLM.from_pretrained(gspo.models.BUILTIN_MODELS["tiny"])  # the adapter changed something
+    base = AutoModelForCausalLM.from_pretrained(gspo.models.loading.BUILTIN_MODELS["tiny"])  # the adapter changed something
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(token_logprobs(model, tok), token_logprobs(base, tok)))
 
 
@@ -229,7 +229,7 @@ def test_save_model_writes_what_export_writes(which, request, tmp_path):
 def test_trainer_model_before_training_and_after_fsdp(full_run, tmp_path):
     model = torch.nn.Linear(2, 2)
     assert gspo.Trainer(gspo.TrainConfig(**TINY)).model is None
-    tok = gspo.models.build_char_tokenizer()
+    tok = gspo.models.loading.build_char_tokenizer()
     assert gspo.Trainer(gspo.TrainConfig(**TINY), model=model, tokenizer=tok).model is model
     with pytest.raises(ExportError, match="call trainer.train\\(\\) first"):
         gspo.Trainer(gspo.TrainConfig(**TINY)).save_model(tmp_path / "x")

@@ -1,4 +1,4 @@
-"""The compact decode step on MoE models (gspo.fastdecode + gspo.fastmoe): its logits equal Hugging
+"""The compact decode step on MoE models (gspo.sampling.fastdecode + gspo.models.fastmoe): its logits equal Hugging
 Face's forward step by step, recorded log-probs equal a full recomputation, the routing it records
 equals Hugging Face's (one capture per decode step, the check's second computation not recorded),
 and what it does not know is refused with a reason."""
@@ -6,16 +6,16 @@ and what it does not know is refused with a reason."""
 import pytest
 import torch
 
-import gspo.fastdecode as fd
-import gspo.fastmoe as fastmoe
-import gspo.rollout as rollout_module
-from gspo.logprobs import completion_logprobs
-from gspo.moe import Routing, find_routers
-from gspo.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+import gspo.sampling.fastdecode as fd
+import gspo.models.fastmoe as fastmoe
+import gspo.sampling.rollout as rollout_module
+from gspo.models.logprobs import completion_logprobs
+from gspo.models.moe import Routing, find_routers
+from gspo.sampling.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
 
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
 MODELS = ["tiny-moe", "tiny-long-moe", "qwen2_moe", "qwen3_moe"]
-COMPACT = "the compact decode step (gspo.fastdecode)"
+COMPACT = "the compact decode step (gspo.sampling.fastdecode)"
 
 
 def small_moe(arch: str, vocab: int, seed: int = 0):
@@ -45,7 +45,7 @@ def small_moe(arch: str, vocab: int, seed: int = 0):
 
 
 def load(name: str, tok):
-    from gspo.models import load_policy
+    from gspo.models.loading import load_policy
 
     return load_policy(name)[0] if name.startswith("tiny") else small_moe(name, len(tok))
 
@@ -78,7 +78,7 @@ def spy_decoders(monkeypatch) -> list:
 @pytest.mark.parametrize("name", MODELS)
 def test_compact_step_logits_equal_hf_forward_step_by_step(models, char_tokenizer, name, experts, monkeypatch):
     # fp32: 20 decode steps at 16 rows, the same tokens fed to both decoders; the logits agree far
-    # inside the rollout's own check (1e-3): to 1e-4. The experts computed by gspo.fastmoe (on
+    # inside the rollout's own check (1e-3): to 1e-4. The experts computed by gspo.models.fastmoe (on
     # CPU), or by the model's experts module (elsewhere)
     if experts == "module":
         monkeypatch.setattr(fastmoe, "grouped_here", lambda h: False)
@@ -221,7 +221,7 @@ def _transposed_experts(model):
     (_transposed_experts, "layer 0's Qwen3MoeSparseMoeBlock: its experts (Qwen3MoeExperts) are not bias-free gated"),
 ])
 def test_what_the_compact_step_does_not_know_is_refused_with_a_reason(char_tokenizer, change, reason):
-    from gspo.models import tiny_moe_config
+    from gspo.models.loading import tiny_moe_config
     from transformers import Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM(tiny_moe_config(len(char_tokenizer), num_hidden_layers=2)).eval()

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from gspo import checkpoint as ckpt
-from gspo.distributed import Dist
+from gspo.train import checkpoint as ckpt
+from gspo.dist.distributed import Dist
 from tests.conftest import spawn
 from tests.test_distributed import metrics, one_process, torchrun
 
@@ -62,10 +62,10 @@ def _bf16_sampler_worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as td
     from torch.distributed.device_mesh import init_device_mesh
 
-    import gspo.rollout as rollout_module
-    from gspo.logprobs import TokenLogprobs
-    from gspo.models import load_policy
-    from gspo.parallel import wrap
+    import gspo.sampling.rollout as rollout_module
+    from gspo.models.logprobs import TokenLogprobs
+    from gspo.models.loading import load_policy
+    from gspo.dist.parallel import wrap
 
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -93,8 +93,8 @@ def test_fsdp_bf16_sampler_records_the_bf16_copys_logprobs(tmp_path):
     # the sharded policy, gathered in bf16 by its MixedPrecisionPolicy, samples what a bf16
     # copy of the weights samples in one process: the same tokens and log-probs. The tolerance
     # separates the precisions: an fp32 sampler's log-probs are > 1e-2 away on these tokens
-    from gspo.models import load_policy, low_precision_copy
-    from gspo.rollout import generate, sampling_params
+    from gspo.models.loading import load_policy, low_precision_copy
+    from gspo.sampling.rollout import generate, sampling_params
 
     spawn(_bf16_sampler_worker, str(tmp_path / "init"), str(tmp_path))
     policy, tok = load_policy("tiny")

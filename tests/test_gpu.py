@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.logprobs import completion_logprobs
-from gspo.rollout import generate, sampling_params
-from gspo.trainer import train
+from gspo.models.logprobs import completion_logprobs
+from gspo.sampling.rollout import generate, sampling_params
+from gspo.train.trainer import train
 
 
 @pytest.mark.gpu
@@ -19,9 +19,9 @@ def test_train_on_cuda_bf16(tmp_path):
 
 @pytest.mark.gpu
 def test_pass_at_k_on_cuda(char_tokenizer):
-    from gspo.evaluation import EvalOptions, evaluate
-    from gspo.models import load_policy
-    from gspo.rewards import load_rewards
+    from gspo.train.evaluation import EvalOptions, evaluate
+    from gspo.models.loading import load_policy
+    from gspo.rewards.builtin import load_rewards
     from gspo.tasks import get_task
 
     model, tok = load_policy("tiny", device="cuda")

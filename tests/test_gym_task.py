@@ -117,8 +117,8 @@ def test_option_values_are_yaml_scalars():
 
 def test_prompts_carry_the_format_and_plain_text_without_a_chat_template(char_tokenizer):
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.samplers import Inputs, task_for
+    from gspo.train.resolve import resolve
+    from gspo.sampling.samplers import Inputs, task_for
     from gspo.tasks.base import for_tokenizer, prompt_note
 
     cfg = resolve(TrainConfig(task="reasoning_gym:basic_arithmetic", task_options=SUMS, model="tiny", eval_size=4))
@@ -137,9 +137,9 @@ def test_prompts_carry_the_format_and_plain_text_without_a_chat_template(char_to
 
 
 def test_yaml_and_python_take_a_mapping_of_options(tmp_path):
-    from gspo.configfile import load_yaml
+    from gspo.config.yamlfile import load_yaml
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
+    from gspo.train.resolve import resolve
 
     (tmp_path / "run.yaml").write_text("task: reasoning_gym:basic_arithmetic\ntask_options:\n  max_terms: 2\n"
                                        "  operators: ['+', '-']\n  format_style: simple\nmodel: tiny\n")
@@ -211,8 +211,8 @@ def test_gspo_compare_takes_a_reasoning_gym_task(tmp_path):
 
 def test_gspo_eval_keeps_every_repeated_flag():
     # `gspo eval --task-option a=1 --task-option b=2` (and --reward twice): every value, not the last one only
-    from gspo.argv import list_flags, merge_repeated, parse
-    from gspo.eval_command import EvalArgs
+    from gspo.commands.argv import list_flags, merge_repeated, parse
+    from gspo.commands.eval import EvalArgs
 
     args = ["--model", "tiny", "--task-option", "a=1", "--task-option", "b=2", "--reward", "x", "--reward", "y"]
     a = parse(EvalArgs, merge_repeated(args, list_flags(EvalArgs)), "gspo eval")

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from gspo.cli import main
-from gspo.hub import HubError, looks_like_hub_id, model_dir, model_files
+from gspo.io.hub import HubError, looks_like_hub_id, model_dir, model_files
 from gspo.config import Data
 from tests.hubcache import cache_dataset, cache_model, offline_env, offline_hub, tiny_qwen2_dir, tiny_qwen3_dir
 
@@ -113,7 +113,7 @@ def test_model_files_are_what_loading_needs(files, expected):
 
 
 def test_revision_picks_the_branch_snapshot(offline):
-    from gspo.models import load_policy
+    from gspo.models.loading import load_policy
 
     snapshots = offline.home / "hub" / "models--Qwen--Qwen2.5-0.5B-Instruct" / "snapshots"
     assert model_dir(QWEN2) == snapshots / offline.commits["main"]
@@ -128,7 +128,7 @@ def test_revision_picks_the_branch_snapshot(offline):
 
 @pytest.mark.filterwarnings("ignore:Could not find a config file")  # PEFT, saving offline: cannot ask the Hub
 def test_lora_adapter_records_the_hub_base_and_revision(offline, tmp_path):
-    from gspo.models import add_lora, load_policy
+    from gspo.models.loading import add_lora, load_policy
 
     model, _ = load_policy(QWEN2, revision="v2")
     add_lora(model, r=2, alpha=4, dropout=0.0, target_modules=["q_proj"], revision="v2").save_pretrained(tmp_path)
@@ -170,7 +170,7 @@ def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
     import datasets
 
     import gspo
-    from gspo.data import load_dataset_task
+    from gspo.tasks.data import load_dataset_task
 
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:20]),
                                "test": datasets.Dataset.from_list(ROWS[20:])})
@@ -182,7 +182,7 @@ def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
     summary = gspo.Trainer(cfg, model=QWEN3, train_dataset=dd).train(log=lambda *a: None)
     assert summary["steps"] == 1
     assert f"model: {QWEN3}\n" in (tmp_path / "r" / "config.yaml").read_text()
-    with pytest.raises(gspo.data.DataError, match=r"train_dataset: no split 'validation' \(splits: train, test\)"):
+    with pytest.raises(gspo.tasks.data.DataError, match=r"train_dataset: no split 'validation' \(splits: train, test\)"):
         load_dataset_task(dd, Data(prompt_column="question", dataset_split="validation"))
 
 
@@ -196,7 +196,7 @@ def test_lora_run_on_a_hub_id_exports_merged_offline(offline, tmp_path):
 
     import gspo
 
-    from gspo.models import load_policy
+    from gspo.models.loading import load_policy
 
     cfg = gspo.TrainConfig(model=QWEN2, revision="v2", lora_r=2, lr=1e-2, warmup_steps=0, steps=1, dataset=GSM8K,
                            dataset_config="main",
@@ -222,7 +222,7 @@ def test_lora_run_on_a_hub_id_exports_merged_offline(offline, tmp_path):
 
 
 def test_hub_rows_are_named_by_id_config_split_and_row(offline):
-    from gspo.data import DataError, load_dataset_task
+    from gspo.tasks.data import DataError, load_dataset_task
 
     task = load_dataset_task(GSM8K, Data(dataset_config="main", prompt_column="question", eval_split="test"))
     assert task.eval[0].source == "openai/gsm8k[main] test row 1" and len(task.train) == 20
@@ -302,7 +302,7 @@ def test_hub_refusals_of_a_dataset(error, status, expected, tmp_path, monkeypatc
     import huggingface_hub
     from huggingface_hub import errors
 
-    from gspo.hub import load_dataset_dict
+    from gspo.io.hub import load_dataset_dict
 
     offline_hub(monkeypatch, tmp_path / "empty-hf", offline=False)
 
@@ -353,7 +353,7 @@ def test_an_encoder_is_not_a_causal_lm(tmp_path, capsys):
 
 
 def test_a_dataset_with_several_configs_needs_one(tmp_path, monkeypatch):
-    from gspo.hub import load_dataset_dict
+    from gspo.io.hub import load_dataset_dict
 
     home = tmp_path / "hf"
     cache_dataset(home, GSM8K, {"train": ROWS[:4]}, config="main")
@@ -367,7 +367,7 @@ def test_a_dataset_with_several_configs_needs_one(tmp_path, monkeypatch):
 
 def test_absolute_paths_keeps_hub_ids(offline):
     from gspo.config import TrainConfig
-    from gspo.resolve import absolute_paths
+    from gspo.train.resolve import absolute_paths
 
     cfg = absolute_paths(TrainConfig(model=QWEN2, revision="v2", dataset=GSM8K, eval_dataset=GSM8K))
     assert (cfg.model, cfg.revision, cfg.dataset, cfg.eval_dataset) == (QWEN2, "v2", GSM8K, GSM8K)
@@ -377,7 +377,7 @@ def test_absolute_paths_makes_a_reward_model_directory_absolute(tmp_path, monkey
     """A reward model given as a relative directory must still be found by --resume from another
     working directory; a hub id, a built-in reward and a file:function keep their meaning."""
     from gspo.config import TrainConfig
-    from gspo.resolve import absolute_paths
+    from gspo.train.resolve import absolute_paths
 
     (tmp_path / "rm").mkdir()
     (tmp_path / "rewards.py").write_text("def f(completions, **kw): return [0.0] * len(completions)\n")

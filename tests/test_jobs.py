@@ -6,8 +6,8 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import TrainConfig
-from gspo.compare import ratio_variances
-from gspo.jobs import MAX_AUTO_JOBS, plan_jobs
+from gspo.lab.compare import ratio_variances
+from gspo.lab.jobs import MAX_AUTO_JOBS, plan_jobs
 
 
 @pytest.mark.parametrize("device,threads,cores,pending,jobs,want", [

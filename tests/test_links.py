@@ -1,5 +1,5 @@
-"""The transport between a trainer and its local rollout workers (gspo.links), through real spawned
-processes, and the worker's side of a run (gspo.pipeline): sizes, deaths, the spool, the bound.
+"""The transport between a trainer and its local rollout workers (gspo.dist.links), through real spawned
+processes, and the worker's side of a run (gspo.sampling.pipeline): sizes, deaths, the spool, the bound.
 
 The sizes: 64 KiB is what a Linux pipe holds; the results here are 8 MiB (128 times that), as a
 batch of GSM8K rows with long completions is. Each test runs a stub worker (a module-level
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo import links
-from gspo.links import LocalLink, WorkerDied
+from gspo.dist import links
+from gspo.dist.links import LocalLink, WorkerDied
 
 BIG = 8 * 2**20  # bytes of payload: 128 pipes' worth
 
@@ -152,7 +152,7 @@ def test_the_staleness_bound_is_checked_without_assert():
     # a bare `assert` is gone under `python -O`; the bound must hold whatever the interpreter's flags
     from types import SimpleNamespace
 
-    from gspo.pipeline import Pipeline
+    from gspo.sampling.pipeline import Pipeline
 
     cfg = SimpleNamespace(async_rl=SimpleNamespace(max_staleness=1), run=SimpleNamespace(steps=10))
     pipe = Pipeline(SimpleNamespace(cfg=cfg))
@@ -169,7 +169,7 @@ def test_with_workers_the_trainer_keeps_no_low_precision_copy(tmp_path):
     # --dtype bfloat16: the trainer's own sampler would be a bf16 copy of the policy (a 7B model's
     # 14 GB); with rollout workers nothing in the trainer samples, so there is none
     from gspo.config import TrainConfig
-    from gspo.run import build_run
+    from gspo.train.run import build_run
 
     cfg = TrainConfig(steps=1, prompts_per_step=4, group_size=2, eval_size=0, dtype="bfloat16", rollout_workers=1,
                       max_staleness=1, output_dir=str(tmp_path / "run"))
@@ -189,9 +189,9 @@ def test_a_worker_holds_its_policy_as_the_trainers_copy_holds_it(monkeypatch, dt
     from transformers import Qwen3ForCausalLM
 
     from gspo.config import TrainConfig
-    from gspo.models import DTYPES, load_policy, low_precision_copy
-    from gspo.pipeline import sampling_side
-    from gspo.resolve import resolve
+    from gspo.models.loading import DTYPES, load_policy, low_precision_copy
+    from gspo.sampling.pipeline import sampling_side
+    from gspo.train.resolve import resolve
 
     monkeypatch.setattr(Qwen3ForCausalLM, keep, ["norm"])
     cfg = resolve(TrainConfig(prompts_per_step=4, group_size=2, dtype=dtype, rollout_workers=1, max_staleness=1))
@@ -219,8 +219,8 @@ def test_sending_weights_is_not_counted_as_waiting():
     # model's transfer), then finds the batch already there: it waited ~0 s, it synced ~0.4 s
     from types import SimpleNamespace
 
-    from gspo.distributed import Dist
-    from gspo.pipeline import WorkerPipeline
+    from gspo.dist.distributed import Dist
+    from gspo.sampling.pipeline import WorkerPipeline
 
     batch = SimpleNamespace(step=1, version=0, versions=torch.zeros(2, 3, dtype=torch.int32), seconds=1.0, idle=0.0,
                             on=lambda device: batch)

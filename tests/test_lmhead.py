@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from gspo import lmhead
-from gspo.lmhead import chunked_logprobs, fused_head
-from gspo.logprobs import completion_logprobs
+from gspo.models import lmhead
+from gspo.models.lmhead import chunked_logprobs, fused_head
+from gspo.models.logprobs import completion_logprobs
 
 
 def full_logprobs(hidden, weight, targets, temperature):
@@ -48,9 +48,9 @@ def test_fused_path_in_completion_logprobs_equals_full_logits(tiny_random, char_
     a.sum().backward()
     grads_a = {n: p.grad.clone() for n, p in tiny_random.named_parameters()}
     tiny_random.zero_grad()
-    import gspo.logprobs
+    import gspo.models.logprobs
 
-    monkeypatch.setattr(gspo.logprobs, "fused_head", lambda m: None)  # force the full-logits path
+    monkeypatch.setattr(gspo.models.logprobs, "fused_head", lambda m: None)  # force the full-logits path
     b = completion_logprobs(tiny_random, ids, mask, cm, temperature=0.8)
     b.sum().backward()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.logprobs import (Split, completion_logprobs, forward_logprobs, micro_batches, supports_packing,
+from gspo.models.logprobs import (Split, completion_logprobs, forward_logprobs, micro_batches, supports_packing,
                            token_logprobs, trim)
-from gspo.losses import AGG_MODES, agg_count
-from gspo.rollout import generate, position_ids_from_mask, sampling_params
-from gspo.run import build_run
-from gspo.batch import Scored
-from gspo.trainer import accumulate, prepare, rollout, score
+from gspo.algo.losses import AGG_MODES, agg_count
+from gspo.sampling.rollout import generate, position_ids_from_mask, sampling_params
+from gspo.train.run import build_run
+from gspo.train.batch import Scored
+from gspo.train.trainer import accumulate, prepare, rollout, score
 
 D = torch.float64
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2=", "1+1=", "345-67="]
@@ -158,7 +158,7 @@ def test_micro_batches_and_packing_equal_one_pass(algorithm, agg, tmp_path):
 
 def test_packing_refused_is_said_and_granted_is_not(tmp_path, monkeypatch):
     # a model whose packed forward does not match its padded one trains padded, and the run says so
-    import gspo.run
+    import gspo.train.run
 
     def run_with(**kw):
         return build_run(TrainConfig(packing=True, micro_batch_tokens=40, output_dir=str(tmp_path / "r"),
@@ -166,7 +166,7 @@ def test_packing_refused_is_said_and_granted_is_not(tmp_path, monkeypatch):
 
     run = run_with()
     assert run.packed and not [n for n in run.notes if "--packing" in n]
-    monkeypatch.setattr(gspo.run, "supports_packing", lambda model: False)
+    monkeypatch.setattr(gspo.train.run, "supports_packing", lambda model: False)
     run = run_with()
     assert not run.packed
     assert [n for n in run.notes if "--packing" in n] == [

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.losses import AGG_MODES, LOSSES, aggregate, kl_penalty, policy_loss
+from gspo.algo.losses import AGG_MODES, LOSSES, aggregate, kl_penalty, policy_loss
 from gspo.config import Loss
 
 D = torch.float64
@@ -172,8 +172,8 @@ def test_one_registration_adds_a_loss():
     # Loss(algorithm=name) (with the section's clip range), LOSSES lists it, and resolve
     # fills its preset clip range. The toy loss is -3·Â·log π per token.
     from gspo.config import TrainConfig
-    from gspo.losses import TokenLoss, register_loss
-    from gspo.resolve import resolve
+    from gspo.algo.losses import TokenLoss, register_loss
+    from gspo.train.resolve import resolve
 
     seen = []
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.models import build_char_tokenizer, load_policy, tiny_moe_config
+from gspo.models.loading import build_char_tokenizer, load_policy, tiny_moe_config
 from gspo.tasks import get_task
 from gspo.tasks.chain import parse_prompt, reference_steps
 

@@ -21,7 +21,7 @@ Two kinds of pairs are not asked of the array:
   pairs with precision, episodes, model, LoRA, micro-batches and packing.
 
 A cell that runs must exit 0, write its checkpoint and log a finite loss, and its resolved plan
-(summary.json's "plan", gspo.plan) must be what it asked for. One-process cells run in this
+(summary.json's "plan", gspo.train.plan) must be what it asked for. One-process cells run in this
 process through gspo.cli.main; 2-process cells (DDP and FSDP, gloo) through torchrun and are
 marked slow.
 """
@@ -186,7 +186,7 @@ def check_ran(cell: dict, run: Path, err: str):
         assert cfg["old_logp"] == "recompute", name  # auto resolves so: the corrections need both log-probs,
         # and stale batches take the proximal policy's
     plan = json.loads((run / "summary.json").read_text()).get("plan")
-    if plan is None:  # gspo.plan not yet in summary.json: what config.yaml says is all there is
+    if plan is None:  # gspo.train.plan not yet in summary.json: what config.yaml says is all there is
         return
     want = {
         "engine": "hf",

@@ -3,11 +3,11 @@ exit status 2, no traceback, nothing written.
 
 - Options that cannot act in this launch are refused, not ignored (`--parallel fsdp` in one
   process, `--lora-alpha` without `--lora-r`, PPO's value-model options with another algorithm,
-  `--eval-every` with `--eval-size 0`, ...: gspo.resolve.unused, checked by gspo.run.build_run);
+  `--eval-every` with `--eval-size 0`, ...: gspo.train.resolve.unused, checked by gspo.train.run.build_run);
   a value a config file passes that equals the default, or what gspo derives, is no refusal (a run's
   own config.yaml trains again).
 - A mistyped local model path says "no such directory" with a did-you-mean, before any Hub
-  look-up (gspo.hub.path_like, gspo.models.resolve_model_path); only `ORG/NAME` (and a bare legacy
+  look-up (gspo.io.hub.path_like, gspo.models.loading.resolve_model_path); only `ORG/NAME` (and a bare legacy
   name far from every built-in) goes to the Hub.
 - Bounds messages give the bound enforced, plurals agree, `gspo export` usage errors are gspo's.
 """
@@ -40,7 +40,7 @@ def place(tmp_path, monkeypatch):
     def no_hub(*a, **k):
         raise AssertionError("the Hugging Face Hub was asked")
 
-    monkeypatch.setattr("gspo.hub.model_dir", no_hub)
+    monkeypatch.setattr("gspo.io.hub.model_dir", no_hub)
     return tmp_path
 
 
@@ -184,9 +184,9 @@ def test_what_a_config_file_may_hold_is_said_not_refused(place, capsys):
 
 
 def test_plurals_agree(capsys):
-    from gspo.checks import plural
+    from gspo.config.checks import plural
     from gspo.cli import _print_summary
-    from gspo.run import AlreadyComplete
+    from gspo.train.run import AlreadyComplete
 
     assert (plural(1, "step"), plural(2, "step"), plural(1, "process", "processes")) == ("1 step", "2 steps", "1 process")
     _print_summary({"algorithm": "gspo", "task": "t", "steps": 1, "wall_seconds": 3, "eval_before": {},
@@ -195,8 +195,8 @@ def test_plurals_agree(capsys):
     assert str(AlreadyComplete({"steps": 1})) == "the run is complete (1 step)"
     import torch
 
-    from gspo.advantages import group_advantages
-    from gspo.rewards import RewardError, apply_rewards, load_rewards
+    from gspo.algo.advantages import group_advantages
+    from gspo.rewards.builtin import RewardError, apply_rewards, load_rewards
 
     with pytest.raises(ValueError, match=r"batch of 1 reward is not a whole number of groups of size 2"):
         group_advantages(torch.tensor([1.0]), 2)
@@ -246,8 +246,8 @@ def test_a_mistyped_model_in_a_fresh_process(args, says, tmp_path):
     ("a/b/c", True), ("org/na me", True), ("model.safetensors", True), ("runs/x", True), ("checkpoint.pt", True),
 ])
 def test_path_like(name, path_like, place):
-    from gspo.hub import looks_like_hub_id
-    from gspo.hub import path_like as is_path
+    from gspo.io.hub import looks_like_hub_id
+    from gspo.io.hub import path_like as is_path
 
     assert is_path(name) is path_like  # runs/ exists in `place`
     assert looks_like_hub_id(name) is not path_like

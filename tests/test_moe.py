@@ -4,9 +4,9 @@ check, the load-balancing loss, and drift in real updates."""
 import pytest
 import torch
 
-from gspo.moe import MoEError, Routing, drift, find_routers, load_balancing_loss
-from gspo.logprobs import completion_logprobs
-from gspo.rollout import generate, sampling_params
+from gspo.models.moe import MoEError, Routing, drift, find_routers, load_balancing_loss
+from gspo.models.logprobs import completion_logprobs
+from gspo.sampling.rollout import generate, sampling_params
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
 
@@ -178,7 +178,7 @@ def test_balance_loss_by_hand_with_the_minibatch_f():
     #   -> 2·0.8 = 1.6, and f = (0, 1), P = (0.4, 0.6) -> 2·0.6 = 1.2: 2.8 in all, not 1.0.
     # with the minibatch's f (counts (1, 1) over n = 2 tokens): a's part is 2·(0.5·0.8 + 0.5·0.2)/2
     #   = 0.5, b's is 2·(0.5·0.4 + 0.5·0.6)/2 = 0.5: they add up to the unsplit 1.0
-    from gspo.moe import balance_loss, expert_counts
+    from gspo.models.moe import balance_loss, expert_counts
 
     a = torch.log(torch.tensor([[0.8, 0.2]], dtype=torch.float64))  # (1, E) logits
     b = torch.log(torch.tensor([[0.4, 0.6]], dtype=torch.float64))
@@ -202,12 +202,12 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     import dataclasses
 
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.logprobs import micro_batches
-    from gspo.losses import agg_count
-    from gspo.run import build_run
-    from gspo.batch import Scored
-    from gspo.trainer import accumulate, prepare, rollout, score
+    from gspo.train.resolve import resolve
+    from gspo.models.logprobs import micro_batches
+    from gspo.algo.losses import agg_count
+    from gspo.train.run import build_run
+    from gspo.train.batch import Scored
+    from gspo.train.trainer import accumulate, prepare, rollout, score
 
     cfg = resolve(TrainConfig(model="tiny-moe", prompts_per_step=4, group_size=4, max_new_tokens=6,
                               num_minibatches=1, router_aux_loss_coef=0.5, output_dir=str(tmp_path / "run"),
@@ -245,8 +245,8 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
 def test_packing_refused_for_moe_says_so_once(tmp_path):
     # routing is recorded in the padded layout: an MoE model trains padded, and the run says so
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.run import build_run
+    from gspo.train.resolve import resolve
+    from gspo.train.run import build_run
 
     run = build_run(resolve(TrainConfig(model="tiny-moe", packing=True, micro_batch_tokens=40,
                                         output_dir=str(tmp_path / "run"), progress=False)))

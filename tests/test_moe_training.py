@@ -9,16 +9,16 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import TrainConfig
-from gspo.resolve import resolve
-from gspo.run import build_run
-from gspo.trainer import train_step
+from gspo.train.resolve import resolve
+from gspo.train.run import build_run
+from gspo.train.trainer import train_step
 from tests.test_moe import tiny_moe
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     """A random tiny Qwen3-MoE with the character tokenizer, saved like a user's model."""
-    from gspo.models import build_char_tokenizer
+    from gspo.models.loading import build_char_tokenizer
 
     d = tmp_path_factory.mktemp("moe")
     tok = build_char_tokenizer()

@@ -12,16 +12,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo import checkpoint as ckpt
-from gspo.advantages import group_advantages, turn_advantages
+from gspo.train import checkpoint as ckpt
+from gspo.algo.advantages import group_advantages, turn_advantages
 from gspo.config import TrainConfig
-from gspo.env import (Environment, EnvError, Step, ToolEnvironment, episode_env, load_env, observation_text,
+from gspo.tasks.env import (Environment, EnvError, Step, ToolEnvironment, episode_env, load_env, observation_text,
                       tool_schemas)
-from gspo.episodes import Draws, EpisodeSpec, run_episodes
-from gspo.logprobs import token_logprobs
-from gspo.steplog import episode_metrics
-from gspo.models import build_chat_tokenizer, load_policy
-from gspo.rollout import PolicySampler, Rollout, left_pad, sampling_params, stop_token_ids
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
+from gspo.models.logprobs import token_logprobs
+from gspo.train.steplog import episode_metrics
+from gspo.models.loading import build_chat_tokenizer, load_policy
+from gspo.sampling.rollout import PolicySampler, Rollout, left_pad, sampling_params, stop_token_ids
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37*48+12"}}</tool_call>'
@@ -204,7 +204,7 @@ def test_load_env_errors_are_one_line(tmp_path):
     with pytest.raises(EnvError, match="no such file"):
         load_env(str(tmp_path / "nope.py") + ":Env")
     (tmp_path / "e.py").write_text("class NotAnEnv:\n    pass\n\ndef f(x):\n    return x\n\n"
-                                   "from gspo.env import ToolEnvironment\nclass Bad(ToolEnvironment):\n    tools = [f]\n")
+                                   "from gspo.tasks.env import ToolEnvironment\nclass Bad(ToolEnvironment):\n    tools = [f]\n")
     with pytest.raises(EnvError, match="has no step"):
         load_env(f"{tmp_path / 'e.py'}:NotAnEnv")
     with pytest.raises(EnvError, match="has no 'Missing'"):
@@ -248,9 +248,9 @@ def test_evaluation_reward_adds_the_environments_turn_rewards(tok, monkeypatch):
     #   environment's reward  -0.1 - 0.1 + 1.0        = 0.8
     #   final turn "34": is_34 = 1 (weight 1), length = len("34") / 10 = 0.2 (weight 0.5)
     #   episode reward        1 * 1 + 0.5 * 0.2 + 0.8 = 1.9, as training's score gives it
-    from gspo import evaluation
-    from gspo.rewards import Reward, per_completion
-    from gspo.trainer import score
+    from gspo.train import evaluation
+    from gspo.rewards.builtin import Reward, per_completion
+    from gspo.train.trainer import score
 
     rewards = [Reward("is_34", per_completion(lambda c, **_: float(c == "34"))),
                Reward("length", per_completion(lambda c, **_: len(c) / 10), weight=0.5)]
@@ -340,9 +340,9 @@ def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, to
 
 
 def _batch(tmp_path, **kw):
-    from gspo.run import build_run
-    from gspo.batch import Scored
-    from gspo.trainer import prepare, rollout, score
+    from gspo.train.run import build_run
+    from gspo.train.batch import Scored
+    from gspo.train.trainer import prepare, rollout, score
 
     cfg = TrainConfig(task="calculator", model=MODEL, prompts_per_step=4, group_size=4, num_minibatches=1,
                       output_dir=str(tmp_path / "run"), progress=False, **kw)
@@ -357,7 +357,7 @@ def _batch(tmp_path, **kw):
 def test_environment_tokens_never_reach_the_loss(tmp_path, algorithm):
     # huge log-prob changes on environment tokens, new and old, leave the loss, every metric
     # and every gradient exactly as they were
-    from gspo.trainer import minibatch_loss
+    from gspo.train.trainer import minibatch_loss
 
     run, batch = _batch(tmp_path, algorithm=algorithm, old_logp="recompute", env="tests/test_multiturn.py:CountingEnv")
     env = batch.rollout.env_mask > 0
@@ -419,7 +419,7 @@ def test_turn_advantages_in_the_batch(tmp_path):
 
 
 def test_ppo_gae_runs_over_the_models_tokens_only(tmp_path):
-    from gspo.value import ppo_advantages
+    from gspo.models.value import ppo_advantages
 
     run, batch = _batch(tmp_path, algorithm="ppo", env="tests/test_multiturn.py:CountingEnv")
     ro = batch.rollout
@@ -443,7 +443,7 @@ def _train(*args):
 def test_user_environment_file_with_a_raising_tool(tmp_path, capsys):
     env_file = tmp_path / "broken_env.py"
     env_file.write_text(
-        "from gspo.env import ToolEnvironment\n\n"
+        "from gspo.tasks.env import ToolEnvironment\n\n"
         "def calculator(expression: str) -> str:\n"
         "    \"\"\"Always fails.\n\n    Args:\n        expression: ignored\n    \"\"\"\n"
         "    raise RuntimeError('the calculator is broken')\n\n"
@@ -474,7 +474,7 @@ def test_bad_multi_turn_options_are_one_line_errors(tmp_path, capsys, args, mess
 
 def test_a_raising_environment_is_one_line(tmp_path, capsys):
     env_file = tmp_path / "e.py"
-    env_file.write_text("from gspo.env import Environment\nclass Crash(Environment):\n"
+    env_file.write_text("from gspo.tasks.env import Environment\nclass Crash(Environment):\n"
                         "    def step(self, text):\n        raise KeyError('state')\n")
     assert _train("--task", "calculator", "--model", MODEL, "--env", f"{env_file}:Crash", *FAST,
                   "--output-dir", str(tmp_path / "run")) != 0

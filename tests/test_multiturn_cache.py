@@ -1,19 +1,19 @@
-"""Multi-turn rollouts that keep each episode's KV cache between turns (gspo.turncache): the same
+"""Multi-turn rollouts that keep each episode's KV cache between turns (gspo.sampling.turncache): the same
 episodes as prefilling every turn's conversation whole, for only the new tokens' cost."""
 
 import pytest
 import torch
 
-import gspo.episodes as episodes_module
-import gspo.fastdecode as fd
-import gspo.rollout as rollout_module
-from gspo.data import Example
-from gspo.env import Environment, Step
-from gspo.episodes import Draws, EpisodeSpec, run_episodes
-from gspo.logprobs import token_logprobs
-from gspo.models import load_policy
-from gspo.moe import Routing
-from gspo.rollout import PolicySampler, sampling_params, stop_token_ids
+import gspo.sampling.episodes as episodes_module
+import gspo.sampling.fastdecode as fd
+import gspo.sampling.rollout as rollout_module
+from gspo.tasks.data import Example
+from gspo.tasks.env import Environment, Step
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
+from gspo.models.logprobs import token_logprobs
+from gspo.models.loading import load_policy
+from gspo.models.moe import Routing
+from gspo.sampling.rollout import PolicySampler, sampling_params, stop_token_ids
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask
 
 
@@ -284,10 +284,10 @@ def test_a_chunk_before_any_decode_step_is_checked_against_hugging_face(tool_mod
 
 def test_an_environment_that_raises_mid_rollout_leaves_no_kept_cache(monkeypatch):
     from gspo.config import TrainConfig
-    from gspo.env import EnvError
-    from gspo.produce import rollout
-    from gspo.resolve import resolve
-    from gspo.run import build_run
+    from gspo.tasks.env import EnvError
+    from gspo.sampling.produce import rollout
+    from gspo.train.resolve import resolve
+    from gspo.train.run import build_run
 
     run = build_run(resolve(TrainConfig(task="calculator", prompts_per_step=2, group_size=2, output_dir="-",
                                         progress=False)))
@@ -296,7 +296,7 @@ def test_an_environment_that_raises_mid_rollout_leaves_no_kept_cache(monkeypatch
         assert sampler.turns.kept is not None  # turn 0 kept its cache for turn 1
         raise EnvError("env CalculatorEnv: step on row 0 raised RuntimeError: boom")
 
-    monkeypatch.setattr("gspo.produce.run_episodes", turn_then_raise)
+    monkeypatch.setattr("gspo.sampling.produce.run_episodes", turn_then_raise)
     with pytest.raises(EnvError, match="boom"):
         rollout(run, run.task.train_batch(1, 2, seed=0), 1)
     assert run.sampler.turns.kept is None  # dropped by end_rollout on the way out

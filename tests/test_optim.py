@@ -4,7 +4,7 @@ per-tensor AdamW to float rounding."""
 import torch
 
 from gspo.config import TrainConfig
-from gspo.optim import adamw, fusable
+from gspo.train.optim import adamw, fusable
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

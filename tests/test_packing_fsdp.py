@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 # `gspo train` with the packed backbone call counted: (sequences, real tokens) per packed row
 SCRIPT = """
 import json, os, sys
-import gspo.logprobs as lp
+import gspo.models.logprobs as lp
 from gspo.cli import main
 
 rows, real = [], lp._packed_hidden

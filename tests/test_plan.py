@@ -1,4 +1,4 @@
-"""The run's plan (gspo.plan): each request's resolved plan, in summary.json and said once at the start."""
+"""The run's plan (gspo.train.plan): each request's resolved plan, in summary.json and said once at the start."""
 
 import json
 import os
@@ -7,8 +7,8 @@ import torch
 
 import gspo
 from gspo.config import TrainConfig
-from gspo.plan import describe, plan
-from gspo.run import build_run
+from gspo.train.plan import describe, plan
+from gspo.train.run import build_run
 
 SMALL = dict(steps=1, prompts_per_step=2, group_size=2, eval_size=4, max_new_tokens=4, progress=False)
 KEYS = {"engine", "processes", "parallel", "weights_dtype", "compute_dtype", "autocast", "sampler", "sampler_dtype",
@@ -26,7 +26,7 @@ def plan_of(tmp_path, **kw) -> dict:
 def test_default_run(tmp_path):
     p = plan_of(tmp_path)
     assert p["engine"] == "hf" and p["processes"] == 1 and p["parallel"] == "none"
-    # tests/conftest.py sets OMP_NUM_THREADS (runs compared bit for bit compute alike): gspo.threads keeps it
+    # tests/conftest.py sets OMP_NUM_THREADS (runs compared bit for bit compute alike): gspo.dist.threads keeps it
     assert p["threads"] == {"count": torch.get_num_threads(), "why": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"}
     assert (p["weights_dtype"], p["compute_dtype"], p["autocast"]) == ("float32", "float32", False)
     assert p["sampler"] == "the policy itself" and p["sampler_dtype"] == "float32"
@@ -57,7 +57,7 @@ def test_moe_refuses_packing_with_a_warning(tmp_path):
     assert p["packing"] is False and p["packing_why"].startswith("asked, but MoE routing")
     assert p["moe"] is True and p["routing_replay"] is False
     assert any(w.startswith("--packing: off for this MoE model") for w in p["warnings"])
-    assert (p["decode"], p["decode_why"]) == ("fast", None)  # fastdecode serves Qwen3-MoE too (gspo.fastmoe)
+    assert (p["decode"], p["decode_why"]) == ("fast", None)  # fastdecode serves Qwen3-MoE too (gspo.models.fastmoe)
     assert "warning: --packing: off" in describe(p) and "warning" not in describe(p, warnings=False)
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from gspo.config import ConfigError, TrainConfig
-from gspo.resolve import resolve
-from gspo.models import disable_dropout, load_policy, low_precision_copy
-from gspo.run import build_run
-from gspo.trainer import train_step
+from gspo.train.resolve import resolve
+from gspo.models.loading import disable_dropout, load_policy, low_precision_copy
+from gspo.train.run import build_run
+from gspo.train.trainer import train_step
 
 FAST = dict(prompts_per_step=4, group_size=4, eval_size=8, progress=False)
 
@@ -66,7 +66,7 @@ def test_float16_trains_with_loss_scaling(tmp_path):
     assert all(torch.isfinite(p).all() for p in run.policy.parameters())
     assert run.scaler.get_scale() > 1.0
     # the loss scale is part of the checkpoint, so a resumed run scales as an uninterrupted one
-    from gspo import checkpoint as ckpt
+    from gspo.train import checkpoint as ckpt
 
     run.scaler.update(1234.0)
     run.run_dir.mkdir()

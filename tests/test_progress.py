@@ -12,7 +12,7 @@ import time
 import pytest
 
 from gspo.cli import main
-from gspo.jobs import in_processes
+from gspo.lab.jobs import in_processes
 
 TINY = ["--model", "tiny", "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "2"]
 

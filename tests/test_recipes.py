@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo import checkpoint as ckpt
-from gspo.data import Example
+from gspo.train import checkpoint as ckpt
+from gspo.tasks.data import Example
 from gspo.tasks.base import SystemPrompt, with_system
 from tests.hubcache import cache_dataset, cache_model, offline_env, offline_hub, tiny_qwen2_dir, tiny_qwen3_dir
 
@@ -141,8 +141,8 @@ def hub(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_options_are_real_and_models_have_stand_ins(recipe):
-    from gspo.resolve import resolve
-    from gspo.configfile import load_yaml
+    from gspo.train.resolve import resolve
+    from gspo.config.yamlfile import load_yaml
 
     cfg = resolve(load_yaml(recipe))  # an unknown key or a bad value raises here
     assert cfg.model in STAND_INS, f"{recipe.name}: add a tiny stand-in for {cfg.model} to STAND_INS"
@@ -226,7 +226,7 @@ def qwen_tokenizer(tmp_path_factory):
 
 
 def test_system_prompt_renders_exactly(qwen_tokenizer):
-    from gspo.rollout import encode_prompts
+    from gspo.sampling.rollout import encode_prompts
 
     task = SystemPrompt(Rows([TEXT, CHAT, OWN]), "Be brief.")
     ids = encode_prompts(qwen_tokenizer, [ex.prompt for ex in task.test_set()])
@@ -261,8 +261,8 @@ def test_system_prompt_keeps_answers_columns_and_the_task():
 
 def test_system_prompt_reaches_training_evaluation_and_gspo_eval(tmp_path):
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.run import task_and_rewards
+    from gspo.train.resolve import resolve
+    from gspo.train.run import task_and_rewards
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 2}) + "\n"

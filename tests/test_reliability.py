@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo import checkpoint as ckpt
+from gspo.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,7 +127,7 @@ def test_signal_stops_with_a_checkpoint_and_resumes(full, tmp_path, sig):
 def test_a_second_ctrl_c_exits_at_once():
     from types import SimpleNamespace
 
-    from gspo.lifecycle import Guard
+    from gspo.train.lifecycle import Guard
 
     run = SimpleNamespace(run_dir=Path("/nonexistent/x"), dist=SimpleNamespace(is_main=False, max_int=lambda n: n))
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a foreground shell, whatever runs pytest
@@ -166,7 +166,7 @@ def test_a_signal_ignored_at_entry_stays_ignored():
     # job does not stop it; the run keeps it so, as Python does, and gives back SIG_IGN
     from types import SimpleNamespace
 
-    from gspo.lifecycle import Guard
+    from gspo.train.lifecycle import Guard
 
     run = SimpleNamespace(run_dir=Path("/nonexistent/x"), dist=SimpleNamespace(is_main=False, max_int=lambda n: n))
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)

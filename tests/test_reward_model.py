@@ -1,4 +1,4 @@
-"""Learned reward models (gspo.reward_model): scores equal the model run by hand on the text TRL builds.
+"""Learned reward models (gspo.rewards.model): scores equal the model run by hand on the text TRL builds.
 
 The reward model is a 2-layer Qwen2ForSequenceClassification (hidden 32, num_labels=1) with
 its own character tokenizer (no pad token) and a chat template unlike the policy's.
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gspo.config import ConfigError
-from gspo.data import Example
-from gspo.rewards import RewardError, load_reward, load_rewards, score_completions
+from gspo.tasks.data import Example
+from gspo.rewards.builtin import RewardError, load_reward, load_rewards, score_completions
 
 # the reward model's template; the policy's (tests/conftest.py CHAT_TEMPLATE) uses <|im_start|>role\n...<|im_end|>
 RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -113,7 +113,7 @@ def test_loaded_as_trl_does(rm_dir):
 def test_dtype_follows_the_config_on_a_gpu_and_is_float32_on_the_cpu(tmp_path):
     from types import SimpleNamespace
 
-    from gspo.reward_model import load_dtype
+    from gspo.rewards.model import load_dtype
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert load_dtype(SimpleNamespace(dtype="bfloat16"), cuda) == torch.bfloat16
@@ -136,7 +136,7 @@ def test_weights_combine_with_a_builtin_reward(rm_dir):
 
 
 def test_a_hub_id_is_resolved_by_gspo_hub(rm_dir, monkeypatch):
-    from gspo import hub
+    from gspo.io import hub
 
     monkeypatch.setattr(hub, "model_dir", lambda repo_id, revision=None: rm_dir)
     r = load_reward("Org/Skywork-Reward-Tiny")

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from gspo.data import Example
-from gspo.rewards import (Reward, RewardError, apply_rewards, exact_match, format_reward, length_penalty, load_reward,
+from gspo.tasks.data import Example
+from gspo.rewards.builtin import (Reward, RewardError, apply_rewards, exact_match, format_reward, length_penalty, load_reward,
                           load_rewards, math_verify, numeric_match, score_completions)
 
 # a GSM8K answer column: the worked solution, the final answer after "####"
@@ -72,7 +72,7 @@ def test_chat_completions_reach_rewards_as_messages():
         seen.update(kw, completions=completions)
         return [1.0] * len(completions)
 
-    from gspo.rewards import Reward
+    from gspo.rewards.builtin import Reward
 
     total, per = score_completions([Reward("spy", spy), Reward("exact_match", exact_match)], [ex], ["4", "5"], [[1], [2]], 2)
     assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
@@ -135,7 +135,7 @@ def _bad(kind):
     ("str", "reward 'bad_str' returned 'high' (str) for data.jsonl line 2; expected a number"),
 ])
 def test_misbehaving_rewards_name_reward_and_row(kind, msg):
-    from gspo.rewards import Reward
+    from gspo.rewards.builtin import Reward
 
     comps = ["good", "bad", "fine"]
     with pytest.raises(RewardError) as e:
@@ -228,7 +228,7 @@ def test_rewards_get_the_keywords_trl_passes():
         return [1.0]
 
     ex = Example("p", "a", {"answer": "a", "level": "hard"}, "d.jsonl line 1")
-    from gspo.rewards import TrainerState
+    from gspo.rewards.builtin import TrainerState
 
     score_completions([Reward("spy", spy)], [ex], ["c"], [[5]], group_size=1, trainer_state=TrainerState(3, 10))
     assert set(seen) == {"prompts", "completions", "completion_ids", "trainer_state", "answer", "level"}
@@ -268,7 +268,7 @@ def test_a_type_error_inside_a_reward_still_names_the_row():
 # ----------------------------------------------------------------------------------------------
 
 def _evaluate(model, tokenizer, fn):
-    from gspo.evaluation import EvalOptions, evaluate
+    from gspo.train.evaluation import EvalOptions, evaluate
     from gspo.tasks import get_task
 
     task = get_task("arithmetic")
@@ -299,8 +299,8 @@ def test_compare_and_plot_take_an_evaluation_without_accuracy(tmp_path):
     best/after and the plotted curve skip it instead of failing on None."""
     import json
 
-    from gspo.compare import summarise
-    from gspo.plot import load_series
+    from gspo.lab.compare import summarise
+    from gspo.lab.plot import load_series
 
     evals = [{"step": 0, "accuracy": 0.25, "n": 4}, {"step": 5, "accuracy": 0.75, "n": 4},
              {"step": 10, "accuracy": None, "n": 4, "n_scored": 0}]

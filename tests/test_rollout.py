@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from gspo.logprobs import completion_logprobs
-from gspo.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+from gspo.models.logprobs import completion_logprobs
+from gspo.sampling.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
 
 
 def _uniforms(n: int, seed: int) -> torch.Tensor:
@@ -220,8 +220,8 @@ def _qwen_like_chat_model(path):
 
 
 def test_stop_tokens_union_of_tokenizer_generation_config_and_user(tmp_path):
-    from gspo.models import load_policy
-    from gspo.rollout import stop_token_ids
+    from gspo.models.loading import load_policy
+    from gspo.sampling.rollout import stop_token_ids
 
     path, im_end, eot = _qwen_like_chat_model(tmp_path / "m")
     model, tok = load_policy(str(path))
@@ -232,7 +232,7 @@ def test_stop_tokens_union_of_tokenizer_generation_config_and_user(tmp_path):
     assert stop_token_ids(tok, model, ("x",)) == (*stops, tok.convert_tokens_to_ids("x"))
     with pytest.raises(ValueError, match="stop_token: '<nope>' is not a token"):
         stop_token_ids(tok, model, ("<nope>",))
-    from gspo.rollout import encode_prompts
+    from gspo.sampling.rollout import encode_prompts
 
     prompts = encode_prompts(tok, [[{"role": "user", "content": "hi"}]])
     g = torch.Generator().manual_seed(0)
@@ -248,10 +248,10 @@ def test_stop_tokens_union_of_tokenizer_generation_config_and_user(tmp_path):
 
 
 def test_evaluation_stops_on_the_same_set(tmp_path):
-    from gspo.data import Example
-    from gspo.evaluation import EvalOptions, evaluate
-    from gspo.models import load_policy
-    from gspo.rewards import Reward
+    from gspo.tasks.data import Example
+    from gspo.train.evaluation import EvalOptions, evaluate
+    from gspo.models.loading import load_policy
+    from gspo.rewards.builtin import Reward
 
     path, im_end, eot = _qwen_like_chat_model(tmp_path / "m")
     model, tok = load_policy(str(path))
@@ -273,8 +273,8 @@ def test_evaluation_stops_on_the_same_set(tmp_path):
 def test_pass_at_k_draws_on_the_cpu_whatever_the_model_device(tiny_random, char_tokenizer, monkeypatch):
     # the sampler draws its uniforms on the CPU; a generator made on the model's device (cuda)
     # made pass@k raise on a GPU. Pretend the model lives on cuda and catch the generator made.
-    import gspo.evaluation as ev
-    from gspo.rewards import load_rewards
+    import gspo.train.evaluation as ev
+    from gspo.rewards.builtin import load_rewards
     from gspo.tasks import get_task
 
     made = []
@@ -297,8 +297,8 @@ def test_pass_at_k_draws_on_the_cpu_whatever_the_model_device(tiny_random, char_
 def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
     # a model that ends every completion at once, asked for up to 1000 new tokens: the fast
     # decoder's cache holds the prompt + one block of columns, not prompt + 1000 for every row
-    import gspo.fastdecode as fd
-    import gspo.rollout as rollout_module
+    import gspo.sampling.fastdecode as fd
+    import gspo.sampling.rollout as rollout_module
     from tests.conftest import random_tiny_model
 
     tok = char_tokenizer
@@ -322,7 +322,7 @@ def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
     long = generate(model, encode(tok, PROMPTS[:1]), sampling_params(tok, group_size=1, max_new_tokens=150,
                                                                       min_new_tokens=150))
     assert made[-1].k.shape[3] >= long.prompt_ids.shape[1] + 150 > P + fd.BLOCK
-    from gspo.logprobs import completion_logprobs
+    from gspo.models.logprobs import completion_logprobs
 
     with torch.no_grad():
         lp = completion_logprobs(model, long.input_ids, long.attention_mask, long.completion_mask)
@@ -340,7 +340,7 @@ def test_top_k_draws_only_the_k_most_likely_and_records_the_full_logprob():
 
 
 def test_stop_strings_cut_the_completion_after_the_token_that_completes_them(char_tokenizer):
-    from gspo.rollout import Rollout, cut_at_stop_strings
+    from gspo.sampling.rollout import Rollout, cut_at_stop_strings
 
     tok = char_tokenizer
     texts = ["12+34=56", "7=8", "999"]
@@ -359,7 +359,7 @@ def test_stop_strings_cut_the_completion_after_the_token_that_completes_them(cha
 
 
 def test_prompts_keep_their_last_max_length_tokens(char_tokenizer):
-    from gspo.rollout import encode_prompts
+    from gspo.sampling.rollout import encode_prompts
 
     # "12345+6=" keeps its last 4 tokens "5+6="; "1+2=" is 4 tokens long already
     assert encode_prompts(char_tokenizer, ["12345+6=", "1+2="], max_length=4) == \

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from gspo import checkpoint as ckpt
-from gspo import distributed
+from gspo.train import checkpoint as ckpt
+from gspo.dist import distributed
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LAUNCH = ["--standalone", "--nproc-per-node=2"]

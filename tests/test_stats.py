@@ -1,7 +1,7 @@
-"""Error bars (gspo.stats) by hand, and `gspo compare`'s compare.json and report.md carrying them.
+"""Error bars (gspo.lab.stats) by hand, and `gspo compare`'s compare.json and report.md carrying them.
 
-The report is tested on run directories written here with known accuracies (gspo.compare's
-summarise and aggregate read them, gspo.report writes the report): no training. The simulations
+The report is tested on run directories written here with known accuracies (gspo.lab.compare's
+summarise and aggregate read them, gspo.lab.report writes the report): no training. The simulations
 are seeded (numpy's default_rng), so their figures are the same on every run."""
 
 import json
@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from gspo.stats import ci95, eval_noise, outside_noise, paired_ci95, t975
+from gspo.lab.stats import ci95, eval_noise, outside_noise, paired_ci95, t975
 
 
 def _t_pdf(t, df):
@@ -20,7 +20,7 @@ def _t_pdf(t, df):
 
 
 def test_incomplete_beta_against_closed_forms():
-    from gspo.stats import betainc
+    from gspo.lab.stats import betainc
 
     # I_x(a, 1) = x^a: 0.3^2.5 = 0.0492950; I_x(1, b) = 1 - (1 - x)^b: 1 - 0.8^3 = 0.488
     assert betainc(2.5, 1, 0.3) == pytest.approx(0.3 ** 2.5, rel=1e-12)
@@ -35,7 +35,7 @@ def test_incomplete_beta_against_closed_forms():
 
 
 def test_student_t_cdf_against_closed_forms_and_the_table():
-    from gspo.stats import T975, t_cdf, t_quantile, t_sf2
+    from gspo.lab.stats import T975, t_cdf, t_quantile, t_sf2
 
     for t in (-3.0, -0.5, 0.0, 0.7, 2.0, 4.303, 25.0):
         # df = 1 (Cauchy): 1/2 + atan(t)/pi; df = 2: 1/2 + t / (2 sqrt(2 + t^2))
@@ -83,7 +83,7 @@ def test_interval_of_three_seeds_by_hand():
 
 
 def test_interval_with_the_held_out_sets_noise_by_hand():
-    from gspo.stats import estimate
+    from gspo.lab.stats import estimate
 
     # the same accuracies on the same 500 problems: the seeds' part s^2/n = 0.0016/3 = 0.000533333 (2 df),
     # the held-out set's 0.66 * 0.34 / 500 = 0.0004488 (known): each with its own 95% factor, in quadrature,
@@ -103,7 +103,7 @@ def test_interval_with_the_held_out_sets_noise_by_hand():
 
 
 def test_paired_difference_by_hand():
-    from gspo.stats import paired_test
+    from gspo.lab.stats import paired_test
 
     # differences 0.2, 0.2, 0.05: mean 0.15; deviations 0.05, 0.05, -0.1: s = sqrt(0.015 / 2) = 0.0866025;
     # half = 4.3026527 * 0.0866025 / 1.7320508 = 0.2151326: the interval [-0.065, 0.365] holds 0
@@ -129,7 +129,7 @@ def test_paired_difference_by_hand():
 
 
 def test_holm_by_hand():
-    from gspo.stats import holm
+    from gspo.lab.stats import holm
 
     # sorted 0.01, 0.03, 0.04: 3 x 0.01 = 0.03; 2 x 0.03 = 0.06; 1 x 0.04 = 0.04, raised to the 0.06 before it
     assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06], rel=1e-12)
@@ -157,12 +157,12 @@ def _fake_run(run, accuracy: float, clip: float, diverged=False, n=500):
 
 
 def _report_of(tmp_path, acc: dict, n=500, diverged=()):
-    """compare.json and report.md of finished runs with these accuracies (what gspo.compare.compare
+    """compare.json and report.md of finished runs with these accuracies (what gspo.lab.compare.compare
     writes after training), through summarise, aggregate and write_report."""
-    from gspo.compare import summarise
-    from gspo.report import aggregate
+    from gspo.lab.compare import summarise
+    from gspo.lab.report import aggregate
     from gspo.config import TrainConfig
-    from gspo.report import write_report
+    from gspo.lab.report import write_report
 
     report = {}
     for name, values in acc.items():
@@ -254,7 +254,7 @@ def test_simulated_null_reports_mark_few_differences_after_the_correction():
     report, 93.8%, and 3.85%. Simulation slack, 2000 reports: sd sqrt(0.937 x 0.063 / 2000) =
     0.0054 and sqrt(0.0488 x 0.9512 / 2000) = 0.0048, and the mean count's sd
     sqrt(54 x 0.05 x 0.95 / 2000) = 0.036."""
-    from gspo.report import judge
+    from gspo.lab.report import judge
 
     rng = np.random.default_rng(20260511)
     pairs = [(f"a{i}", f"b{i}") for i in range(54)]
@@ -284,7 +284,7 @@ def test_simulated_intervals_cover_the_task_accuracy_with_the_held_out_sets_nois
     comparisons on 3 seeds, the seeds-only 95% interval covers them far less than 95% of the time;
     with the binomial variance it covers them at least 95% (conservatively: the bound p(1-p)/n
     also counts the flips the seeds already show)."""
-    from gspo.stats import paired_test
+    from gspo.lab.stats import paired_test
 
     rng = np.random.default_rng(7)
     n, reps = 500, 1000
@@ -313,7 +313,7 @@ def test_the_held_out_noise_is_added_conservatively_down_to_holms_levels():
     Holm's step-down asks of the smallest p-values (slack: 3 sd of 20000 draws). Satterthwaite's
     df = 2 (1 + v/(s^2/n))^2 grows exactly when s^2 is small by chance, which is when |t| is large:
     at r = 0.1 it calls 2% or more of null differences significant at 1%."""
-    from gspo.stats import Estimate, t_sf2
+    from gspo.lab.stats import Estimate, t_sf2
 
     rng = np.random.default_rng(3)
     draws = 20000

@@ -1,4 +1,4 @@
-"""`gspo compare --preset staleness` and `--preset precision` (gspo.studies) at toy size, end to end,
+"""`gspo compare --preset staleness` and `--preset precision` (gspo.lab.studies) at toy size, end to end,
 and the study's expansion, levels and noise pairs."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import ConfigError
-from gspo.studies import PRECISION, STALENESS, Study, levels_arg
+from gspo.lab.studies import PRECISION, STALENESS, Study, levels_arg
 
 TOY = ["--prompts-per-step", "2", "--group-size", "2", "--num-minibatches", "1", "--eval-size", "4",
        "--max-new-tokens", "6", "--no-progress"]
@@ -140,8 +140,8 @@ def test_simulated_staleness_reports_mark_few_differences_after_the_correction()
     (here: 4.5%). 1000 reports: sd sqrt(0.9 x 0.1 / 1000) = 0.0095 and sqrt(0.05 x 0.95 / 1000)
     = 0.0069, and the mean count's sqrt(52 x 0.05 x 0.95 / 1000) = 0.035 (more, the lines being
     dependent)."""
-    from gspo.report import judge
-    from gspo.stats import outside_noise, paired_ci95
+    from gspo.lab.report import judge
+    from gspo.lab.stats import outside_noise, paired_ci95
 
     rng = np.random.default_rng(42)
     reports = 1000
@@ -163,7 +163,7 @@ def test_simulated_staleness_reports_mark_few_differences_after_the_correction()
 
 
 def test_a_study_is_read_back_from_its_names():
-    from gspo.studies import study_from_names
+    from gspo.lab.studies import study_from_names
 
     study = Study(STALENESS, (0, 2, 8), tuple((c, {}) for c in STALENESS_CONFIGS))
     again = study_from_names(STALENESS, [n for n, _ in study.expand()])
@@ -178,10 +178,10 @@ def test_a_study_is_read_back_from_its_names():
 
 
 def test_a_stored_study_is_judged_again_without_its_runs(tmp_path):
-    """gspo.report.rerender on a stored compare.json (no runs/ beside it): the figures aggregated
+    """gspo.lab.report.rerender on a stored compare.json (no runs/ beside it): the figures aggregated
     again from the seeds', every difference judged together, compare.json given "judged"."""
     from gspo.config import TrainConfig
-    from gspo.report import rerender
+    from gspo.lab.report import rerender
 
     # final accuracy 0.80 + 0.01 x (seed - 1) everywhere, but cispo@K8: 0.70, 0.72, 0.71 (10 points down on
     # every seed); the averaged accuracy 0.70 + 0.005 x i x (seed - 1), i the configuration's place

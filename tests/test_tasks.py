@@ -2,7 +2,7 @@
 
 import pytest
 
-from gspo.rewards import exact_integer
+from gspo.rewards.builtin import exact_integer
 from gspo.tasks import get_task
 
 

@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 
-from gspo import checkpoint as ckpt
+from gspo.train import checkpoint as ckpt
 from gspo.config import TrainConfig
-from gspo.metrics import Max, Mean, Min, step_means
-from gspo.optim import lr_factor
-from gspo.trainer import train
+from gspo.algo.metrics import Max, Mean, Min, step_means
+from gspo.train.optim import lr_factor
+from gspo.train.trainer import train
 
 FAST = ["--prompts-per-step", "4", "--group-size", "4", "--eval-size", "16", "--no-progress"]
 REQUIRED_METRICS = {"step", "reward/mean", "reward/std", "clip/frac", "clip/low_frac", "clip/high_frac", "ratio/mean",
@@ -164,9 +164,9 @@ def test_jsonl_cut_short_by_a_kill_is_trimmed(tmp_path):
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     # max_new_tokens 2: most completions are cut (truncated); with the flag their tokens leave
     # the loss (mask 0) while their rewards still shape the group's advantages
-    from gspo.run import build_run
-    from gspo.batch import Scored
-    from gspo.trainer import prepare, rollout, score
+    from gspo.train.run import build_run
+    from gspo.train.batch import Scored
+    from gspo.train.trainer import prepare, rollout, score
 
     cfg = TrainConfig(prompts_per_step=4, group_size=4, max_new_tokens=2, mask_truncated_completions=True,
                       output_dir=str(tmp_path / "r"), progress=False, old_logp="recompute")

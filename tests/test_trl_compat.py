@@ -8,12 +8,12 @@ import warnings
 import pytest
 
 import gspo
-from gspo.aliases import to_gspo
+from gspo.config.trl import to_gspo
 from gspo.cli import _parse, main
 from gspo.config import ConfigError, TrainConfig, options
-from gspo.resolve import resolve
-from gspo.configfile import load_yaml
-from gspo.models import load_policy
+from gspo.train.resolve import resolve
+from gspo.config.yamlfile import load_yaml
+from gspo.models.loading import load_policy
 
 TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=4, progress=False)
 
@@ -79,7 +79,7 @@ def test_what_does_not_map_is_one_line(trl, msg):
 def test_the_docs_page_names_every_entry_of_the_table():
     from pathlib import Path
 
-    from gspo.aliases import NOT_MAPPED, TRL_NAMES, TRL_VALUES
+    from gspo.config.trl import NOT_MAPPED, TRL_NAMES, TRL_VALUES
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
     missing = [n for n in [*TRL_NAMES, *TRL_NAMES.values(), *TRL_VALUES, *NOT_MAPPED] if f"`{n}`" not in page]
@@ -87,8 +87,8 @@ def test_the_docs_page_names_every_entry_of_the_table():
 
 
 def test_train_help_says_near_its_top_that_trls_names_work():
-    from gspo.aliases import TRL_NAMES
-    from gspo.help import train_help
+    from gspo.config.trl import TRL_NAMES
+    from gspo.commands.help import train_help
 
     top = "\n".join(train_help(width=100).splitlines()[:16])  # before the algorithms and the 300 lines of options
     assert "TRL's GRPOConfig option names are accepted" in top and "docs/trl.md" in top
@@ -206,7 +206,7 @@ def test_a_run_trained_from_python_evaluates_and_resumes(tmp_path, capsys):
 
 
 def test_a_resumed_run_keeps_the_final_evaluation_of_the_first(tmp_path):
-    from gspo.trainer import train
+    from gspo.train.trainer import train
 
     run = str(tmp_path / "run")
     train(TrainConfig(steps=1, output_dir=run, **TINY), log=lambda *a: None)
@@ -217,7 +217,7 @@ def test_a_resumed_run_keeps_the_final_evaluation_of_the_first(tmp_path):
 
 
 def test_the_dataset_length_note_names_the_dataset(tmp_path):
-    from gspo.run import Inputs, build_run
+    from gspo.train.run import Inputs, build_run
 
     cfg = TrainConfig(output_dir=str(tmp_path / "r"), dataset="<train_dataset>", **{**TINY, "max_new_tokens": None})
     run = build_run(cfg, inputs=Inputs(train_dataset=rows(), reward_funcs=[exact]))  # as gspo.Trainer makes it
@@ -228,7 +228,7 @@ def test_the_dataset_length_note_names_the_dataset(tmp_path):
 
 def test_lora_and_checkpointing_runs_and_eval_leak_no_future_warning(tmp_path, capsys):
     pytest.importorskip("peft")
-    from gspo.trainer import train
+    from gspo.train.trainer import train
 
     run = str(tmp_path / "run")
     with warnings.catch_warnings():

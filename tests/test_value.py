@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.trainer import train
-from gspo.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
+from gspo.train.trainer import train
+from gspo.models.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
 
 D = torch.float64
 
@@ -71,14 +71,14 @@ def test_ppo_advantages_with_kl_in_reward():
 
 
 def test_critic_starts_from_the_policy_and_round_trips(tmp_path):
-    from gspo.models import load_policy
+    from gspo.models.loading import load_policy
 
     policy, tok = load_policy("tiny")
     critic = Critic.from_pretrained("tiny")
     # the trunk is the policy's (no LM head), the head starts at exactly 0
     for name, p in critic.trunk.state_dict().items():
         torch.testing.assert_close(p, policy.model.state_dict()[name], rtol=0, atol=0)
-    from gspo.rollout import Rollout
+    from gspo.sampling.rollout import Rollout
 
     ids = torch.tensor([tok("12+34=56")["input_ids"]])
     ro = Rollout(ids[:, :-3], torch.ones_like(ids[:, :-3]), ids[:, -3:], torch.ones(1, 3), torch.zeros(1, 3),

@@ -1,4 +1,4 @@
-"""The ratio-variance measurement (gspo.variance): per-response quantities by hand, equal-count
+"""The ratio-variance measurement (gspo.lab.variance): per-response quantities by hand, equal-count
 bins, exact on-policy zeros, the length identity Var log Π w = L² Var log s_i, and the report."""
 
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.run import build_run
-from gspo.variance import (_binned, _per_response, length_edges, measure, one_minibatch_update, ratio_variance,
+from gspo.train.run import build_run
+from gspo.lab.variance import (_binned, _per_response, length_edges, measure, one_minibatch_update, ratio_variance,
                            sample_old, write_variance)
 
 

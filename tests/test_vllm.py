@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from gspo import checkpoint as ckpt
+from gspo.train import checkpoint as ckpt
 
 try:
     import vllm  # noqa: F401
@@ -46,9 +46,9 @@ def rows(run):
 
 @pytest.fixture(scope="module")
 def engine():
-    from gspo.models import load_policy, resolve_model_path
+    from gspo.models.loading import load_policy, resolve_model_path
     from gspo.config import VLLM
-    from gspo.vllm_engine import VLLMSampler
+    from gspo.sampling.vllm_engine import VLLMSampler
 
     policy, tok = load_policy("tiny")
     sampler = VLLMSampler(str(resolve_model_path("tiny")), VLLM(vllm_max_model_len=64), dtype="float32", seed=0)
@@ -62,8 +62,8 @@ def _prompts(tok, n=4):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampling_layout_stops_and_logprobs(engine, temperature):
-    from gspo.logprobs import completion_logprobs
-    from gspo.rollout import sampling_params
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling.rollout import sampling_params
 
     sampler, policy, tok = engine
     sampler.sync(policy)
@@ -91,7 +91,7 @@ def test_sampling_layout_stops_and_logprobs(engine, temperature):
 
 
 def test_stop_tokens_and_min_new_tokens(engine):
-    from gspo.rollout import sampling_params
+    from gspo.sampling.rollout import sampling_params
 
     sampler, policy, tok = engine
     sampler.sync(policy)
@@ -110,8 +110,8 @@ def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(en
     # engine records log p(y_t) - log(1 - p(stops)), renormalised without them; after N, log p(y_t).
     # So `--old-logp auto` recomputes pi_old (the policy's full-distribution log-probs) on vLLM.
     from gspo.config import TrainConfig
-    from gspo.resolve import resolve
-    from gspo.rollout import sampling_params
+    from gspo.train.resolve import resolve
+    from gspo.sampling.rollout import sampling_params
 
     sampler, policy, tok = engine
     sampler.sync(policy)
@@ -139,7 +139,7 @@ def test_a_batch_that_chunks_its_prefill_samples_on_cpu(engine):
     # (2048): with chunked prefill, vLLM prefilled the last in chunks and rewound their seeded
     # CPU generators ("CPU Generator does not use offset"), as `gspo train --task calculator
     # --rollout-engine vllm` did at its default sizes
-    from gspo.rollout import sampling_params
+    from gspo.sampling.rollout import sampling_params
 
     sampler, policy, tok = engine
     sampler.sync(policy)
@@ -154,8 +154,8 @@ def test_a_batch_that_chunks_its_prefill_samples_on_cpu(engine):
 
 
 def test_weight_sync_is_what_makes_the_engine_sample_the_current_policy(engine):
-    from gspo.logprobs import completion_logprobs
-    from gspo.rollout import sampling_params
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling.rollout import sampling_params
 
     sampler, policy, tok = engine
     params = sampling_params(tok, group_size=4, max_new_tokens=6)
@@ -178,10 +178,10 @@ def test_weight_sync_is_what_makes_the_engine_sample_the_current_policy(engine):
 
 
 def test_lora_adapters_are_merged_for_the_engine(engine):
-    from gspo.logprobs import completion_logprobs
-    from gspo.models import add_lora
-    from gspo.rollout import sampling_params
-    from gspo.vllm_engine import checkpoint_weights
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.models.loading import add_lora
+    from gspo.sampling.rollout import sampling_params
+    from gspo.sampling.vllm_engine import checkpoint_weights
 
     sampler, policy, tok = engine
     lora = add_lora(policy, r=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
@@ -212,7 +212,7 @@ def test_the_engine_pulls_the_weights_one_at_a_time(engine, monkeypatch):
     # is a copy, tracked through a weak reference: at most a layer's few are alive at once
     import weakref
 
-    from gspo import vllm_engine
+    from gspo.sampling import vllm_engine
 
     sampler, policy, tok = engine
     real, refs, most = vllm_engine.checkpoint_weights, [], [0]
@@ -345,7 +345,7 @@ def test_vllm_matrix_cell_runs_with_the_plan_it_asked_for(tmp_path, turns, preci
     m = rows(run)
     assert len(m) == 1 and m[0]["loss/policy"] is not None and math.isfinite(m[0]["loss/policy"])
     plan = json.loads((run / "summary.json").read_text()).get("plan")
-    if plan is not None:  # gspo.plan: the run is what it asked for
+    if plan is not None:  # gspo.train.plan: the run is what it asked for
         dtype = "bfloat16" if precision == "bf16" else "float32"
         assert (plan["engine"], plan["sampler_dtype"], plan["compute_dtype"]) == ("vllm", dtype, dtype), plan
         assert (plan["lora"] is not None) == (lora == "on") and (plan["env"] is not None) == (turns == "calculator")

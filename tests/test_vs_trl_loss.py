@@ -32,7 +32,7 @@ def vs_trl():
 def test_gspo_loss_equals_trl(vs_trl, char_tokenizer):
     model = random_tiny_model(char_tokenizer)
     r = vs_trl.loss_check(model, char_tokenizer, PROMPTS, group_size=4, new_tokens=16)
-    assert r["loss_type"] == "grpo"  # gspo.aliases: TRL's grpo is gspo's default seq-mean-token-mean
+    assert r["loss_type"] == "grpo"  # gspo.config.trl: TRL's grpo is gspo's default seq-mean-token-mean
     assert r["rows"] == 16 and r["tokens"] == 16 * 16
     assert 0 < r["clipped"] < 1  # some responses clipped, some not: both branches of the min are compared
     assert abs(r["gspo"]) > 30 * vs_trl.LOSS_TOL  # the ratios move the loss far more than the tolerance

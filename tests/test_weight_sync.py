@@ -1,4 +1,4 @@
-"""The weights a vLLM sync streams (gspo.vllm_engine.checkpoint_weights), without vLLM.
+"""The weights a vLLM sync streams (gspo.sampling.vllm_engine.checkpoint_weights), without vLLM.
 
 The engine's `reload_weights` pulls (name, tensor) pairs from a generator one at a time. They
 must be exactly what building the whole state dict gave (`whole_state_dict` below: gspo's code
@@ -13,8 +13,8 @@ import weakref
 
 import torch
 
-from gspo.models import add_lora, load_policy, unwrap
-from gspo.vllm_engine import checkpoint_weights
+from gspo.models.loading import add_lora, load_policy, unwrap
+from gspo.sampling.vllm_engine import checkpoint_weights
 from tests.conftest import spawn
 
 
@@ -116,8 +116,8 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as td
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gspo.distributed import Dist
-    from gspo.parallel import wrap
+    from gspo.dist.distributed import Dist
+    from gspo.dist.parallel import wrap
 
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -144,11 +144,11 @@ def test_fsdp_gathers_one_parameter_at_a_time(tmp_path):
 def test_sleep_discards_the_weights_once_a_sync_put_the_policys_there(monkeypatch):
     # level 1 (offload) while the engine holds the checkpoint's weights; level 2 (discard) once
     # synced, since the next sync overwrites them all; a sample without that sync syncs again
-    from gspo import vllm_engine
-    from gspo.models import build_chat_tokenizer
-    from gspo.rollout import sampling_params
+    from gspo.sampling import vllm_engine
+    from gspo.models.loading import build_chat_tokenizer
+    from gspo.sampling.rollout import sampling_params
     from gspo.config import VLLM
-    from gspo.vllm_engine import VLLMSampler
+    from gspo.sampling.vllm_engine import VLLMSampler
     from tests.test_engine_protocol import fake_vllm
 
     tok, log = build_chat_tokenizer(), []

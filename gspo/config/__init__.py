@@ -9,7 +9,11 @@ keys are the option names), then command-line flags (`--group-size 16`). Option 
 unique across sections, so flags and YAML keys carry no section prefix (tyro's
 OmitArgPrefixes), and `config.yaml` is a flat mapping of them. Checking (types, bounds and the
 rules between options) and the derived values (clip range from the algorithm's preset, the
-run directory ...) are gspo.resolve's. The package (this module and its sections) imports nothing else of gspo.
+run directory ...) are gspo.train.resolve's.
+
+The room: this module and its sections import nothing else of gspo; beside them, a run's YAML
+file (gspo.config.yamlfile), TRL's option names (gspo.config.trl) and the values checked
+(gspo.config.checks). May import: gspo.algo (the losses' names), gspo.io.
 """
 
 from __future__ import annotations
@@ -96,16 +100,16 @@ class TrainConfig:
     @classmethod
     def from_trl(cls, **options) -> TrainConfig:
         """A config from TRL's GRPOConfig names (num_generations=8, loss_type="dr_grpo") and gspo's
-        (gspo.aliases, which registers itself here when gspo is imported)."""
+        (gspo.config.trl, which registers itself here when gspo is imported)."""
         return _from_trl(**options)
 
 
 def _from_trl(**options):
-    raise RuntimeError("gspo.aliases is not imported")  # replaced by gspo.aliases.from_trl on import (gspo/__init__)
+    raise RuntimeError("gspo.config.trl is not imported")  # replaced by gspo.config.trl.from_trl on import (gspo/__init__)
 
 
 def set_from_trl(fn) -> None:
-    """Called once by gspo.aliases: TrainConfig.from_trl's implementation (TRL's names live there)."""
+    """Called once by gspo.config.trl: TrainConfig.from_trl's implementation (TRL's names live there)."""
     global _from_trl
     _from_trl = fn
 

@@ -5,11 +5,11 @@ Each option is written once, with everything known about it:
     group_size: int = opt(8, "Completions sampled per prompt (G) ...", ge=1)
     steps: int | None = opt(None, "Training steps ...", ge=0, resume=True)
 
-its type (checked strictly by gspo.checks, wherever a value comes from), its default, its help
+its type (checked strictly by gspo.config.checks, wherever a value comes from), its default, its help
 (what `gspo train --help`, tyro and docs/options.md show), its bounds (`ge`, `gt`, `le`, `lt`:
 checked by the same check, with one message per kind of bound) and whether `--resume` may change
 it. Rules between options (min_new_tokens <= max_new_tokens, fsdp with a second sampler
-dtype ...) are gspo.resolve's. A section is handed whole to the code it configures
+dtype ...) are gspo.train.resolve's. A section is handed whole to the code it configures
 (`load_policy(cfg.policy, cfg.lora, ...)`). gspo.config.TrainConfig is made of these sections.
 This module imports nothing from gspo.
 """
@@ -386,7 +386,7 @@ class RunOptions:
     device: str = opt("cpu", "Device for the policy: cpu, cuda, cuda:N, or auto (cuda when available).", resume=True)
     threads: int = opt(0, "CPU threads for torch (0: half the cores, fewer when other processes keep them busy, at "
                           "least 1; OMP_NUM_THREADS, if set, instead; the count is in the plan and config.yaml: "
-                          "gspo.threads).", ge=0, resume=True)
+                          "gspo.dist.threads).", ge=0, resume=True)
     parallel: Literal["ddp", "fsdp"] = opt("ddp",
         "Under torchrun (several processes): ddp replicates the model, fsdp shards parameters, gradients and "
         "optimizer state (FSDP2).")

@@ -5,7 +5,11 @@ so a resumed run sees the same prompts), `test_set(n) -> list[Example]` (fixed),
 `default_rewards` / `default_max_new_tokens`. Built-in tasks are named here (`arithmetic`,
 `addition`, `chain` with long answers, and `calculator`, multi-turn with a tool), and any of
 reasoning-gym's generators as `reasoning_gym:NAME` (gspo.tasks.gym); a user's dataset
-(a file, a directory, a Hugging Face Hub id, or rows in memory) becomes a `gspo.data.DatasetTask`.
+(a file, a directory, a Hugging Face Hub id, or rows in memory) becomes a `gspo.tasks.data.DatasetTask`.
+
+The room also holds what tasks stand on: their rows (gspo.tasks.data: Example, your own datasets),
+the environments of multi-turn tasks (gspo.tasks.env) and what every reward shares
+(gspo.tasks.scoring). May import: gspo.config, gspo.io.
 """
 
 from __future__ import annotations
@@ -43,12 +47,12 @@ def build_task(data: Data, rewards: tuple = (), eval_size: int = 500, *, train_r
     """The built-in task `data.task`, or a DatasetTask over `data.dataset` (a file, a dataset
     directory, a Hub dataset id with its `data.dataset_config`; validated row by row).
     rewards: the run's reward specs (empty: the dataset's default; an answer column is required
-    when one compares with it). eval_size: rows held out for evaluation (gspo.data).
+    when one compares with it). eval_size: rows held out for evaluation (gspo.tasks.data).
     train_rows / eval_rows: in-memory rows that replace data.dataset / data.eval_dataset."""
     dataset = train_rows if train_rows is not None else data.dataset
     if dataset is None:
         return get_task(data.task, data.task_options, eval_size, data.answer_from)
-    from gspo.data import DatasetTask, load_dataset_task
+    from gspo.tasks.data import DatasetTask, load_dataset_task
 
     names = rewards or DatasetTask.default_rewards
     return load_dataset_task(dataset, data, eval_path=eval_rows if eval_rows is not None else data.eval_dataset,

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gspo.data import Example
+from gspo.tasks.data import Example
 from gspo.tasks.base import DrawnSplits
 
 

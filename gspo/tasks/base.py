@@ -17,7 +17,7 @@ import json
 import random
 from typing import ClassVar
 
-from gspo.data import Example
+from gspo.tasks.data import Example
 
 
 class DrawnSplits:

@@ -9,7 +9,7 @@ calls the tool (a Hermes-style `<tool_call>` in its chat template), reads the re
 turn, and answers with the number alone. The default reward, `exact_integer`, scores the final
 model turn: 1.0 when it spells the answer exactly (a turn that is still a tool call scores 0).
 
-The environment is `CalculatorEnv`, a `gspo.env.ToolEnvironment` with the one tool; the
+The environment is `CalculatorEnv`, a `gspo.tasks.env.ToolEnvironment` with the one tool; the
 task names it (`default_env`), so `--env` is not needed. Splits are drawn as in the other
 built-in tasks (gspo.tasks.base.DrawnSplits): a fixed 500-problem test split, training
 problems a function of (seed, step) alone. The `form` column names each problem's form.
@@ -22,8 +22,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gspo.data import Example
-from gspo.env import ToolEnvironment
+from gspo.tasks.data import Example
+from gspo.tasks.env import ToolEnvironment
 from gspo.tasks.base import DrawnSplits
 
 FORMS = ("a*b", "a*b+c", "a*b-c", "(a+b)*c")

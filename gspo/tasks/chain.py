@@ -27,8 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gspo.data import Example
-from gspo.scoring import per_completion
+from gspo.tasks.data import Example
+from gspo.tasks.scoring import per_completion
 from gspo.tasks.base import DrawnSplits
 
 TARGET = 1000  # count up until the total reaches it

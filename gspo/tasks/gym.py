@@ -33,7 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from gspo.data import Example
+from gspo.tasks.data import Example
 
 PREFIX = "reasoning_gym:"
 BLOCK = 256  # training problems per seeded generator
@@ -79,7 +79,7 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
     >>> parse_spec("reasoning_gym:chain_sum=2,leg_counting")
     [('chain_sum', 2.0), ('leg_counting', 1.0)]
     """
-    from gspo.words import did_you_mean
+    from gspo.io.words import did_you_mean
 
     body = spec[len(PREFIX):] if is_gym(spec) else spec
     out = []
@@ -124,7 +124,7 @@ def config_fields(name: str) -> dict:
 
 def split_options(spec: str, mix: list[tuple[str, float]], options: dict) -> dict[str, dict]:
     """Options per generator: `NAME.KEY` for one, a bare `KEY` for every one that has it."""
-    from gspo.words import did_you_mean
+    from gspo.io.words import did_you_mean
 
     per = {name: {} for name, _ in mix}
     for key, value in options.items():
@@ -312,7 +312,7 @@ def reasoning_gym_reward(completions: list, entry: list, task_options: list | No
     """reasoning-gym's `score_answer(answer, entry)` of each completion's answer (extract_answer by
     the task's --answer-from rule), in [0, 1] with the generator's partial credit; 0.0 where the
     verifier raises on what the model wrote."""
-    from gspo.scoring import completion_text
+    from gspo.tasks.scoring import completion_text
 
     out = []
     for i, (completion, e) in enumerate(zip(completions, entry)):
@@ -332,7 +332,7 @@ def answer_format(completions: list, **_) -> list[float]:
     >>> answer_format(["so <answer>12</answer>", "<answer></answer>", "<answer>1</answer> and more"])
     [1.0, 0.0, 0.0]
     """
-    from gspo.scoring import completion_text
+    from gspo.tasks.scoring import completion_text
 
     return [1.0 if _FORMAT.fullmatch(t) and len(_ANSWER.findall(t)) == 1 else 0.0
             for t in map(completion_text, completions)]

@@ -1,0 +1,152 @@
+"""Advantage estimators: group-relative (GRPO, GSPO, GSPO-token) and GAE (PPO).
+
+    from gspo.algo.advantages import group_advantages, gae, turn_advantages
+    adv = group_advantages(rewards, group_size=8)            # (B,) one per response
+    adv = turn_advantages(returns_to_go, group_size=8)       # (B, K) per turn of multi-turn episodes
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=0.95)  # (B, T) per token
+
+Group layout: a batch of B responses holds B // G groups, each G contiguous rows sampled for
+the same prompt (rows 0..G-1 are prompt 0, rows G..2G-1 prompt 1, ...). The rollout code
+produces exactly this layout.
+
+Left out: reward shaping and reward normalisation across steps (running statistics); rewards
+arrive here already scored for this batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo.io.words import plural
+
+Tensor = torch.Tensor
+
+ADV_SCALES = ("group", "batch", "none")
+
+
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Â_i = (r_i - mean_group(r)) / (std + eps), one per response; `(B,)` in, `(B,)` out.
+
+    scale:
+        "group": std over the response's own group (GRPO/GSPO, the paper's Â_i).
+        "batch": std over the whole batch (robust when a group's spread is tiny).
+        "none":  no scaling, only the group mean is subtracted (Dr. GRPO).
+    The std is the sample standard deviation (Bessel's correction, as torch.std, TRL and verl).
+    A group whose rewards are all equal carries no signal: its advantages are exactly 0.
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(ADV_SCALES)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be one per response, shape (B,), got {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"batch of {plural(rewards.numel(), 'reward')} is not a whole number of groups of size {group_size}"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    adv = _relative(rewards[:, None], rewards, group_size, scale, eps)[:, 0]  # (B,)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+def turn_advantages(returns: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+    """Per-turn advantages of multi-turn episodes: (B, K) in, (B, K) out, float64.
+
+    returns[i, k] = R_{i,k}, episode i's reward from its turn k on (the final reward plus the
+    environment's rewards of turns k, k+1, ...); column 0 is the whole episode's reward R_i.
+    Â_{i,k} = (R_{i,k} - mean_group(R)) / (std_group(R) + eps): the reward-to-go less the
+    group's baseline, the same for every turn (it depends on the other episodes, not on what
+    this one does in turn k, so the estimate stays unbiased), scaled as `group_advantages`.
+    With rewards only at the end, R_{i,k} = R_i and every turn gets the episode's advantage.
+    A group whose episode rewards are all equal gets 0 in every turn.
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(ADV_SCALES)}")
+    return _relative(returns, returns[:, 0], group_size, scale, eps)
+
+
+def _relative(values: Tensor, episode: Tensor, group_size: int, scale: str, eps: float) -> Tensor:
+    """(values - mean_group(episode)) / (std + eps), values (B, K), episode (B,), in float64;
+    0 throughout a group whose `episode` values are all equal."""
+    r = episode.reshape(-1, group_size).to(torch.float64)  # (B/G, G)
+    v = values.reshape(r.shape[0], group_size, -1).to(torch.float64)  # (B/G, G, K)
+    centered = v - r.mean(-1)[:, None, None]  # (B/G, G, K)
+    if scale == "group" and group_size > 1:
+        centered = centered / (r.std(-1) + eps)[:, None, None]
+    elif scale == "batch" and episode.numel() > 1:
+        centered = centered / (episode.to(torch.float64).std() + eps)
+    flat = (r.amax(-1) == r.amin(-1))[:, None, None]  # (B/G, 1, 1) no spread in the group
+    return torch.where(flat, torch.zeros_like(centered), centered).reshape(values.shape)  # (B, K)
+
+
+def at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
+    """(B,) one reward per response -> (B, T) zeros with each reward at its response's last
+    completion token (right-padded rows; an empty row gets nothing)."""
+    B = mask.shape[0]
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # (B,) index of each row's last completion token
+    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=mask.device)  # (B, T)
+    out[torch.arange(B), last] = rewards * (mask.sum(-1) > 0)
+    return out
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0, lam: float = 0.95
+) -> tuple[Tensor, Tensor]:
+    """Generalized Advantage Estimation over right-padded completions.
+
+    Args:
+        rewards: (B,) one reward per response, placed at its last completion token, or
+            (B, T) per-token rewards (e.g. a sequence reward plus a per-token KL penalty).
+        values: (B, T) the critic's value of each completion position.
+        mask: (B, T) 1.0 on completion tokens, 0.0 on padding; completions are right-padded
+            (each row's ones form a prefix), the end of a response is terminal.
+
+    Returns:
+        advantages: (B, T), 0 on padding.
+        returns: (B, T) advantages + values, the critic's regression target; 0 on padding.
+
+    δ_t = r_t + γ V_{t+1} - V_t   (V after the last completion token is 0: terminal)
+    Â_t = δ_t + γ λ Â_{t+1}
+    """
+    mask = mask.to(values.dtype)
+    B, T = mask.shape
+    if values.shape != (B, T):
+        raise ValueError(f"values must be (B, T)={(B, T)}, got {tuple(values.shape)}")
+    if rewards.dim() == 1:
+        token_rewards = at_last_token(rewards.to(values.dtype), mask)  # (B, T)
+    elif rewards.shape == (B, T):
+        token_rewards = rewards.to(values.dtype)  # (B, T)
+    else:
+        raise ValueError(f"rewards must be (B,) or (B, T)={(B, T)}, got {tuple(rewards.shape)}")
+
+    values = values * mask  # (B, T)
+    token_rewards = token_rewards * mask  # (B, T)
+    adv = torch.zeros_like(values)  # (B, T)
+    next_value = values.new_zeros(B)  # (B,)
+    next_adv = values.new_zeros(B)  # (B,)
+    for t in reversed(range(T)):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        next_adv = (delta + gamma * lam * next_adv) * mask[:, t]  # (B,) zero on padding: terminal
+        next_value = values[:, t]  # (B,) already zero on padding
+        adv[:, t] = next_adv
+    returns = (adv + values) * mask  # (B, T)
+    return adv, returns
+
+
+def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean: bool = True,
+                  all_sum=None) -> Tensor:
+    """Normalise `(B, T)` values to zero mean and unit variance over masked positions (PPO).
+
+    all_sum: sums a tensor over processes (gspo.dist.distributed.Dist.all_sum), so that the mean
+    and variance are those of the global batch when each process holds a part of it.
+    """
+    total = all_sum or (lambda t: t)
+    mask = mask.to(values.dtype)
+    n = total(mask.sum()).clamp(min=1.0)
+    mean = total((values * mask).sum()) / n
+    var = total(((values - mean).square() * mask).sum()) / n
+    out = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask

@@ -1,0 +1,346 @@
+"""Where each step's batch comes from: sampled now, or by weights up to K versions older (--max-staleness K).
+
+    pipeline = make_pipeline(run)            # Pipeline (this process samples) or WorkerPipeline
+    produced, metrics = pipeline.take(step)  # batch `step`, and its async/... metrics
+
+Versions: the policy's version is the number of steps done; the weights that train step t are
+version t-1. With a fixed lag K, batch t is sampled by version max(0, t-1-K), so its staleness
+at consumption is min(t-1, K) versions. At the start of step t (version t-1) every batch whose
+sampling version has come, t .. t+K, is requested; in the trainer's process that means sampled
+at once (the same mathematics as asynchronous sampling, without the overlap: deterministic, for
+tests and for science on CPU), in worker mode sent to the rollout workers, which sample while
+the trainer trains. K = 0 samples batch t at the start of step t: today's synchronous loop.
+
+A checkpoint waits for the batches in flight (`drain`) and saves the sampled batches not yet
+trained with their versions (gspo.train.checkpoint): a resumed run trains what the uninterrupted run
+would, and the bound holds across the resume.
+
+Rollout workeRollout workers (--rollout-workers N) sample in processes of their own:
+
+    gspo train --rollout-workers 1 --max-staleness 1       # the trainer starts 1 worker process
+    torchrun --nproc-per-node 8 -m gspo train --parallel fsdp --device cuda --rollout-workers 2 --max-staleness 1
+                                                           # ranks 0-5 train, ranks 6 and 7 sample
+
+Without torchrun the trainer starts N processes (torch.multiprocessing, spawn; their devices:
+--rollout-devices, default the trainer's) and talks to them through queues; under torchrun the
+world's last N ranks are the workers (torchrun's rendezvous, across machines too), the trainer
+processes the others, with their collectives on a group of their own, and the rollouts travel
+on a gloo group (gspo.dist.links). Each worker builds the sampling side of the run from the trainer's
+configuration (`sampling_side`: the task, the tokenizer, its own copy of the policy, the
+rewards, the sampler: gspo's or a vLLM engine) and serves requests, in order:
+
+    ("tensor", name, tensor) x the trainable tensors    the weights of the next version, one at a time
+    ("sample", step, version)   produce batch `step` (gspo.sampling.produce) for every trainer process's share
+    ("stop",)
+
+Batch s goes to worker s mod N. Before asking a worker for a batch of version v, the trainer
+sends it version v's trainable weights (under FSDP each gathered in turn), unless it has them.
+A worker therefore samples batch t with exactly the weights of version max(0, t-1-K) and each
+trainer process's share of prompts with its rows' uniforms, as the trainer processes would:
+worker mode with a fixed lag equals the trainer-process run bit for bit on CPU (the worker runs
+with the trainer's number of threads), under torchrun too.
+
+a worker that dies stops the run with one line naming it (and how to resume); an
+error in a worker (a reward that raises) is said by the trainer as the worker's. Workers ignore
+SIGINT and SIGTERM: the trainer, which gets them, finishes its step, checkpoints (waiting for the
+batches in flight) and stops them; a worker whose trainer is gone exits on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gspo.dist import distributed
+from gspo.dist.distributed import Dist
+from gspo.tasks.env import episode_env
+from gspo.dist.links import LocalLink, RankEnd, RankLink, WorkerDied
+from gspo.models.loading import DTYPES, cast_parameters, disable_dropout, resolve_device
+from gspo.sampling.produce import Produced, produce
+from gspo.sampling.rollout import stop_token_ids
+from gspo.tasks.base import for_tokenizer
+from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
+
+Tensor = torch.Tensor
+
+
+def make_pipeline(run, pending=()) -> Pipeline:
+    """The run's source of batches: its own process (--rollout-workers 0) or rollout workers."""
+    if run.cfg.async_rl.rollout_workers == 0:
+        return Pipeline(run, pending)
+    return WorkerPipeline(run, pending)
+
+
+class Pipeline:
+    """Batches for the steps of a run (gspo.train.run.Run), sampled in the trainer's process with a
+    fixed lag of --max-staleness versions. pending: sampled batches a checkpoint saved."""
+
+    def __init__(self, run, pending: list[Produced] = ()):
+        self.run, self.lag = run, run.cfg.async_rl.max_staleness
+        self.pending: dict[int, Produced] = {p.step: p for p in pending}
+        self.requested = max(self.pending, default=0)  # the newest batch asked for
+
+    def take(self, step: int) -> tuple[Produced, dict]:
+        """Batch `step` (sampled by version max(0, step-1-K)) and the step's async/... metrics."""
+        version = step - 1
+        self.sync_seconds = 0.0  # of the requests: sending weights to workers (not waiting)
+        t0 = time.perf_counter()
+        for s in range(max(self.requested + 1, step), min(step + self.lag, self.run.cfg.run.steps) + 1):
+            self.request(s, version)
+            self.requested = s
+        produced = self.wait(step)
+        waited = time.perf_counter() - t0 - self.sync_seconds
+        if produced.step != step or produced.version < version - self.lag:  # the bound: a bug, never the user's
+            raise RuntimeError(f"batch {produced.step} sampled by version {produced.version} arrived for step {step} "
+                               f"(version {version}, --max-staleness {self.lag}): the staleness bound is broken")
+        return produced, self.metrics(produced, version, waited)
+
+    def request(self, step: int, version: int) -> None:
+        """Batch `step`, to be sampled by the current weights (version `version`): here, now."""
+        self.pending[step] = produce(self.run, step, version)
+
+    def wait(self, step: int) -> Produced:
+        return self.pending.pop(step)
+
+    def drain(self) -> list[Produced]:
+        """The sampled batches not yet trained (a checkpoint saves them), once none is in flight."""
+        return [self.pending[s] for s in sorted(self.pending)]
+
+    def close(self) -> None:
+        """Stop whatever samples (nothing here)."""
+
+    def metrics(self, produced: Produced, version: int, waited: float) -> dict:
+        """Staleness over the global batch's completion tokens, the queue, idle time and overlap."""
+        dist = self.run.dist
+        versions = produced.versions  # (B, T)
+        live = versions >= 0
+        stale = (version - versions)[live].long()  # (n,) policy versions behind, per token
+        counts = dist.all_sum(torch.bincount(stale, minlength=self.lag + 1)[: self.lag + 1].double())  # (K+1,)
+        top = dist.all_max(stale.max().reshape(1).double() if stale.numel() else torch.zeros(1, dtype=torch.float64))
+        total = counts.sum().clamp(min=1)
+        out = {
+            "async/staleness_mean": float((counts * torch.arange(self.lag + 1)).sum() / total),
+            "async/staleness_max": float(top),
+            **{f"async/staleness_hist/{k}": float(counts[k] / total) for k in range(self.lag + 1)},
+            "async/queue_depth": float(self.requested - produced.step),  # batches asked for ahead of this one
+            "async/ready_batches": float(len(self.pending)),  # ... of which sampled already
+            "async/trainer_idle_seconds": waited,
+            "async/weight_sync_seconds": self.sync_seconds,
+            "async/sample_seconds": produced.seconds,
+            "async/worker_idle_seconds": produced.idle,
+            "async/overlap": self.overlap(produced, waited),
+        }
+        if self.run.cfg.async_rl.drop_uniform_groups:  # counts over the global batch; rounds: the most any process ran
+            g = produced.groups
+            dropped, resampled = dist.all_sum(torch.tensor([g["groups/dropped"], g["groups/resampled"]],
+                                                           dtype=torch.float64)).tolist()
+            out.update({"groups/dropped": dropped, "groups/resampled": resampled,
+                        "groups/rounds": float(dist.max_int(int(g["groups/rounds"])))})
+        return out
+
+    def overlap(self, produced: Produced, waited: float) -> float:
+        """The share of the batch's sampling time the trainer did not wait for: 0 here, where the
+        trainer samples its batches itself."""
+        return 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollout workers
+# ----------------------------------------------------------------------------------------------
+
+POLL_S = 0.5  # how often a waiting trainer checks its workers are alive
+
+
+class WorkerError(ValueError):
+    """A rollout worker died or failed; one line naming it."""
+
+
+class Share(Dist):
+    """A worker's place in the run: the rows of trainer process `rank` of `world`, no collectives."""
+
+    @property
+    def enabled(self) -> bool:
+        return False
+
+
+@dataclass
+class Side:
+    """What sampling and scoring a batch reads (the attributes gspo.sampling.produce takes from a Run)."""
+
+    cfg: object
+    dist: Dist
+    task: object
+    tokenizer: object
+    policy: object
+    sampler: object
+    rewards: list
+    env: type | None
+    max_turns: int
+    stop_ids: tuple
+
+
+def sampling_side(cfg, device: torch.device) -> Side:
+    """A worker's copy of the run's sampling side, from the trainer's resolved configuration.
+    gspo's sampler without LoRA: the worker's policy is held in the sampling dtype and samples
+    itself (the trainer's process keeps float32 master weights and a copy in that dtype: the same
+    values, rounded alike, at half the memory). Loaded in that dtype, then every parameter cast to
+    it as the trainer's copy casts it (gspo.models.loading.cast_parameters: a loader keeps some models'
+    modules in float32). With LoRA (PEFT keeps the adapters of a bf16 base in float32, unlike the
+    copy) and for a vLLM engine the policy is in --param-dtype."""
+    inputs = Inputs()
+    task = task_for(cfg, inputs)
+    own = cfg
+    if cfg.sampling.rollout_engine == "hf" and cfg.lora.lora_r == 0:
+        dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
+        own = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype, rollout_dtype="same")
+    policy, tokenizer = load_policy_for(own, None, device, inputs)
+    task = for_tokenizer(task, tokenizer)  # as the trainer's process frames its prompts
+    if own.policy.param_dtype != cfg.policy.param_dtype:  # where the trainer's process makes its low-precision copy
+        cast_parameters(policy, DTYPES[own.policy.param_dtype])
+    disable_dropout(policy)
+    env, max_turns = episode_env(cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
+    sampler, _ = sampler_and_routing(own, policy, Dist(device=device), inputs)
+    rewards = rewards_for(cfg, task, inputs, device)
+    return Side(cfg, Dist(device=device), task, tokenizer, policy, sampler, rewards, env, max_turns,
+                stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))
+
+
+def worker_main(index: int, cfg, device: str, threads: int, shares: list[tuple[int, int, int | None]], end) -> None:
+    """A rollout worker: build the sampling side, then serve requests until told to stop.
+    shares: (rank, world, destination) of each trainer process it samples for; end: its link's end."""
+    end.start()  # SIGINT is the trainer's (it checkpoints, then stops us); we die with the trainer
+    try:
+        torch.set_num_threads(threads)
+        side = sampling_side(cfg, torch.device(device))
+        params = dict(side.policy.named_parameters())
+        t0 = time.perf_counter()
+        while (msg := end.next(1.0)) is None or msg[0] != "stop":
+            if msg is None:
+                continue
+            if msg[0] == "tensor":  # a weight of the version being sent; a name the sampler's model
+                if msg[1] in params:  # lacks (a PPO value head on the trainer's) is not the sampler's
+                    with torch.no_grad():
+                        params[msg[1]].copy_(msg[2])
+            elif msg[0] == "sample":
+                idle = time.perf_counter() - t0
+                for rank, world, dest in shares:
+                    side.dist = Share(rank=rank, world=world, device=side.dist.device)
+                    out = dataclasses.replace(produce(side, msg[1], msg[2]).on("cpu"), worker=index, idle=idle)
+                    end.put(("done", index, out), dest)
+                t0 = time.perf_counter()
+    except BaseException as e:  # said by the trainer, in one line
+        for _, _, dest in shares:
+            end.put(("error", index, " ".join(f"{type(e).__name__}: {e}".split())), dest)
+        raise SystemExit(1) from None
+
+
+def serve_rank(cfg_workers: int, device: str) -> dict:
+    """A rollout rank of a torchrun world (the last --rollout-workers ranks): join the world, get
+    the run's configuration from trainer rank 0, serve its requests, leave. Returns {}."""
+    world = distributed.world_size_from_env()
+    index = distributed.rollout_rank(cfg_workers)
+    trainers = world - cfg_workers
+    backend = "nccl" if resolve_device(device).type == "cuda" else "gloo"  # the trainers' (--device)
+    _, link = distributed.rollout_world(trainers, backend)
+    end = RankEnd(link, trainers)
+    while (msg := end.next(60.0)) is None:
+        pass
+    if msg[0] == "config":
+        _, cfg, threads, device = msg
+        if device is None:  # this rank's own: cuda:LOCAL_RANK, or the CPU
+            device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
+        try:
+            worker_main(index, cfg, device, threads, [(r, trainers, r) for r in range(trainers)], end)
+        except SystemExit:
+            time.sleep(distributed.RANK_GRACE_S)  # the trainers say the error first
+            raise
+    end.close()
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's side
+# ----------------------------------------------------------------------------------------------
+
+
+class WorkerPipeline(Pipeline):
+    """Batches sampled by --rollout-workers processes, each batch by weights at most K versions old."""
+
+    def __init__(self, run, pending=()):
+        super().__init__(run, pending)
+        cfg, dist = run.cfg, run.dist
+        n, threads = cfg.async_rl.rollout_workers, torch.get_num_threads()
+        self.devices = distributed.worker_devices(cfg, dist)
+        if dist.link is not None:  # the last n ranks of the torchrun world
+            self.link = RankLink(dist, n)
+            given = list(cfg.async_rl.rollout_devices)
+            self.devices = given or [f"rank {dist.world + w}" for w in range(n)]
+            for w in range(n):  # a rank's own device unless --rollout-devices names one
+                self.link.send(w, ("config", cfg, threads, given[w] if given else None))
+        else:
+            self.link = LocalLink(n, worker_main, lambda i: (i, cfg, self.devices[i], threads,
+                                                             [(dist.rank, dist.world, None)]))
+        self.sent = [-1] * n  # the newest version each worker has
+        self.in_flight: dict[int, int] = {}  # step -> worker
+
+    def request(self, step: int, version: int) -> None:
+        w = step % len(self.sent)
+        if self.sent[w] < version:
+            self._send_weights(w, version)
+        self.link.send(w, ("sample", step, version))
+        self.in_flight[step] = w
+
+    def _send_weights(self, w: int, version: int) -> None:
+        """The policy's trainable tensors, one at a time (FSDP: each gathered in turn, by every process)."""
+        t0 = time.perf_counter()
+        for name, p in self.run.policy.named_parameters():
+            if p.requires_grad:
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p
+                if self.link.sender:  # pickled into shared memory or onto the wire: a snapshot of this version
+                    self.link.send(w, ("tensor", name, full.detach().to("cpu", copy=True)))
+        self.sent[w] = version
+        self.sync_seconds += time.perf_counter() - t0
+
+    def wait(self, step: int) -> Produced:
+        while step not in self.pending:
+            self._receive()
+        return self.pending.pop(step).on(self.run.dist.device)
+
+    def drain(self) -> list[Produced]:
+        while self.in_flight:
+            self._receive()
+        return super().drain()
+
+    def _receive(self) -> None:
+        msg = self.link.recv(POLL_S)
+        if msg is None:
+            try:
+                self.link.check()
+            except WorkerDied as e:
+                self._died(*e.args)
+            return
+        kind, w, payload = msg
+        if kind == "error":
+            raise WorkerError(f"rollout worker {w} ({self.devices[w]}): {payload}")
+        self.in_flight.pop(payload.step, None)
+        self.pending[payload.step] = payload
+
+    def _died(self, w: int, how: str, pid: int | None) -> None:
+        doing = [s for s, k in self.in_flight.items() if k == w]
+        who = f"pid {pid}, " if pid is not None else ""
+        raise WorkerError(f"rollout worker {w} ({who}{self.devices[w]}) died ({how})"
+                          f"{f' while sampling batch {doing[0]}' if doing else ''}; the run stops; continue it with: "
+                          f"{distributed.command_line(['train', '--resume', str(self.run.run_dir)])}")
+
+    def overlap(self, produced: Produced, waited: float) -> float:
+        """The share of the batch's sampling time that ran while the trainer worked."""
+        return max(0.0, 1.0 - waited / produced.seconds) if produced.seconds > 0 else 1.0
+
+    def close(self) -> None:
+        self.link.close()
+        gc.collect()  # the queues' semaphores released before an os._exit (gspo.dist.distributed.exit_process)

@@ -1,0 +1,135 @@
+"""The sampling side of a run, built from its configuration: the task, its rewards, the policy, the sampler.
+
+    policy, tokenizer = load_policy_for(cfg, resume_from=None, device=dev, inputs=Inputs())
+    sampler, routing = sampler_and_routing(cfg, policy, dist, inputs)
+
+What the trainer (gspo.train.run.build_run) and each rollout worker (gspo.sampling.pipeline) build alike, so a
+worker's copy samples what the trainer's process would. Inputs are the Python API's objects in
+place of names and paths (gspo.Trainer); a rollout worker builds from names alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gspo.config import ConfigError, TrainConfig
+from gspo.dist.distributed import Dist
+from gspo.models.loading import (DTYPES, AdapterLoad, add_lora, load_policy, load_tokenizer, low_precision_copy,
+                         prepare_tokenizer, quiet_peft, resolve_model_path, unwrap)
+from gspo.models.moe import NO_ROUTING, MoEError, NoRouting, Routing, is_moe
+from gspo.rewards.builtin import Reward, load_rewards
+from gspo.sampling.rollout import PolicySampler, Sampler
+from gspo.tasks import build_task
+from gspo.tasks.base import SystemPrompt
+from gspo.sampling.vllm_engine import VLLMSampler
+
+
+@dataclass
+class Inputs:
+    """What the Python API (gspo.Trainer) passes as objects instead of names and paths."""
+
+    model: object = None  # a transformers PreTrainedModel (its directory, a str, goes into the config)
+    tokenizer: object = None
+    train_dataset: object = None  # a list of dicts or a datasets.Dataset
+    eval_dataset: object = None
+    reward_funcs: list | None = None  # callables (completions, **columns) -> list[float], and/or reward names
+    env: type | None = None  # the environment class of multi-turn episodes (gspo.tasks.env)
+
+    @property
+    def model_object(self):
+        return self.model if isinstance(self.model, torch.nn.Module) else None
+
+
+def task_and_rewards(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[object, list[Reward]]:
+    """The task (built-in, the user's dataset file, or in-memory rows; validated) and its rewards."""
+    task = task_for(cfg, inputs or Inputs())
+    return task, rewards_for(cfg, task, inputs or Inputs())
+
+
+def task_for(cfg: TrainConfig, inputs: Inputs):
+    specs = tuple(inputs.reward_funcs or cfg.rewards.reward)
+    task = build_task(cfg.data, specs, cfg.eval.eval_size, train_rows=inputs.train_dataset,
+                      eval_rows=inputs.eval_dataset)
+    if cfg.data.system_prompt is not None:  # training, eval, `gspo eval`
+        return SystemPrompt(task, cfg.data.system_prompt)
+    default = getattr(task, "default_system_prompt", None)  # reasoning-gym's: the answer format (gspo.tasks.gym)
+    return task if default is None else SystemPrompt(task, default, default=True)
+
+
+def rewards_for(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:
+    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's)."""
+    return load_rewards(list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards),
+                        list(cfg.rewards.reward_weights) or None, format_pattern=cfg.rewards.format_pattern,
+                        max_new_tokens=cfg.sampling.max_new_tokens, device=device or cfg.run.device,
+                        reward_model_device=cfg.rewards.reward_model_device, batch_size=cfg.rewards.reward_model_batch_size)
+
+
+@quiet_peft()  # peft's deprecation warning when it wraps a model is not the user's
+def load_policy_for(cfg: TrainConfig, resume_from: Path | None, device: torch.device, inputs: Inputs):
+    """The policy to train and its tokenizer: the model (a directory, or the API's model
+    object), or the checkpoint's weights (a LoRA checkpoint: its base plus the saved adapter)."""
+    dtype = DTYPES[cfg.policy.param_dtype]  # float32 master weights unless pure low precision is asked for
+    obj = inputs.model_object
+    if resume_from is not None and cfg.lora.lora_r > 0:
+        if obj is None:
+            return load_policy(str(resume_from), dtype=dtype, device=device, revision=cfg.policy.revision,
+                               adapter=AdapterLoad(cfg.policy.model, trainable=True))
+        from peft import PeftModel
+
+        policy = PeftModel.from_pretrained(obj.to(device=device, dtype=dtype), resume_from, is_trainable=True)
+        return policy, inputs.tokenizer or load_tokenizer(resume_from)
+    if resume_from is not None:
+        return load_policy(str(resume_from), dtype=dtype, device=device)
+    if obj is not None:
+        policy, tokenizer = obj.to(device=device, dtype=dtype), prepare_tokenizer(inputs.tokenizer, "tokenizer")
+    else:
+        policy, tokenizer = load_policy(cfg.policy.model, dtype=dtype, device=device, revision=cfg.policy.revision,
+                                        with_tokenizer=inputs.tokenizer is None)
+        if inputs.tokenizer is not None:
+            tokenizer = prepare_tokenizer(inputs.tokenizer, "tokenizer")
+    if cfg.lora.lora_r > 0:
+        policy = add_lora(policy, r=cfg.lora.lora_r, alpha=cfg.lora.lora_alpha, dropout=cfg.lora.lora_dropout,
+                          target_modules=list(cfg.lora.lora_target_modules), revision=cfg.policy.revision)
+    return policy, tokenizer
+
+
+def sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) -> tuple[Sampler, Routing | NoRouting]:
+    """The sampler (the policy, or a copy in the sampling precision made before any hook is
+    installed: --rollout-dtype, else the compute --dtype; under FSDP always the policy, sampling
+    in --dtype) and, for MoE models, the routing hooks (drift is always measured)."""
+    rollout_dtype = DTYPES[cfg.policy.dtype] if cfg.sampling.rollout_dtype == "same" else DTYPES[cfg.sampling.rollout_dtype]
+    if cfg.sampling.rollout_engine == "vllm":
+        if inputs.model_object is not None:
+            raise ConfigError("rollout_engine: vllm loads the model from its directory; pass model= as a path "
+                              "(or save_pretrained it first)")
+        return vllm_sampler(cfg, policy, dist, rollout_dtype), \
+            (Routing(policy, cfg.policy.model) if is_moe(policy) else NO_ROUTING)
+    # FSDP: the policy itself (sharded next), gathered for each rollout in the compute dtype (its
+    # MixedPrecisionPolicy's param dtype), never a full copy per process; rollout_dtype == dtype there
+    fsdp = dist.enabled and dist.parallel == "fsdp"
+    model = policy if fsdp or rollout_dtype == DTYPES[cfg.policy.param_dtype] else low_precision_copy(policy, rollout_dtype)
+    sampler = PolicySampler(model, dist=dist)
+    if not is_moe(policy):
+        if cfg.moe.routing_replay or cfg.moe.router_aux_loss_coef > 0:
+            option = "--routing-replay" if cfg.moe.routing_replay else "--router-aux-loss-coef"
+            raise MoEError(f"{option}: {cfg.policy.model} is not a Mixture-of-Experts model with router modules "
+                           "(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE style)")
+        return sampler, NO_ROUTING
+    routing = Routing(policy, cfg.policy.model)
+    if cfg.loss.old_logp == "sampling":  # the experts used while sampling are the old policy's
+        sampler.routing = routing if model is policy else Routing(model, cfg.policy.model)
+    return sampler, routing
+
+
+def vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
+    """A colocated vLLM engine over the model's directory (the base model for LoRA); the
+    policy's weights are loaded into it before every rollout."""
+    max_len = cfg.vllm.vllm_max_model_len or int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    path = resolve_model_path(cfg.policy.model, revision=cfg.policy.revision)  # a Hub id: its snapshot directory
+    return VLLMSampler(str(path), dataclasses.replace(cfg.vllm, vllm_max_model_len=max_len), dtype=name,
+                       seed=cfg.run.seed, dist=dist)

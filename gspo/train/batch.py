@@ -1,0 +1,132 @@
+"""A scored rollout batch: everything the updates of one step read, per row, and how it is made.
+
+    batch = prepare(run, rollout, Scored(rewards=r, parts=p, examples=ex, completions=texts))   # a Batch
+    cols = batch.rows(idx, ps, ts)   # the per-row tensors of rows idx, cut to a trimmed micro-batch's columns
+
+`prepare` adds to a scored rollout the old policy's log-probs, the reference's and the
+advantages (the run's critic's: gspo.train.critic); the batch is read by gspo.train.trainer's `minibatch_loss`, the metrics of the step and
+samples.jsonl. `expert_load` counts, for an MoE balance loss split over micro-batches, the
+experts' load over the whole minibatch (a no-grad pass before the minibatch's updates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gspo.dist import parallel
+from gspo.algo.corrections import rollout_is_weights
+from gspo.sampling.episodes import Episodes
+from gspo.models.logprobs import Split, passes, token_logprobs
+from gspo.algo.metrics import reduce_across
+from gspo.models.moe import expert_counts
+from gspo.sampling.rollout import Rollout
+from gspo.tasks.scoring import Scored  # noqa: F401 (a scored rollout's rows: prepare's input)
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Batch:
+    """A scored rollout batch, ready for updates: this process's rows (B of B_all)."""
+
+    rollout: Rollout
+    rewards: Tensor  # (B,) weighted sum of all rewards
+    all_rewards: Tensor  # (B_all,) every process's rewards, in rank order
+    reward_parts: dict[str, list[float]]  # name -> (B,) each reward's values
+    advantages: Tensor | None  # (B,) group-relative, or (B, T) from GAE (PPO); None until `prepare` sets them
+    old_logp: Tensor | None  # (B, T) log π_θold of the sampled tokens
+    ref_logp: Tensor | None  # (B, T) log π_ref, when beta > 0 or reward_kl_coef > 0
+    examples: list  # (B / G,) the prompts' Examples
+    completions: list[str]  # (B,) decoded completions
+    old_values: Tensor | None = None  # (B, T) PPO: V_old(s_t) before the updates
+    returns: Tensor | None = None  # (B, T) PPO: GAE returns, the value targets
+    routing: Tensor | None = None  # (B, P+T, L, k) MoE: experts used under the old policy
+    is_weights: Tensor | None = None  # (B, T) --rollout-is: π_old/π_rollout, truncated or masked
+    is_metrics: dict | None = None  # their statistics over the global batch (gspo.algo.corrections)
+    episodes: Episodes | None = None  # multi-turn: turns, tool calls, the environment's rewards
+
+    def rows(self, idx: Tensor, ps: slice, ts: slice) -> dict[str, Tensor | None]:
+        """The per-row tensors of rows `idx`, cut to prompt columns `ps` and completion columns
+        `ts` (a trimmed micro-batch's)."""
+        P = self.rollout.prompt_ids.shape[1]
+
+        def cut(x: Tensor | None) -> Tensor | None:  # (B, T, ...) or (B,) -> rows idx, columns ts
+            return None if x is None else (x[idx][:, ts] if x.dim() >= 2 else x[idx])
+
+        routing = None
+        if self.routing is not None:  # (B, P+T, L, k): prompt and completion columns cut alike
+            r = self.routing[idx]
+            routing = torch.cat([r[:, :P][:, ps], r[:, P:][:, ts]], 1)
+        return {"old_logp": cut(self.old_logp), "advantages": cut(self.advantages), "ref_logp": cut(self.ref_logp),
+                "old_values": cut(self.old_values), "returns": cut(self.returns), "routing": routing,
+                "is_weights": cut(self.is_weights), "rollout_logp": cut(self.rollout.logp)}
+
+
+def prepare(run, ro: Rollout, scored: Scored) -> Batch:
+    """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
+    reference's, and the advantages (`run.critic.advantages`: group-relative over the global
+    batch, per turn with --turn-advantages; or PPO's GAE over the model's tokens of an
+    episode). run: a gspo.train.run.Run; scored: the rewards and rows. The no-grad passes run in
+    micro-batches of the token budget, under mixed precision when on, with FSDP's parameters
+    gathered (each process runs its own number of passes)."""
+    cfg, dist = run.cfg, run.dist
+    if cfg.loss.mask_truncated_completions:  # cut by max_new_tokens: out of the loss, still in the group's statistics
+        ro.completion_mask = ro.completion_mask * (~ro.truncated)[:, None]
+    split = Split(cfg.policy.micro_batch_tokens, max(1, ro.prompt_ids.shape[0] // cfg.loss.num_minibatches), run.packed)
+    batch = Batch(rollout=ro, rewards=scored.rewards, all_rewards=dist.gather(scored.rewards),
+                  reward_parts=scored.parts, advantages=None, old_logp=None, ref_logp=None,
+                  examples=scored.examples, completions=scored.completions, episodes=scored.episodes)
+    batch.old_logp, batch.routing = _old_logprobs(run, batch, split)  # (B, T), (B, P+T, L, k)
+    batch.ref_logp = _ref_logprobs(run, ro, split)  # (B, T)
+    batch.advantages, batch.old_values, batch.returns = run.critic.advantages(run, batch, split)
+    if cfg.corrections.rollout_is != "off":  # π_old/π_rollout per token or response: fixed for the step's updates
+        batch.is_weights, metrics = rollout_is_weights(batch.old_logp, ro.logp, ro.completion_mask,
+                                                       cfg.corrections)
+        batch.is_metrics = reduce_across([metrics], dist)[0]  # over the global batch
+    return batch
+
+
+def _old_logprobs(run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:
+    """log π_old (B, T) and the experts it used (MoE; else None): recorded while sampling, or
+    recomputed. Multi-turn episodes record no experts while sampling: Routing Replay takes the
+    recomputation's."""
+    cfg, ro = run.cfg, batch.rollout
+    if cfg.loss.old_logp == "sampling" and not (batch.episodes is not None and cfg.moe.routing_replay):
+        return ro.logp, ro.routing  # (B, T) recorded while sampling
+    with run.autocast(), parallel.gathered(run.train_model, run.dist):
+        return token_logprobs(run.policy, ro, temperature=cfg.sampling.temperature, split=split, routing=run.routing)
+
+
+def _ref_logprobs(run, ro: Rollout, split: Split) -> Tensor | None:
+    """log π_ref (B, T) when beta > 0 or reward_kl_coef > 0: a frozen copy, or (LoRA) the base
+    model with the adapters switched off; under FSDP its parameters gathered (LoRA: through the
+    policy's root, which holds the embeddings)."""
+    cfg = run.cfg
+    if not (cfg.loss.beta > 0 or cfg.ppo.reward_kl_coef > 0):
+        return None
+    model, root = (run.reference, run.reference) if run.reference is not None else (run.policy, run.train_model)
+    off = run.policy.disable_adapter() if run.reference is None else torch.no_grad()  # no_grad: nothing to switch
+    with run.autocast(), parallel.gathered(root, run.dist), off:
+        return token_logprobs(model, ro, temperature=cfg.sampling.temperature, split=split)[0]  # (B, T)
+
+
+@torch.no_grad()
+def expert_load(run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
+    """Global-batch load balancing (arXiv 2501.11873): the routing slots each expert gets over
+    the global minibatch, (L, E), and its real tokens, from a no-grad pass over its micro-batches
+    (the same forwards, routing replay included), so that each micro-batch's part of the balance
+    loss uses the minibatch's f_e and the split is exact (gspo.models.moe.balance_loss)."""
+    cfg, routing = run.cfg, run.routing
+    counts = torch.zeros(routing.n_layers, routing.num_experts, dtype=torch.float64)  # (L, E)
+    tokens = 0.0
+    for m in passes(batch.rollout, parts, cfg.policy.micro_batch_tokens):  # stand-ins too: FSDP's forwards are collective
+        forced = batch.rows(m.idx, m.ps, m.ts)["routing"] if cfg.moe.routing_replay else None
+        with routing.capture(forced, keep_logits=True) as cap, run.autocast():
+            run.train_model(m.rollout, temperature=cfg.sampling.temperature, packed=False)
+        tokens_mask = m.rollout.attention_mask * m.live  # (b, P+T)
+        counts += expert_counts([torch.cat(x) for x in cap.logits], tokens_mask, routing.top_k).cpu().double()
+        tokens += float(tokens_mask.sum())
+    both = run.dist.all_sum(torch.cat([counts.flatten(), counts.new_tensor([tokens])]))
+    return both[:-1].view_as(counts), float(both[-1])

@@ -1,0 +1,260 @@
+"""Run directories and checkpoints, written so that a run killed at any moment resumes.
+
+    run_dir/
+      config.yaml            the resolved configuration
+      metrics.jsonl          one JSON object per step
+      samples.jsonl          a few prompts, completions and rewards per step
+      summary.json           accuracy before/after, wall time (written at the end)
+      checkpoints/step-000020/
+        config.json, model.safetensors, tokenizer files   (save_pretrained: loads with HF)
+        trainer_state.pt     LR scheduler, loss scaler and RNG states, step, evaluations
+        optimizer.pt         AdamW states (policy, and a separate critic's)
+        config.yaml          the run's configuration
+
+Atomicity: a checkpoint is written into `checkpoints/.tmp-step-N/`, flushed to disk, and
+renamed to `step-N` in one `os.replace`; a directory named `step-N` is therefore always
+complete. Files that are rewritten (summary.json, config.yaml, the trimmed jsonl logs) go
+through a temporary file and a rename too. Appended logs (metrics.jsonl, samples.jsonl) may
+hold steps past the last checkpoint when a run dies; `resume` trims them back so that the
+resumed run appends exactly what an uninterrupted run would have written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from gspo.dist import parallel
+from gspo.config import to_dict
+from gspo.io.files import _fsync_dir, append_jsonl, atomic_write_text, json_clean, read_jsonl, trim_jsonl  # noqa: F401
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+LOCK = ".lock"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_DIR.match(p.name)
+        if m and (p / "trainer_state.pt").exists():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1][1] if dirs else None
+
+
+@dataclass
+class Content:
+    """What a checkpoint holds: the model (written with save_pretrained, loads with Hugging Face)
+    and its tokenizer, the trainer state, the configuration, the optimizer states, and extra
+    models in sub-directories (name -> (module, full state dict or None))."""
+
+    model: object
+    tokenizer: object
+    state: dict  # trainer_state.pt
+    config_yaml: str
+    optimizers: dict | None = None  # optimizer.pt
+    model_state_dict: dict | None = None  # the full state dict to write in place of the module's own (FSDP)
+    extra_models: dict = field(default_factory=dict)  # e.g. "critic" -> (Critic, its full state dict or None)
+
+
+def save_checkpoint(run_dir: Path, step: int, content: Content, *, keep: int) -> Path:
+    """Write checkpoint `step` atomically; delete all but the newest `keep` checkpoints.
+
+    A state dict of None (the model's, an extra model's) means the module's own; FSDP passes
+    the gathered one.
+    """
+    root = run_dir / "checkpoints"
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}"
+    previous = latest_checkpoint(run_dir)
+    try:
+        _write_checkpoint(tmp, content)
+        if final.exists():  # same step written again (e.g. re-run of the final save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the previous checkpoint stays whole
+        raise WriteError(f"{final}: cannot write the checkpoint ({e.strerror or e}); the previous one, "
+                         f"{previous.name if previous else 'none'}, is intact") from None
+    for _, old in checkpoint_dirs(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _save_pretrained(model, directory: Path, state_dict: dict | None) -> None:
+    import warnings
+
+    with warnings.catch_warnings():  # PEFT looks for the base's config.json beside a LoRA base named by its .gguf
+        warnings.filterwarnings("ignore", message=r"Could not find a config file in .*\.gguf - will assume")
+        if state_dict is not None:
+            model.save_pretrained(directory, state_dict=state_dict)
+        else:
+            model.save_pretrained(directory)
+
+
+def _write_checkpoint(tmp: Path, content: Content) -> None:
+    """Everything of a checkpoint into `tmp`, flushed to disk."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    _save_pretrained(content.model, tmp, content.model_state_dict)
+    content.tokenizer.save_pretrained(tmp)
+    for name, (extra, state_dict) in content.extra_models.items():
+        _save_pretrained(extra, tmp / name, state_dict)
+    (tmp / "config.yaml").write_text(content.config_yaml)
+    torch.save(content.state, tmp / "trainer_state.pt")
+    if content.optimizers is not None:  # apart, so that a resuming process that does not need it never loads it
+        torch.save(content.optimizers, tmp / "optimizer.pt")
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    pause = os.environ.get("GSPO_TEST_PAUSE_IN_CHECKPOINT")  # tests: kill a run in the middle of a write
+    if pause:
+        (tmp / "WRITING").touch()
+        time.sleep(float(pause))
+        (tmp / "WRITING").unlink()
+
+
+class WriteError(ValueError):
+    """A checkpoint or log could not be written (disk full, no permission); one line."""
+
+
+def is_empty_run_dir(run_dir: Path) -> bool:
+    """Nothing in it but (maybe) a lock file."""
+    return not run_dir.exists() or all(p.name == LOCK for p in run_dir.iterdir())
+
+
+def is_complete(run_dir: Path, steps: int) -> dict | None:
+    """The summary of a run that has done `steps` steps, or None."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    return summary if summary.get("steps", -1) >= steps else None
+
+
+def clean_partial(run_dir: Path) -> None:
+    """Remove checkpoint directories left half-written by a killed run."""
+    root = run_dir / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith(".tmp-"):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def load_trainer_state(ckpt: Path) -> dict:
+    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+
+
+def load_optimizers(ckpt: Path, state: dict) -> dict:
+    """The optimizer states of a checkpoint (older checkpoints kept them in trainer_state.pt)."""
+    if (ckpt / "optimizer.pt").exists():
+        return torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
+    return {k: state[k] for k in ("optimizer", "critic_optimizer") if k in state}
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole run: save and restore
+# ----------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """Global RNG states (dropout in LoRA, user code); gspo's own draws use per-step generators."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def config_yaml(cfg) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_run(run, step: int) -> None:
+    """Checkpoint `step` of a gspo.train.run.Run: weights (and the critic's: gspo.train.critic), each
+    trainable's optimizer and scheduler states, loss-scaler and RNG states, and where the run
+    stands. Under FSDP the gathers are collectives: every process takes part, rank 0 writes."""
+    dist = run.dist
+    rngs = dist.gather_objects(rng_state())  # every process's, in rank order
+    pending = [p.on("cpu") for p in run.pipeline.drain()] if run.pipeline is not None else []
+    state = {"step": step, "rng": rngs[dist.rank], "rng_per_rank": rngs, "world_size": dist.world,
+             "policy_version": step, "pending_per_rank": dist.gather_objects(pending),  # batches sampled, not trained
+             "eval_before": run.eval_before, "evals": run.evals, "wall_seconds": time.time() - run.t_start}
+    optimizers = {}
+    for t in run.trainables:  # "optimizer"/"scheduler", and a separate critic's "critic_optimizer"/...
+        optimizers[t.keys[0]] = parallel.optimizer_state(t.model, t.optimizer, dist)
+        state[t.keys[1]] = t.scheduler.state_dict()
+    if run.scaler is not None:
+        state["scaler"] = run.scaler.state_dict()
+    # LoRA: the adapter alone is written (PEFT's save_pretrained), so only it is gathered
+    content = Content(run.policy, run.tokenizer, state, config_yaml(run.cfg), optimizers,
+                      parallel.full_state_dict(run.policy, dist, trainable_only=run.cfg.lora.lora_r > 0),
+                      run.critic.saved(dist))  # "value_head" or "critic"
+    if dist.is_main:
+        save_checkpoint(run.run_dir, step, content, keep=run.cfg.run.keep_checkpoints)
+    dist.barrier()
+
+
+def start_run(run) -> None:
+    """A run's first write: its configuration. A restart (resumed, but killed before its first
+    checkpoint) drops what it had logged, so the run appends what an uninterrupted one would."""
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    clean_partial(run.run_dir)
+    for log in ("metrics.jsonl", "samples.jsonl"):
+        trim_jsonl(run.run_dir / log, 0)
+    atomic_write_text(run.run_dir / "config.yaml", config_yaml(run.cfg))
+
+
+def restore_run(run) -> None:
+    """Continue a gspo.train.run.Run from `run.resume_from` (its weights are loaded already): the
+    optimizer, scheduler, loss-scaler and RNG states, and where the run stood; the logs are
+    trimmed back to the checkpoint's step so the resumed run appends what an uninterrupted one
+    would. Under FSDP only rank 0 reads the optimizer states and sends each process its shard."""
+    dist = run.dist
+    if dist.is_main:
+        clean_partial(run.run_dir)
+    state = load_trainer_state(run.resume_from)
+    sharded = dist.enabled and dist.parallel == "fsdp"
+    optimizers = load_optimizers(run.resume_from, state) if dist.is_main or not sharded else {}
+    for t in run.trainables:  # the policy's, and a separate critic's
+        parallel.load_optimizer_state(t.model, t.optimizer, optimizers.get(t.keys[0], {}), dist)
+        t.scheduler.load_state_dict(state[t.keys[1]])
+    if run.scaler is not None:
+        run.scaler.load_state_dict(state["scaler"])
+    per_rank = state.get("rng_per_rank") or [state["rng"]]
+    set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
+    run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
+    pending = state.get("pending_per_rank") or [[]]
+    run.pending = [p.on(dist.device) for p in pending[dist.rank]] if len(pending) == dist.world else []
+    run.pending_dropped = 0 if len(pending) == dist.world else sum(map(len, pending))  # another process count
+    done = is_complete(run.run_dir, run.start_step)  # the final evaluation ran after this checkpoint was written
+    if done is not None and done.get("steps") == run.start_step:
+        run.evals = [e for e in done.get("evals", []) if e["step"] <= run.start_step]
+    run.steps_done = run.start_step
+    run.t_start -= state["wall_seconds"]
+    if dist.is_main:
+        trim_jsonl(run.run_dir / "metrics.jsonl", run.start_step)
+        trim_jsonl(run.run_dir / "samples.jsonl", run.start_step)

@@ -1,0 +1,84 @@
+"""A step's row of metrics.jsonl: batch-level values over the global batch, then the updates' means.
+
+    from gspo.train.steplog import step_row
+    row = step_row(run, step, batch, history)   # {"step", "reward/mean", ..., "lr", "value/mean"?}
+    mismatch(sampled_logp, old_logp, mask)      # mismatch/token_abs, mismatch/seq_log_ratio
+
+Rewards, completion lengths, the sampler/trainer mismatch, rollout-correction statistics,
+multi-turn episodes' statistics, the step's means of the per-update metrics (gspo.algo.metrics),
+the learning rate and the critic's own (gspo.train.critic: none without one).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gspo.algo.metrics import step_means
+
+Tensor = torch.Tensor
+
+
+def step_row(run, step: int, batch, history: list[dict]) -> dict:
+    """The step's row of metrics.jsonl (without timings), over the global batch: batch-level
+    values gathered from every process, then the step's means of the updates' `history`.
+    run: a gspo.train.run.Run; batch: a gspo.train.batch.Batch."""
+    cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    groups = batch.all_rewards.view(-1, cfg.sampling.group_size)  # (N_all, G)
+    lengths = dist.gather(ro.lengths.float())  # (B_all,)
+    all_parts = {name: dist.gather(torch.tensor(v, dtype=torch.float64)) for name, v in batch.reward_parts.items()}
+    metrics = {
+        "step": step,
+        "reward/mean": float(batch.all_rewards.mean()),
+        "reward/std": float(batch.all_rewards.std()) if batch.all_rewards.numel() > 1 else 0.0,
+        "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
+        **{f"reward/{name}/mean": float(v.nanmean()) for name, v in all_parts.items()},  # None rewards left out
+        **step_means(history),
+        "completion/mean_length": float(lengths.mean()),
+        "completion/max_length": float(lengths.max()),
+        "completion/truncated_frac": float(dist.gather(ro.truncated.float()).mean()),
+        **(mismatch(ro.logp, batch.old_logp, ro.completion_mask, dist.gather)
+           if cfg.loss.old_logp == "recompute" else {}),
+        **{k: float(v) for k, v in (batch.is_metrics or {}).items()},
+        "lr": run.optimizer.param_groups[0]["lr"],
+    }
+    if batch.episodes is not None:
+        metrics.update(episode_metrics(batch, run.max_turns, dist))
+    metrics.update(run.critic.step_metrics(batch, dist))  # PPO: value/mean, value/explained_variance
+    return metrics
+
+
+def mismatch(sampled: Tensor, recomputed: Tensor, mask: Tensor, gather=None) -> dict[str, float]:
+    """How far the sampling pass's log-probs are from the training forward's (precision gap):
+    per token, and per response as the length-normalised log-ratio GSPO's s_i would see.
+    gather: concatenates per-row statistics over processes (Dist.gather)."""
+    diff = (recomputed - sampled) * mask  # (B, T)
+    rows = torch.stack([diff.abs().sum(-1), diff.sum(-1), mask.sum(-1)], -1)  # (B, 3)
+    abs_sum, diff_sum, n_tok = (gather or (lambda t: t))(rows).unbind(-1)  # (B_all,) each
+    seq = diff_sum / n_tok.clamp(min=1)  # (B_all,) (1/|y|) Σ_t (log π_train - log π_sample)
+    has = n_tok > 0
+    return {"mismatch/token_abs": float(abs_sum.sum() / n_tok.sum().clamp(min=1)),
+            "mismatch/seq_log_ratio": float(seq[has].abs().mean()) if has.any() else 0.0}
+
+
+def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
+    """Multi-turn episodes over the global batch: turns, tool calls and the share that failed,
+    the share of episodes ended by the turn limit, model and environment tokens per episode, and
+    the environment's mean reward at each turn (over the episodes that reached it)."""
+    ep, ro = batch.episodes, batch.rollout
+    rows = torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ep.turn_limit, ro.completion_mask.sum(1).cpu(),
+                        ro.env_mask.sum(1).cpu()], 1).double()  # (B, 6)
+    turns, calls, errors, limited, model_tokens, env_tokens = dist.gather(rows).unbind(1)  # (B_all,) each
+    by_turn = torch.full((len(ep.turn_rewards), max_turns), float("nan"), dtype=torch.float64)  # (B, K)
+    for b, rewards in enumerate(ep.turn_rewards):
+        by_turn[b, :len(rewards)] = torch.tensor(rewards, dtype=torch.float64)
+    by_turn = dist.gather(by_turn)  # (B_all, K)
+    return {
+        "episode/turns": float(turns.mean()),
+        "episode/tool_calls": float(calls.mean()),
+        "episode/tool_error_rate": float(errors.sum() / calls.sum()) if calls.sum() > 0 else 0.0,
+        "episode/turn_limit_frac": float(limited.mean()),
+        "episode/model_tokens": float(model_tokens.mean()),
+        "episode/env_tokens": float(env_tokens.mean()),
+        **{f"episode/turn_{k + 1}_reward": float(by_turn[:, k].nanmean()) for k in range(max_turns)
+           if not by_turn[:, k].isnan().all()},
+    }

@@ -1,0 +1,380 @@
+"""The training loop: rollout → score → advantages → minibatch updates, one step at a time.
+
+    from gspo.train.trainer import train
+    summary = train(TrainConfig(algorithm="gspo", steps=60))   # summary["eval_after"]["accuracy"]
+
+`train` reads top to bottom: build the run (gspo.train.run: every input checked before anything is
+written) → start it, or restore it from its checkpoint → `train_step` for each step →
+evaluate again → summary. `train_step(run, step)` can be called alone: sample a group per
+prompt (`rollout`), score it (`score`), get the old policy's log-probs and the advantages
+(`prepare`, gspo.train.batch), then `update` over `num_minibatches` minibatches for `epochs` passes. An update
+`accumulate`s a `minibatch_loss` per micro-batch (gspo.models.logprobs.passes, within
+--micro-batch-tokens) and takes one `optimizer_step` of each trainable. All but the first
+minibatch of the first epoch are off-policy: that is where the ratios move and clipping acts.
+
+Algorithms differ in the loss (gspo.algo.losses) and, for PPO, in the run's critic (gspo.train.critic),
+a plug-in every run holds (NoCritic for the others), so the loop has no PPO branch: the
+critic gives `prepare` its advantages (GAE over its values rather than group-relative),
+adds its values to an update's forward and its term to the loss, and its states to
+checkpoints; a separate critic is a second trainable (gspo.train.optim.Trainable) that every
+update steps next to the policy's. MoE models likewise: the run's routing (gspo.models.moe;
+NO_ROUTING for a dense model, recording nothing) records or replays the experts of every
+forward and adds drift metrics and the balance loss. With an environment (--env, or the
+task's own) a rollout is a group of multi-turn episodes (gspo.sampling.episodes): the same batch,
+whose environment tokens are context only. Under torchrun every process runs this loop on
+its share of the prompts; the global-batch bookkeeping shows up only as `dist` calls, the
+identity in one process (gspo.dist.distributed, gspo.dist.parallel, gspo.algo.metrics). A step's row of
+metrics.jsonl is gspo.train.steplog's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from gspo.train import checkpoint as ckpt
+from gspo.dist import distributed
+from gspo.dist import parallel
+from gspo.train.batch import Batch, Scored, expert_load, prepare  # noqa: F401 (Scored: importable here)
+from gspo.io.words import plural
+from gspo.config import TrainConfig, to_dict
+from gspo.config.yamlfile import load_yaml
+from gspo.train.evaluation import EvalOptions, evaluate
+from gspo.algo.losses import agg_count, policy_loss
+from gspo.models.logprobs import MicroBatch, Split, passes
+from gspo.algo.metrics import Mean, combine, reduce_across
+from gspo.train.plan import describe, plan
+from gspo.io.reporting import Progress, Reporter, samples_rows, warn
+from gspo.rewards.builtin import RewardError, TrainerState
+from gspo.sampling.episodes import EpisodeSpec
+from gspo.sampling.pipeline import Pipeline, make_pipeline, serve_rank
+from gspo.sampling.produce import rollout, score, step_generator, with_env_rewards  # noqa: F401 (the loop's parts, importable here)
+from gspo.train.lifecycle import Guard, Interrupted
+from gspo.train.run import AlreadyComplete, Run, build_run
+from gspo.train.steplog import step_row
+from gspo.dist.threads import restored
+
+Tensor = torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------
+
+
+def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=None) -> dict:
+    """Train a policy; returns the summary (also written to summary.json in the run directory).
+
+    resume: a run directory to continue from its newest checkpoint (or from step 0, if it was
+    killed before its first) with its saved configuration; `cfg` may then change the options
+    that are safe to change (--steps, --device, logging, ...). A complete run is left as it is
+    and its summary returned. Under torchrun every process calls this; rank 0 alone writes the
+    run directory and logs. SIGINT/SIGTERM stop the run after the step under way with a
+    checkpoint (gspo.train.lifecycle.Interrupted). inputs: objects in place of names (gspo.train.run.Inputs);
+    callbacks: `(step, metrics) -> bool`, True stops the run after that step (gspo.api.Trainer);
+    keep: called with the finished run (gspo.api.Trainer keeps its trained policy). The run sets
+    torch's CPU threads (gspo.dist.threads); this process's count is put back when it ends.
+    """
+    with restored():
+        return _train_in_process(cfg, resume, log, inputs, callbacks, keep)
+
+
+def _train_in_process(cfg, resume, log, inputs, callbacks, keep) -> dict:
+    t_start = time.time()
+    if distributed.world_size_from_env() > 1:  # under torchrun the world's last --rollout-workers ranks sample
+        saved = Path(resume or ".") / "config.yaml"
+        asked = cfg if cfg is not None else load_yaml(saved) if resume is not None and saved.exists() else TrainConfig()
+        if distributed.rollout_rank(asked.async_rl.rollout_workers) is not None:
+            return serve_rank(asked.async_rl.rollout_workers, asked.run.device)
+    try:
+        run = build_run(cfg, resume, inputs)  # raises on any bad input; nothing written yet
+    except AlreadyComplete as done:
+        log(f"{Path(resume).absolute()}: the run is complete ({plural(done.summary['steps'], 'step')}); nothing to do "
+            f"(for more steps: gspo train --resume {resume} --steps N)")
+        return done.summary
+    run.t_start = t_start
+    guard = Guard(run)  # one writer per run directory; signals stop at the next step's end
+    try:
+        summary = _train(run, guard, log if run.dist.is_main else (lambda *a, **k: None), callbacks)
+    except BaseException as e:
+        if not isinstance(e, Interrupted):
+            guard.failed()
+        run.dist.close(clean=False)
+        if isinstance(e, RewardError) and ckpt.latest_checkpoint(run.run_dir) is not None:  # mid-run: resumable
+            raise RewardError(f"{e}; fix it and continue with: "
+                              f"{distributed.command_line(['train', '--resume', str(run.run_dir)])}") from e
+        raise
+    finally:
+        if run.pipeline is not None:
+            run.pipeline.close()  # rollout workers stop, whatever ended the run
+        guard.release()
+    run.dist.close()
+    if keep is not None:
+        keep(run)
+    return summary
+
+
+def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
+    cfg, dist, main = run.cfg, run.dist, run.dist.is_main
+    for note in run.notes:
+        warn(note)
+    log(describe(plan(run), warnings=False))  # the resolved plan, once (its warnings are the notes above)
+    dist.barrier()  # every process has checked the run directory before rank 0 writes to it
+    if run.resume_from is not None:
+        ckpt.restore_run(run)
+        log(f"resuming {run.run_dir} from step {run.start_step}")
+        if run.pending_dropped and main:
+            warn(f"--resume: the checkpoint's {run.pending_dropped} sampled batches were split over another number of "
+                 "processes; they are sampled again from its weights (less stale, within --max-staleness)")
+    else:
+        if main:
+            ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
+        run.eval_before = run_eval(run, log, "eval before")  # its progress logged off a terminal
+        run.evals = [{"step": 0, **run.eval_before}]
+    run.pipeline = make_pipeline(run, run.pending)  # rollout workers start here (the weights are the restored ones)
+    reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.start_step,
+                        wandb_project=cfg.run.wandb_project) if main else None
+    bar = Progress(cfg, run.start_step, log) if main else None
+    try:
+        for step in range(run.start_step + 1, cfg.run.steps + 1):
+            metrics, batch = train_step(run, step)
+            run.steps_done = step
+            for trainable in run.trainables:  # the policy's LR schedule, and a separate critic's
+                trainable.scheduler.step()
+            if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
+                spent = run.eval_seconds
+                ev = run_eval(run)
+                metrics["eval/accuracy"] = ev["accuracy"]
+                metrics["time/eval_seconds"] = run.eval_seconds - spent  # run_eval adds its wall time
+                run.evals.append({"step": step, **ev})
+            if main:
+                reporter.log(metrics)
+                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
+            saved = (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.run.steps
+            if saved:
+                ckpt.save_run(run, step)
+            if main:
+                bar.update(metrics)
+            stop = any([bool(on_step_end(step, metrics)) for on_step_end in callbacks])
+            if guard.check(step, saved, stop):  # a signal raises Interrupted; a callback's stop ends the loop
+                log(f"stopped by a callback after step {step}")
+                break
+    except BaseException:
+        if main:
+            reporter.close()  # TensorBoard flushed, W&B finished: the curves so far are kept
+        raise
+    finally:
+        if main:
+            bar.close()
+    return finish(run, reporter, log)
+
+
+def run_eval(run: Run, log=None, label: str = "eval") -> dict:
+    """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none.
+    Its wall time adds to run.eval_seconds. log: where its progress goes off a terminal, as
+    `LABEL 256/500 problems (51%)  2 s` (gspo.train.evaluation; None: a bar on a terminal only, as for
+    the evaluations within the run, whose accuracy the step's progress line shows)."""
+    cfg = run.cfg
+    if cfg.eval.eval_size == 0:
+        return {"accuracy": None, "reward": None, "n": 0}
+    t0 = time.time()
+    try:
+        return _evaluate(run, log, label)
+    finally:
+        run.eval_seconds += time.time() - t0
+
+
+def _evaluate(run: Run, log, label: str) -> dict:
+    cfg = run.cfg
+    with parallel.gathered(run.train_model, run.dist):  # the FSDP root: every parameter
+        return evaluate(run.policy, run.tokenizer, run.task, run.rewards, EvalOptions(
+            n=cfg.eval.eval_size, max_new_tokens=cfg.sampling.max_new_tokens, stop=run.stop_ids,
+            progress=cfg.run.progress and run.dist.is_main, log=log, label=label,
+            episode=EpisodeSpec.from_config(cfg, run.env, run.max_turns),
+            trainer_state=TrainerState(run.steps_done, cfg.run.steps)), dist=run.dist)
+
+
+def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
+    """The final evaluation (its progress through `log`) and the run's summary (summary.json)."""
+    cfg, dist = run.cfg, run.dist
+    eval_after = run_eval(run, log, "eval after")
+    done = run.steps_done
+    if not run.evals or run.evals[-1]["step"] != done:
+        run.evals.append({"step": done, **eval_after})
+    last = ckpt.latest_checkpoint(run.run_dir)
+    summary = {
+        "algorithm": cfg.loss.algorithm,
+        "model": cfg.policy.model,
+        "task": cfg.data.dataset or cfg.data.task,
+        "steps": done,
+        **({"stopped_early": True} if done < cfg.run.steps else {}),
+        "eval_before": run.eval_before,
+        "eval_after": eval_after,
+        "evals": run.evals,
+        "wall_seconds": time.time() - run.t_start,
+        "eval_seconds": run.eval_seconds,  # of wall_seconds: the held-out evaluations (before, during, after)
+        "final_checkpoint": str(last) if last else None,
+        **({"world_size": dist.world, "parallel": dist.parallel} if dist.enabled else {}),
+        "plan": plan(run),
+    }
+    if dist.is_main:
+        ckpt.atomic_write_text(run.run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")
+        if eval_after["n"]:
+            reporter.summary({"eval_before/accuracy": run.eval_before["accuracy"],
+                              "eval_after/accuracy": eval_after["accuracy"]})
+        reporter.close()
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# One step
+# ----------------------------------------------------------------------------------------------
+
+
+def train_step(run: Run, step: int) -> tuple[dict, Batch]:
+    """One step: rollout → score → old log-probs and advantages → updates. Returns (metrics, batch).
+
+    Randomness is a function of (seed, step): the sampling uniforms and the minibatch order
+    come from generators made for this step (`step_generator`). Several processes: this
+    process samples and scores its contiguous share of the step's prompts; `batch` holds its
+    rows; advantages and metrics are those of the global batch.
+    """
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    if run.pipeline is None:  # train_step called alone: the trainer's process samples
+        run.pipeline = Pipeline(run)
+    produced, async_metrics = run.pipeline.take(step)  # sampled now, or K versions ago (gspo.sampling.pipeline)
+    t_rollout = time.perf_counter() - t0
+    batch = prepare(run, produced.rollout, produced.scored)
+    t1 = time.perf_counter()
+    t_prepare = t1 - t0 - t_rollout
+    history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"))
+    t_update = time.perf_counter() - t1
+    metrics = step_row(run, step, batch, history)
+    t_step = time.perf_counter() - t0
+    metrics.update({
+        "time/rollout_seconds": t_rollout,
+        "time/prepare_seconds": t_prepare,
+        "time/update_seconds": t_update,
+        "time/step_seconds": t_step,
+        "time/tokens_per_second": float(run.dist.all_sum(batch.rollout.completion_mask.sum().double().cpu())) / t_step,
+        **(async_metrics if cfg.async_rl.max_staleness or cfg.async_rl.rollout_workers
+           or cfg.async_rl.drop_uniform_groups else {}),
+    })
+    return metrics, batch
+
+
+# ----------------------------------------------------------------------------------------------
+# The updates
+# ----------------------------------------------------------------------------------------------
+
+
+def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
+    """`epochs` passes of clipped policy-gradient updates over `num_minibatches` minibatches
+    (PPO: and value-loss updates of the critic on the same minibatches); returns each
+    update's metrics, those of the global minibatch.
+
+    Each minibatch runs in micro-batches within the token budget, its loss scaled so that the
+    accumulated gradient is that of the whole minibatch's loss. Several processes: the
+    minibatches are those of the global batch (one permutation of all processes' rows); each
+    process takes its rows of each (possibly none) and scales its loss by the global counts,
+    so that the averaged gradient is that of the global minibatch's loss.
+    """
+    cfg, dist = run.cfg, run.dist
+    mask = batch.rollout.completion_mask  # (B, T)
+    B = mask.shape[0]
+    B_all, lo = B * dist.world, B * dist.rank  # this process holds global rows lo .. lo+B-1
+    run.train_model.train()
+    history = []
+    for _ in range(cfg.loss.epochs):
+        order = torch.randperm(B_all, generator=generator)  # (B_all,) the same on every process
+        minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(B_all // cfg.loss.num_minibatches)]
+        counts = torch.tensor([[float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())]
+                               for idx in minibatches], dtype=torch.float64)  # (M, 2) what the losses average over
+        totals = dist.all_sum(counts).clamp(min=1).tolist()  # (M, 2) the global minibatches' counts
+        for idx, total in zip(minibatches, totals):
+            metrics = accumulate(run, batch, idx, total)
+            metrics.update(optimizer_step(run))
+            history.append(metrics)
+    return reduce_across(history, dist)
+
+
+def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
+    """Forward and backward of rows `idx` (this process's part of a minibatch) in micro-batches;
+    gradients accumulate (and are reduced across processes once, with the last). Every
+    process runs as many passes (stand-ins of zero weight fill in): under FSDP each is collective."""
+    cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    parts = Split(cfg.policy.micro_batch_tokens, 0, run.packed).groups(ro, idx)
+    n = dist.max_int(len(parts))
+    parts += [idx[:0]] * (n - len(parts))  # empty: a zero-weight stand-in row
+    # the balance loss's f_e is the minibatch's: counted first when it runs in several passes
+    load = expert_load(run, batch, parts) if run.routing.moe and cfg.moe.router_aux_loss_coef > 0 and n > 1 else None
+    metrics = []
+    for j, m in enumerate(passes(ro, parts, cfg.policy.micro_batch_tokens)):
+        with contextlib.ExitStack() as no_sync:  # the policy's wrapper, and a separate critic's
+            for trainable in run.trainables:
+                no_sync.enter_context(parallel.no_sync(trainable.train, dist, j < n - 1))
+            loss, critic_loss, mb_metrics = _loss(run, batch, m, total, load)
+            for term in (loss, critic_loss):
+                if term is not None:
+                    (run.scaler.scale(term) if run.scaler is not None else term).backward()
+        metrics.append(mb_metrics)
+    return combine(metrics)
+
+
+def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float],
+                   load: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor | None, dict]:
+    """The loss of rows `idx` of the batch (one micro-batch), scaled to its part of the global
+    minibatch's loss (total: the global minibatch's (aggregation count, token count)):
+    (policy loss, separate critic's loss or None, metrics). An empty `idx` runs one row with
+    zero weight (every process must join every gradient reduction)."""
+    return _loss(run, batch, next(passes(batch.rollout, [idx], run.cfg.policy.micro_batch_tokens)), total, load)
+
+
+def _loss(run: Run, batch: Batch, m: MicroBatch, total: list[float],
+          load: tuple[Tensor, float] | None) -> tuple[Tensor, Tensor | None, dict]:
+    """`minibatch_loss` of micro-batch `m`. MoE: the forward records the experts the current
+    router picks (`moe/drift`); with --routing-replay the old experts are forced for the ratio;
+    `load`: the minibatch's expert counts for the balance loss (`expert_load`; None: this pass
+    is the whole minibatch). PPO: the critic's values and its loss term (gspo.train.critic)."""
+    cfg, critic = run.cfg, run.critic
+    rows = batch.rows(m.idx, m.ps, m.ts)  # old_logp, advantages, ... of these rows and columns
+    mask = m.rollout.completion_mask * m.live  # (b, T)
+    agg_scale = float(agg_count(mask, cfg.loss.loss_agg)) * run.dist.world / total[0]  # its share of the global loss
+    tok_scale = float(mask.sum()) * run.dist.world / total[1]
+    with run.routing.capture(rows["routing"] if cfg.moe.routing_replay else None,
+                             keep_logits=cfg.moe.router_aux_loss_coef > 0) as cap, run.autocast():
+        logp, hidden, entropy = run.train_model(dataclasses.replace(m.rollout, completion_mask=mask),
+                                                temperature=cfg.sampling.temperature, packed=run.packed,
+                                                hidden=critic.needs_hidden, entropy=True)  # (b, T), (b, T, H), (b, T)
+        values = critic.forward(m.rollout, hidden, packed=run.packed)  # (b, T); None without a critic
+    loss, metrics = policy_loss(
+        logp, rows["old_logp"], rows["advantages"], mask, cfg.loss, ref_logp=rows["ref_logp"],
+        is_weights=rows["is_weights"], rollout_logp=rows["rollout_logp"],
+        opsm_delta=cfg.corrections.opsm_delta, max_len=cfg.sampling.max_new_tokens,
+    )
+    metrics["policy/entropy"] = Mean(entropy.sum() / mask.sum().clamp(min=1), mask.sum())
+    loss = loss * agg_scale
+    aux, moe_metrics = run.routing.terms(cap, rows["routing"], m.rollout.attention_mask * m.live,
+                                         cfg.moe.router_aux_loss_coef, load=load, dist=run.dist)
+    metrics.update(moe_metrics)
+    loss, critic_loss, value_metrics = critic.loss(loss + aux * m.live, values, rows, mask, tok_scale)
+    metrics.update(value_metrics)
+    return loss, critic_loss, metrics
+
+
+def optimizer_step(run: Run) -> dict:
+    """After a minibatch's backward passes: for each trainable (the policy, and a separate
+    critic), gradient clipping by global norm and the AdamW step (float16: unscaled first,
+    skipped on overflow); the loss scaler updates once."""
+    max_norm = run.cfg.optim.max_grad_norm if run.cfg.optim.max_grad_norm > 0 else float("inf")
+    run.critic.before_step(run.dist)  # a shared value head: its gradients averaged over processes
+    metrics = {trainable.metric: trainable.step(max_norm) for trainable in run.trainables}
+    if run.scaler is not None:
+        run.scaler.update()
+    return metrics
