@@ -41,7 +41,7 @@ def padded_char_tokenizer(vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from gspo.models.loading import CHARS, SPECIAL
+    from gspo.models.tiny import CHARS, SPECIAL
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL)}
     for c in CHARS:
@@ -68,7 +68,7 @@ def model_path(name: str) -> str:
         import transformers
         from transformers import Qwen3ForCausalLM
 
-        from gspo.models.loading import tiny_config
+        from gspo.models.tiny import tiny_config
 
         transformers.utils.logging.disable_progress_bar()
         kw = dict(CONFIGS[name])

@@ -55,7 +55,7 @@ def model_dir(layers: int) -> str:
         import torch
         from transformers import Qwen3ForCausalLM
 
-        from gspo.models.loading import tiny_config
+        from gspo.models.tiny import tiny_config
 
         kw = dict(SHAPE, num_hidden_layers=layers)
         vocab = kw.pop("vocab")
@@ -73,8 +73,8 @@ def synthetic_batch(run, rows: int, length: int):
 
     import torch
 
-    from gspo.sampling.rollout import Rollout
-    from gspo.train.trainer import Batch
+    from gspo.models.sequences import Rollout
+    from gspo.train.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     V = run.policy.config.vocab_size

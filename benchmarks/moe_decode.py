@@ -35,7 +35,8 @@ from gspo.sampling import fastdecode
 from gspo.models import fastmoe
 from gspo.models.loading import load_policy
 from gspo.models.moe import Routing
-from gspo.sampling.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+from gspo.sampling.rollout import generate, sample_token, sampling_params
+from gspo.models.sequences import left_pad, position_ids_from_mask
 from gspo.tasks import get_task
 
 PROMPTS, GROUP, MAX_NEW = 8, 8, 240

@@ -68,7 +68,8 @@ def main() -> None:
     import torch
 
     from gspo.models.loading import load_policy
-    from gspo.sampling.rollout import generate, left_pad, sampling_params
+    from gspo.sampling.rollout import generate, sampling_params
+    from gspo.models.sequences import left_pad
     from gspo.tasks import get_task
 
     torch.set_num_threads(args.threads)

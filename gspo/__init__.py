@@ -13,9 +13,7 @@ command's help, `--version` and usage errors do not wait for the training stack.
 import importlib
 import importlib.util
 
-from gspo.config import trl as _aliases  # noqa: F401 (light: registers TrainConfig.from_trl, TRL's option names)
-
-__version__ = "0.2.0"
+__version__ = "0.3.0"  # the one place the version is written (pyproject.toml reads it)
 __all__ = ["Trainer", "TrainConfig", "__version__"]
 
 _LAZY = {"Trainer": "gspo.api", "TrainConfig": "gspo.config"}

@@ -47,7 +47,7 @@ import torch
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.checks import check_value
 from gspo.config.yamlfile import in_memory, load_yaml
-from gspo.train.run import Inputs
+from gspo.sampling.samplers import Inputs
 
 
 class Trainer:

@@ -30,10 +30,11 @@ from gspo.commands.tasks import cmd_tasks
 from gspo.commands.argv import parse as _parse
 from gspo.commands.argv import take as _take
 from gspo.commands.argv import take_many as _take_many
-from gspo.config.checks import arguments_error, one_line, plural
+from gspo.config.checks import arguments_error, one_line
+from gspo.io.words import plural
 from gspo.config import ConfigError, TrainConfig
 from gspo.config.yamlfile import in_memory, load_yaml
-from gspo.commands.eval import EvalArgs, cmd_eval, eval_config  # noqa: F401 (importable here)
+from gspo.commands.eval import cmd_eval
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 

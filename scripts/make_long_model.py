@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
 from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
-from gspo.models.loading import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
+from gspo.models.loading import ASSETS  # noqa: E402
+from gspo.models.tiny import build_char_tokenizer, tiny_config, tiny_moe_config
 from gspo.rewards.builtin import load_rewards  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 from gspo.tasks.chain import LENGTH_BINS, TARGET, parse_prompt  # noqa: E402

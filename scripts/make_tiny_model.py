@@ -40,7 +40,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
-from gspo.models.loading import ASSETS, build_char_tokenizer, tiny_config, tiny_moe_config  # noqa: E402
+from gspo.models.loading import ASSETS  # noqa: E402
+from gspo.models.tiny import build_char_tokenizer, tiny_config, tiny_moe_config
 from gspo.tasks import get_task  # noqa: E402
 
 

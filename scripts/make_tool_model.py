@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
 from gspo.tasks.env import tool_schemas  # noqa: E402
-from gspo.models.loading import ASSETS, build_chat_tokenizer, tiny_config  # noqa: E402
+from gspo.models.loading import ASSETS  # noqa: E402
+from gspo.models.tiny import build_chat_tokenizer, tiny_config
 from gspo.tasks.calculator import FORMS, CalculatorTask, calculator, expression  # noqa: E402
 from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
 

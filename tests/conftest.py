@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from gspo.models.loading import build_char_tokenizer
+    from gspo.models.tiny import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -22,7 +22,7 @@ def random_tiny_model(tokenizer, seed=0, **overrides):
     """A randomly initialised 2-layer Qwen3 for fast tests (not the trained built-in)."""
     from transformers import Qwen3ForCausalLM
 
-    from gspo.models.loading import tiny_config
+    from gspo.models.tiny import tiny_config
 
     torch.manual_seed(seed)
     kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -79,7 +79,7 @@ def build_chat_model(path, *, seed=0, chat_template=True):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-    from gspo.models.loading import tiny_config
+    from gspo.models.tiny import tiny_config
 
     special = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
     vocab = {t: i for i, t in enumerate(special)}

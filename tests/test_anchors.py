@@ -23,10 +23,12 @@ import math
 import pytest
 import torch
 
-from gspo.train.batch import Scored, prepare
+from gspo.tasks.scoring import Scored
+from gspo.train.batch import prepare
 from gspo.config import Corrections, Loss, TrainConfig
 from gspo.models.logprobs import token_logprobs
-from gspo.algo.losses import LOSSES, policy_loss, rollout_is_weights
+from gspo.algo.losses import LOSSES, policy_loss
+from gspo.algo.corrections import rollout_is_weights
 from gspo.rewards.builtin import score_completions
 from gspo.sampling.rollout import decode_completions, encode_prompts, sampling_params
 from gspo.train.run import build_run

@@ -396,7 +396,8 @@ def test_async_config_errors_are_one_line(tmp_path, args, name):
 def test_the_api_refuses_objects_with_workers(tmp_path, char_tokenizer):
     from gspo import Trainer
     from gspo.config import ConfigError, TrainConfig
-    from gspo.train.run import Inputs, build_run
+    from gspo.sampling.samplers import Inputs
+    from gspo.train.run import build_run
     from tests.conftest import random_tiny_model
 
     cfg = dict(steps=1, prompts_per_step=4, group_size=4, eval_size=8, rollout_workers=1)

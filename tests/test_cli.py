@@ -123,11 +123,16 @@ def test_version_and_top_level_help():
     r = gspo("--version")
     assert r.returncode == 0 and r.stdout.strip() == f"gspo {__version__}"
     assert "PPO" in gspo("--help").stdout
+    # one source: pyproject.toml takes the version from gspo/__init__.py, and the installed
+    # package says the same (an editable install is made again by scripts/setup.sh)
+    import importlib.metadata
     import tomllib
     from pathlib import Path
 
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
-    assert meta["project"]["version"] == __version__
+    assert "version" not in meta["project"] and meta["project"]["dynamic"] == ["version"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gspo.__version__"}
+    assert importlib.metadata.version("gspo") == __version__
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
-from gspo.algo.losses import aggregate, policy_loss, rollout_is_weights
+from gspo.algo.aggregation import aggregate
+from gspo.algo.losses import policy_loss
+from gspo.algo.corrections import rollout_is_weights
 from gspo.config import Corrections, Loss
 
 D = torch.float64

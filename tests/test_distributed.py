@@ -259,7 +259,7 @@ def _head_worker(rank: int, init_file: str, out_dir: str, parallel: str):
 
     import gspo.models.logprobs as lp
     from gspo.dist import parallel as par
-    from gspo.models.loading import build_char_tokenizer
+    from gspo.models.tiny import build_char_tokenizer
     from gspo.sampling.rollout import generate, sampling_params
     from tests.conftest import random_tiny_model
 

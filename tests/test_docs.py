@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from gspo.algo.losses import AGG_MODES, policy_loss
+from gspo.algo.aggregation import AGG_MODES
+from gspo.algo.losses import policy_loss
 from gspo.config import Loss
 
 ROOT = Path(__file__).resolve().parents[1]

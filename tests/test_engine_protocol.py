@@ -19,10 +19,10 @@ from gspo.sampling import vllm_engine
 from gspo.config import TrainConfig
 from gspo.train.resolve import resolve
 from gspo.tasks.env import Environment, Step
-from gspo.models.loading import build_chat_tokenizer
+from gspo.models.tiny import build_chat_tokenizer
 from gspo.sampling.rollout import sampling_params
 from gspo.tasks.calculator import CalculatorTask
-from gspo.train.trainer import rollout
+from gspo.sampling.produce import rollout
 from gspo.config import VLLM
 from gspo.sampling.vllm_engine import EngineError, VLLMSampler, check_version
 

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import gspo
-from gspo.cli import _list_flags, _merge_repeated, _parse, main
+from gspo.commands.argv import list_flags as _list_flags, merge_repeated as _merge_repeated, parse as _parse
+from gspo.cli import main
 from gspo.commands.train_command import NOT_IN_COMMAND, applies, train_command
 from gspo.config import TrainConfig, options
 from gspo.config.yamlfile import load_yaml

@@ -11,7 +11,8 @@ import gspo.models.fastmoe as fastmoe
 import gspo.sampling.rollout as rollout_module
 from gspo.models.logprobs import completion_logprobs
 from gspo.models.moe import Routing, find_routers
-from gspo.sampling.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+from gspo.sampling.rollout import generate, sample_token, sampling_params
+from gspo.models.sequences import left_pad, position_ids_from_mask
 
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
 MODELS = ["tiny-moe", "tiny-long-moe", "qwen2_moe", "qwen3_moe"]
@@ -221,7 +222,7 @@ def _transposed_experts(model):
     (_transposed_experts, "layer 0's Qwen3MoeSparseMoeBlock: its experts (Qwen3MoeExperts) are not bias-free gated"),
 ])
 def test_what_the_compact_step_does_not_know_is_refused_with_a_reason(char_tokenizer, change, reason):
-    from gspo.models.loading import tiny_moe_config
+    from gspo.models.tiny import tiny_moe_config
     from transformers import Qwen3MoeForCausalLM
 
     model = Qwen3MoeForCausalLM(tiny_moe_config(len(char_tokenizer), num_hidden_layers=2)).eval()

@@ -14,11 +14,14 @@ import torch
 from gspo.config import TrainConfig
 from gspo.models.logprobs import (Split, completion_logprobs, forward_logprobs, micro_batches, supports_packing,
                            token_logprobs, trim)
-from gspo.algo.losses import AGG_MODES, agg_count
-from gspo.sampling.rollout import generate, position_ids_from_mask, sampling_params
+from gspo.algo.aggregation import AGG_MODES, agg_count
+from gspo.sampling.rollout import generate, sampling_params
+from gspo.models.sequences import position_ids_from_mask
 from gspo.train.run import build_run
-from gspo.train.batch import Scored
-from gspo.train.trainer import accumulate, prepare, rollout, score
+from gspo.tasks.scoring import Scored
+from gspo.train.trainer import accumulate
+from gspo.train.batch import prepare
+from gspo.sampling.produce import rollout, score
 
 D = torch.float64
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2=", "1+1=", "345-67="]

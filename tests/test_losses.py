@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo.algo.losses import AGG_MODES, LOSSES, aggregate, kl_penalty, policy_loss
+from gspo.algo.aggregation import AGG_MODES, aggregate
+from gspo.algo.losses import LOSSES, kl_penalty, policy_loss
 from gspo.config import Loss
 
 D = torch.float64

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gspo.models.loading import build_chat_tokenizer
+from gspo.models.tiny import build_chat_tokenizer
 from gspo.tasks.calculator import CalculatorTask, evaluate_expression
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_tool_model.py"

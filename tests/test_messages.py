@@ -184,7 +184,7 @@ def test_what_a_config_file_may_hold_is_said_not_refused(place, capsys):
 
 
 def test_plurals_agree(capsys):
-    from gspo.config.checks import plural
+    from gspo.io.words import plural
     from gspo.cli import _print_summary
     from gspo.train.run import AlreadyComplete
 
@@ -196,7 +196,8 @@ def test_plurals_agree(capsys):
     import torch
 
     from gspo.algo.advantages import group_advantages
-    from gspo.rewards.builtin import RewardError, apply_rewards, load_rewards
+    from gspo.tasks.scoring import RewardError
+    from gspo.rewards.builtin import apply_rewards, load_rewards
 
     with pytest.raises(ValueError, match=r"batch of 1 reward is not a whole number of groups of size 2"):
         group_advantages(torch.tensor([1.0]), 2)

@@ -204,10 +204,12 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     from gspo.config import TrainConfig
     from gspo.train.resolve import resolve
     from gspo.models.logprobs import micro_batches
-    from gspo.algo.losses import agg_count
+    from gspo.algo.aggregation import agg_count
     from gspo.train.run import build_run
-    from gspo.train.batch import Scored
-    from gspo.train.trainer import accumulate, prepare, rollout, score
+    from gspo.tasks.scoring import Scored
+    from gspo.train.trainer import accumulate
+    from gspo.train.batch import prepare
+    from gspo.sampling.produce import rollout, score
 
     cfg = resolve(TrainConfig(model="tiny-moe", prompts_per_step=4, group_size=4, max_new_tokens=6,
                               num_minibatches=1, router_aux_loss_coef=0.5, output_dir=str(tmp_path / "run"),

@@ -18,7 +18,7 @@ from tests.test_moe import tiny_moe
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
     """A random tiny Qwen3-MoE with the character tokenizer, saved like a user's model."""
-    from gspo.models.loading import build_char_tokenizer
+    from gspo.models.tiny import build_char_tokenizer
 
     d = tmp_path_factory.mktemp("moe")
     tok = build_char_tokenizer()

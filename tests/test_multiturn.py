@@ -20,8 +20,10 @@ from gspo.tasks.env import (Environment, EnvError, Step, ToolEnvironment, episod
 from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.models.logprobs import token_logprobs
 from gspo.train.steplog import episode_metrics
-from gspo.models.loading import build_chat_tokenizer, load_policy
-from gspo.sampling.rollout import PolicySampler, Rollout, left_pad, sampling_params, stop_token_ids
+from gspo.models.tiny import build_chat_tokenizer
+from gspo.models.loading import load_policy
+from gspo.sampling.rollout import PolicySampler, sampling_params, stop_token_ids
+from gspo.models.sequences import Rollout, left_pad
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37*48+12"}}</tool_call>'
@@ -249,8 +251,9 @@ def test_evaluation_reward_adds_the_environments_turn_rewards(tok, monkeypatch):
     #   final turn "34": is_34 = 1 (weight 1), length = len("34") / 10 = 0.2 (weight 0.5)
     #   episode reward        1 * 1 + 0.5 * 0.2 + 0.8 = 1.9, as training's score gives it
     from gspo.train import evaluation
-    from gspo.rewards.builtin import Reward, per_completion
-    from gspo.train.trainer import score
+    from gspo.rewards.builtin import Reward
+    from gspo.tasks.scoring import per_completion
+    from gspo.sampling.produce import score
 
     rewards = [Reward("is_34", per_completion(lambda c, **_: float(c == "34"))),
                Reward("length", per_completion(lambda c, **_: len(c) / 10), weight=0.5)]
@@ -341,8 +344,9 @@ def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, to
 
 def _batch(tmp_path, **kw):
     from gspo.train.run import build_run
-    from gspo.train.batch import Scored
-    from gspo.train.trainer import prepare, rollout, score
+    from gspo.tasks.scoring import Scored
+    from gspo.train.batch import prepare
+    from gspo.sampling.produce import rollout, score
 
     cfg = TrainConfig(task="calculator", model=MODEL, prompts_per_step=4, group_size=4, num_minibatches=1,
                       output_dir=str(tmp_path / "run"), progress=False, **kw)

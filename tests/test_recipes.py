@@ -262,7 +262,7 @@ def test_system_prompt_keeps_answers_columns_and_the_task():
 def test_system_prompt_reaches_training_evaluation_and_gspo_eval(tmp_path):
     from gspo.config import TrainConfig
     from gspo.train.resolve import resolve
-    from gspo.train.run import task_and_rewards
+    from gspo.sampling.samplers import task_and_rewards
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 2}) + "\n"

@@ -278,3 +278,23 @@ def test_a_false_start_leaves_nothing_behind(tmp_path):
     assert r.returncode == 2 and "reward 'boom' raised RuntimeError: no grader" in r.stderr
     assert not run.exists()  # the same command (with a working reward) can run again
     assert gspo("train", *FAST, "--steps", "1", "--output-dir", str(run)).returncode == 0
+
+
+def test_a_checkpoint_written_by_gspo_0_2_loads_its_pending_batches(tmp_path):
+    # tests/data/trainer_state-0.2.0.pt is step 1's trainer state of a run of gspo 0.2.0 (the flat
+    # package, commit 32ecf23): `gspo train --steps 2 --save-every 1 --max-staleness 1
+    # --prompts-per-step 4 --group-size 4 --eval-size 0 --threads 1`. Its batch 2, sampled by
+    # version 0 and not yet trained, was pickled as gspo.produce.Produced (with a
+    # gspo.sequences.Rollout, gspo.scoring.Scored, gspo.data.Example): 0.3 finds each in its room
+    # (resumed, such a run went on to the same step-2 metrics as the uninterrupted 0.2 run)
+    shutil.copy(Path(__file__).parent / "data" / "trainer_state-0.2.0.pt", tmp_path / "trainer_state.pt")
+    with pytest.raises(ModuleNotFoundError, match="gspo.produce"):  # what a plain unpickler makes of it
+        torch.load(tmp_path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    from gspo.models.sequences import Rollout
+    from gspo.sampling.produce import Produced
+
+    state = ckpt.load_trainer_state(tmp_path)
+    (batch,) = state["pending_per_rank"][0]
+    assert type(batch) is Produced and type(batch.rollout) is Rollout
+    assert (batch.step, batch.version, state["step"]) == (2, 0, 1)
+    assert batch.rollout.completion_ids.shape[0] == 16  # 4 prompts x 4 completions

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from gspo.tasks.data import Example
-from gspo.rewards.builtin import (Reward, RewardError, apply_rewards, exact_match, format_reward, length_penalty, load_reward,
-                          load_rewards, math_verify, numeric_match, score_completions)
+from gspo.rewards.builtin import Reward, apply_rewards, exact_match, format_reward, length_penalty, load_reward, load_rewards, math_verify, numeric_match, score_completions
+from gspo.tasks.scoring import RewardError
 
 # a GSM8K answer column: the worked solution, the final answer after "####"
 GSM8K = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"

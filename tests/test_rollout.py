@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from gspo.models.logprobs import completion_logprobs
-from gspo.sampling.rollout import generate, left_pad, position_ids_from_mask, sample_token, sampling_params
+from gspo.sampling.rollout import generate, sample_token, sampling_params
+from gspo.models.sequences import left_pad, position_ids_from_mask
 
 
 def _uniforms(n: int, seed: int) -> torch.Tensor:
@@ -340,7 +341,8 @@ def test_top_k_draws_only_the_k_most_likely_and_records_the_full_logprob():
 
 
 def test_stop_strings_cut_the_completion_after_the_token_that_completes_them(char_tokenizer):
-    from gspo.sampling.rollout import Rollout, cut_at_stop_strings
+    from gspo.models.sequences import Rollout
+    from gspo.sampling.rollout import cut_at_stop_strings
 
     tok = char_tokenizer
     texts = ["12+34=56", "7=8", "999"]

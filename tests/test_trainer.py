@@ -165,8 +165,9 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     # max_new_tokens 2: most completions are cut (truncated); with the flag their tokens leave
     # the loss (mask 0) while their rewards still shape the group's advantages
     from gspo.train.run import build_run
-    from gspo.train.batch import Scored
-    from gspo.train.trainer import prepare, rollout, score
+    from gspo.tasks.scoring import Scored
+    from gspo.train.batch import prepare
+    from gspo.sampling.produce import rollout, score
 
     cfg = TrainConfig(prompts_per_step=4, group_size=4, max_new_tokens=2, mask_truncated_completions=True,
                       output_dir=str(tmp_path / "r"), progress=False, old_logp="recompute")

@@ -9,7 +9,8 @@ import pytest
 
 import gspo
 from gspo.config.trl import to_gspo
-from gspo.cli import _parse, main
+from gspo.commands.argv import parse as _parse
+from gspo.cli import main
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.train.resolve import resolve
 from gspo.config.yamlfile import load_yaml
@@ -217,7 +218,8 @@ def test_a_resumed_run_keeps_the_final_evaluation_of_the_first(tmp_path):
 
 
 def test_the_dataset_length_note_names_the_dataset(tmp_path):
-    from gspo.train.run import Inputs, build_run
+    from gspo.sampling.samplers import Inputs
+    from gspo.train.run import build_run
 
     cfg = TrainConfig(output_dir=str(tmp_path / "r"), dataset="<train_dataset>", **{**TINY, "max_new_tokens": None})
     run = build_run(cfg, inputs=Inputs(train_dataset=rows(), reward_funcs=[exact]))  # as gspo.Trainer makes it

@@ -78,7 +78,7 @@ def test_critic_starts_from_the_policy_and_round_trips(tmp_path):
     # the trunk is the policy's (no LM head), the head starts at exactly 0
     for name, p in critic.trunk.state_dict().items():
         torch.testing.assert_close(p, policy.model.state_dict()[name], rtol=0, atol=0)
-    from gspo.sampling.rollout import Rollout
+    from gspo.models.sequences import Rollout
 
     ids = torch.tensor([tok("12+34=56")["input_ids"]])
     ro = Rollout(ids[:, :-3], torch.ones_like(ids[:, :-3]), ids[:, -3:], torch.ones(1, 3), torch.zeros(1, 3),

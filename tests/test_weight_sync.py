@@ -145,7 +145,7 @@ def test_sleep_discards_the_weights_once_a_sync_put_the_policys_there(monkeypatc
     # level 1 (offload) while the engine holds the checkpoint's weights; level 2 (discard) once
     # synced, since the next sync overwrites them all; a sample without that sync syncs again
     from gspo.sampling import vllm_engine
-    from gspo.models.loading import build_chat_tokenizer
+    from gspo.models.tiny import build_chat_tokenizer
     from gspo.sampling.rollout import sampling_params
     from gspo.config import VLLM
     from gspo.sampling.vllm_engine import VLLMSampler

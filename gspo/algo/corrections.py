@@ -6,7 +6,7 @@ updates but not for that gap. These weights do, per token or per response, befor
 aggregated (`gspo.algo.losses.policy_loss(..., is_weights=w)`); the options are the Corrections
 section's (`cfg.corrections`):
 
-    from gspo.algo.losses import rollout_is_weights
+    from gspo.algo.corrections import rollout_is_weights
     from gspo.config import Corrections
     w, metrics = rollout_is_weights(old_logp, rollout_logp, mask, Corrections(rollout_is="token", rollout_is_high=2.0))
 

@@ -31,8 +31,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from gspo.algo.aggregation import AGG_MODES, agg_count, aggregate
-from gspo.algo.corrections import apply_opsm, opsm_keep, rollout_is_weights
+from gspo.algo.aggregation import agg_count, aggregate
+from gspo.algo.corrections import apply_opsm
 from gspo.algo.metrics import Max, Mean, Min
 Tensor = torch.Tensor
 
@@ -397,5 +397,5 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
     }
 
 
-__all__ = ["AGG_MODES", "KL_ESTIMATORS", "LOSSES", "LossInfo", "register_loss", "TokenLoss", "aggregate", "agg_count", "kl_penalty",
-           "apply_opsm", "opsm_keep", "policy_loss", "rollout_is_weights", "sequence_log_ratio"]
+__all__ = ["KL_ESTIMATORS", "LOSSES", "LossInfo", "LossOptions", "TokenLoss", "kl_penalty", "policy_loss", "register_loss",
+           "sequence_log_ratio"]

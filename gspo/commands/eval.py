@@ -128,7 +128,7 @@ def _evaluate(a: EvalArgs, threads: int) -> int:
     from gspo.models.loading import DTYPES, load_policy, quiet_peft, resolve_device
     from gspo.io.reporting import line_on_stderr
     from gspo.sampling.rollout import stop_token_ids
-    from gspo.train.run import task_and_rewards
+    from gspo.sampling.samplers import task_and_rewards
     from gspo.tasks.base import for_tokenizer
 
     cfg, model_path = eval_config(a)

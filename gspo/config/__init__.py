@@ -100,18 +100,10 @@ class TrainConfig:
     @classmethod
     def from_trl(cls, **options) -> TrainConfig:
         """A config from TRL's GRPOConfig names (num_generations=8, loss_type="dr_grpo") and gspo's
-        (gspo.config.trl, which registers itself here when gspo is imported)."""
-        return _from_trl(**options)
+        (the table is gspo.config.trl's)."""
+        from gspo.config.trl import to_gspo  # here: the table is read only when asked for
 
-
-def _from_trl(**options):
-    raise RuntimeError("gspo.config.trl is not imported")  # replaced by gspo.config.trl.from_trl on import (gspo/__init__)
-
-
-def set_from_trl(fn) -> None:
-    """Called once by gspo.config.trl: TrainConfig.from_trl's implementation (TRL's names live there)."""
-    global _from_trl
-    _from_trl = fn
+        return cls(**to_gspo(options))
 
 
 def to_dict(cfg: TrainConfig) -> dict:
@@ -120,5 +112,5 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 __all__ = ["SECTIONS", "SECTION_OF", "RESUME_SAFE", "ConfigError", "TrainConfig", "bounds_error", "opt", "options",
-           "option_types", "set_from_trl", "to_dict", "Corrections", "Data", "Episodes", "Eval", "Loss", "LoRA", "MoE", "Optim", "PPO",
+           "option_types", "to_dict", "Corrections", "Data", "Episodes", "Eval", "Loss", "LoRA", "MoE", "Optim", "PPO",
            "Policy", "Rewards", "RunOptions", "Sampling", "VLLM"]

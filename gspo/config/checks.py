@@ -22,7 +22,6 @@ import typing
 import yaml
 
 from gspo.config import ConfigError, option_types
-from gspo.io.words import did_you_mean, plural  # noqa: F401 (gspo.config.checks' names, as before)
 
 
 @functools.cache

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from gspo.config.checks import check_value, did_you_mean as near, yaml_value
-from gspo.config import SECTION_OF, ConfigError, TrainConfig, set_from_trl
+from gspo.config.checks import check_value, yaml_value
+from gspo.io.words import did_you_mean as near
+from gspo.config import SECTION_OF, ConfigError, TrainConfig
 
 SKIP = object()  # a TRL value that changes nothing in gspo (bf16: false)
 
@@ -146,14 +147,6 @@ def _one(name: str, value, shown) -> tuple[str, object]:
     return name, value
 
 
-def from_trl(**kwargs) -> TrainConfig:
-    """A TrainConfig from TRL's GRPOConfig option names and values (and gspo's own)."""
-    return TrainConfig(**to_gspo(kwargs))
-
-
-set_from_trl(from_trl)  # TrainConfig.from_trl
-
-
 def split_args(args: list[str]) -> tuple[dict, list[str]]:
     """TRL's flags taken out of a command line: ({name: value}, the other arguments). A value
     is read as YAML (`8`, `1e-5`, `true`); a flag without a value is true (`--bf16`)."""
@@ -198,4 +191,4 @@ def apply_args(cfg: TrainConfig, trl: dict, args: list[str]) -> TrainConfig:
     return dataclasses.replace(cfg, **values)
 
 
-__all__ = ["NOT_MAPPED", "TRL_NAMES", "TRL_VALUES", "apply_args", "did_you_mean", "from_trl", "split_args", "to_gspo"]
+__all__ = ["NOT_MAPPED", "TRL_NAMES", "TRL_VALUES", "apply_args", "did_you_mean", "split_args", "to_gspo"]

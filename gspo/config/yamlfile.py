@@ -19,7 +19,8 @@ from pathlib import Path
 import yaml
 
 from gspo.config.trl import did_you_mean as trl_did_you_mean, is_trl, to_gspo
-from gspo.config.checks import did_you_mean, yaml_value
+from gspo.io.words import did_you_mean
+from gspo.config.checks import yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig, option_types
 
 

@@ -17,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from gspo.train.checkpoint import read_jsonl
+from gspo.io.files import read_jsonl
 
 
 class PlotError(ValueError):

@@ -36,12 +36,14 @@ import torch
 from gspo.train import checkpoint as ckpt
 from gspo.config import TrainConfig
 from gspo.models.logprobs import Split, forward_logprobs, token_logprobs
-from gspo.algo.losses import agg_count
+from gspo.algo.aggregation import agg_count
 from gspo.models.moe import drift
 from gspo.lab.plot import plot_panels
 from gspo.train.run import Run, build_run
-from gspo.train.batch import Scored
-from gspo.train.trainer import accumulate, optimizer_step, prepare, rollout, score, step_generator
+from gspo.tasks.scoring import Scored
+from gspo.train.trainer import accumulate, optimizer_step
+from gspo.train.batch import prepare
+from gspo.sampling.produce import rollout, score, step_generator
 
 Tensor = torch.Tensor
 QUANTITIES = ("w_token", "log_product", "s_seq")

@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gspo.tasks.env import EnvError, Step, observation_text, tool_schemas
-from gspo.sampling.rollout import Rollout, SamplingParams, cut_at_stop_strings, encode_prompts
+from gspo.models.sequences import Rollout
+from gspo.sampling.rollout import SamplingParams, cut_at_stop_strings, encode_prompts
 
 Tensor = torch.Tensor
 

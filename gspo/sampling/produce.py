@@ -26,7 +26,8 @@ import torch
 
 from gspo.sampling.episodes import Draws, EpisodeSpec, Episodes, run_episodes
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
-from gspo.sampling.rollout import Rollout, cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
+from gspo.models.sequences import Rollout
+from gspo.sampling.rollout import cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.tasks.scoring import Scored
 
 Tensor = torch.Tensor

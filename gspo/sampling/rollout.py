@@ -39,7 +39,7 @@ import torch
 from gspo.dist import parallel
 from gspo.sampling.fastdecode import decoder, describe
 from gspo.models.moe import NO_ROUTING
-from gspo.models.sequences import Rollout, left_pad, position_ids_from_mask  # noqa: F401 (re-exported)
+from gspo.models.sequences import Rollout, left_pad, position_ids_from_mask
 from gspo.sampling.turncache import Start, TurnCache
 
 Tensor = torch.Tensor

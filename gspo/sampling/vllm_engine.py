@@ -57,7 +57,8 @@ import re
 import numpy as np
 import torch
 
-from gspo.sampling.rollout import Rollout, SamplingParams, left_pad
+from gspo.models.sequences import Rollout, left_pad
+from gspo.sampling.rollout import SamplingParams
 from gspo.config import VLLM
 
 Tensor = torch.Tensor

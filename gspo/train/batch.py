@@ -21,8 +21,8 @@ from gspo.sampling.episodes import Episodes
 from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.algo.metrics import reduce_across
 from gspo.models.moe import expert_counts
-from gspo.sampling.rollout import Rollout
-from gspo.tasks.scoring import Scored  # noqa: F401 (a scored rollout's rows: prepare's input)
+from gspo.models.sequences import Rollout
+from gspo.tasks.scoring import Scored
 
 Tensor = torch.Tensor
 

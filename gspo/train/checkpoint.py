@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -36,10 +37,44 @@ import yaml
 
 from gspo.dist import parallel
 from gspo.config import to_dict
-from gspo.io.files import _fsync_dir, append_jsonl, atomic_write_text, json_clean, read_jsonl, trim_jsonl  # noqa: F401
+from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK = ".lock"
+
+# gspo 0.2 kept its modules flat (gspo.produce, gspo.data, ...); a checkpoint it wrote names the
+# classes of its pickled objects (the sampled batches not yet trained) by those paths. Room ->
+# "old" (same name in the room) or "old:new".
+_FLAT_0_2 = {
+    "algo": "losses aggregation advantages corrections metrics",
+    "config": "configfile:yamlfile aliases:trl checks",
+    "io": "files hub reporting words",
+    "models": "models:loading gguf_models:gguf tiny moe fastmoe lmhead logprobs sequences value",
+    "dist": "distributed parallel links threads",
+    "tasks": "data env scoring",
+    "rewards": "rewards:builtin reward_model:model",
+    "sampling": "rollout samplers produce pipeline vllm_engine fastdecode turncache episodes",
+    "train": "trainer run resolve batch optim critic checkpoint lifecycle plan steplog evaluation",
+    "lab": "compare studies report stats plot variance jobs",
+    "commands": "argv help command:train_command eval_command:eval tasks_command:tasks",
+}
+MOVED_0_2 = {f"gspo.{old}": f"gspo.{room}.{new or old}" for room, names in _FLAT_0_2.items()
+             for old, _, new in (n.partition(":") for n in names.split())}
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads a gspo 0.2 checkpoint too: a class pickled under a flat module is found in its room."""
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED_0_2.get(module, module), name)
+
+
+class _pickle:
+    """The pickle module torch.load is given: pickle's, with the Unpickler above."""
+
+    Unpickler = _Unpickler
+    load = staticmethod(pickle.load)
+    loads = staticmethod(pickle.loads)
 
 
 def checkpoint_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -163,13 +198,13 @@ def clean_partial(run_dir: Path) -> None:
 
 
 def load_trainer_state(ckpt: Path) -> dict:
-    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False)
+    return torch.load(ckpt / "trainer_state.pt", map_location="cpu", weights_only=False, pickle_module=_pickle)
 
 
 def load_optimizers(ckpt: Path, state: dict) -> dict:
     """The optimizer states of a checkpoint (older checkpoints kept them in trainer_state.pt)."""
     if (ckpt / "optimizer.pt").exists():
-        return torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
+        return torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False, pickle_module=_pickle)
     return {k: state[k] for k in ("optimizer", "critic_optimizer") if k in state}
 
 

@@ -21,10 +21,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gspo.config.checks import check_value, plural
+from gspo.config.checks import check_value
+from gspo.io.words import plural
 from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, options
 from gspo.tasks.data import DatasetTask
-from gspo.algo.losses import AGG_MODES, LOSSES
+from gspo.algo.aggregation import AGG_MODES
+from gspo.algo.losses import LOSSES
 from gspo.models.loading import BUILTIN_MODELS
 from gspo.config import bounds_error
 from gspo.tasks import TASKS, GymTask, get_task, is_gym

@@ -48,8 +48,8 @@ from gspo.rewards.builtin import BUILTIN_REWARDS, Reward
 from gspo.sampling.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
 from gspo.dist.threads import choose_threads
 from gspo.tasks.base import for_tokenizer, prompt_note
-from gspo.sampling.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,  # noqa: F401 (the API, cli)
-                           task_and_rewards, task_for)
+from gspo.sampling.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,
+                           task_for)
 
 FIT_SAMPLE = 256  # prompts whose lengths _fit_lengths checks
 

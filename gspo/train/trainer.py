@@ -40,20 +40,22 @@ import torch
 from gspo.train import checkpoint as ckpt
 from gspo.dist import distributed
 from gspo.dist import parallel
-from gspo.train.batch import Batch, Scored, expert_load, prepare  # noqa: F401 (Scored: importable here)
+from gspo.train.batch import Batch, expert_load, prepare
 from gspo.io.words import plural
 from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
 from gspo.train.evaluation import EvalOptions, evaluate
-from gspo.algo.losses import agg_count, policy_loss
+from gspo.algo.aggregation import agg_count
+from gspo.algo.losses import policy_loss
 from gspo.models.logprobs import MicroBatch, Split, passes
 from gspo.algo.metrics import Mean, combine, reduce_across
 from gspo.train.plan import describe, plan
 from gspo.io.reporting import Progress, Reporter, samples_rows, warn
-from gspo.rewards.builtin import RewardError, TrainerState
+from gspo.tasks.scoring import RewardError
+from gspo.rewards.builtin import TrainerState
 from gspo.sampling.episodes import EpisodeSpec
 from gspo.sampling.pipeline import Pipeline, make_pipeline, serve_rank
-from gspo.sampling.produce import rollout, score, step_generator, with_env_rewards  # noqa: F401 (the loop's parts, importable here)
+from gspo.sampling.produce import step_generator
 from gspo.train.lifecycle import Guard, Interrupted
 from gspo.train.run import AlreadyComplete, Run, build_run
 from gspo.train.steplog import step_row
