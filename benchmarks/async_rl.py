@@ -93,7 +93,8 @@ def run_variant(name: str, flags: list[str], args, out: Path) -> dict:
         "tok_s": mean("time/tokens_per_second"),
         "before": (summary.get("eval_before") or {}).get("accuracy"),
         "after": (summary.get("eval_after") or {}).get("accuracy"),
-        "stale_mean": mean("async/staleness_mean", rows), "stale_max": max((r["async/staleness_max"] for r in rows if "async/staleness_max" in r), default=None),
+        "stale_mean": mean("async/staleness_mean", rows),
+        "stale_max": max((r["async/staleness_max"] for r in rows if "async/staleness_max" in r), default=None),
         "overlap": mean("async/overlap"), "idle": mean("async/trainer_idle_seconds"),
         "rollout": mean("time/rollout_seconds"), "update": mean("time/update_seconds"),
         "steps": len(rows),
@@ -131,8 +132,8 @@ def main() -> None:
         stale = "0/0" if r["stale_mean"] is None else f"{r['stale_mean']:.2f}/{r['stale_max']:.0f}"
         overlap = "-" if r["overlap"] is None else f"{r['overlap']:.2f}"
         idle = "-" if r["idle"] is None else f"{r['idle']:.3f}"
-        print(f"| {r['name']} | {r['wall']:.1f} | {r['loop']:.1f} | {r['per_step']:.3f} | {r['tok_s']:.0f} | {acc} | {stale} | {overlap} | "
-              f"{idle} | {r['rollout']:.3f} | {r['update']:.3f} | {speed} |")
+        print(f"| {r['name']} | {r['wall']:.1f} | {r['loop']:.1f} | {r['per_step']:.3f} | {r['tok_s']:.0f} | "
+              f"{acc} | {stale} | {overlap} | {idle} | {r['rollout']:.3f} | {r['update']:.3f} | {speed} |")
     if any(r["failed"] for r in results):
         raise SystemExit(1)
 

@@ -23,8 +23,8 @@ import time
 import common  # noqa: F401  (puts the repository on sys.path)
 import torch
 
-from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.models.loading import load_policy
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.sampling.rollout import PolicySampler, sampling_params
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
 

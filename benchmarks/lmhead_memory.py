@@ -30,9 +30,9 @@ from common import ROOT, peak_rss_mb
 def worker(args) -> None:
     import torch
 
-    from gspo.models.lmhead import chunked_logprobs
     from gspo.algo.losses import policy_loss
     from gspo.config import Loss
+    from gspo.models.lmhead import chunked_logprobs
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -85,7 +85,8 @@ def main() -> None:
         res[path] = json.loads(line[0][7:])
     for path in ("gspo", "full"):
         r = res[path]
-        print(f"| {path} | {r['growth_mb']:.0f} | {r['seconds']:.1f} | {100 * r['growth_mb'] / res['full']['growth_mb']:.1f}% |")
+        print(f"| {path} | {r['growth_mb']:.0f} | {r['seconds']:.1f} | "
+              f"{100 * r['growth_mb'] / res['full']['growth_mb']:.1f}% |")
     same = abs(res["gspo"]["logp_sum"] - res["full"]["logp_sum"]) <= 1e-5 * abs(res["full"]["logp_sum"])
     print(f"\nsame log-probs (sum, rel 1e-5): {same}; |grad W|: gspo {res['gspo']['grad_w_norm']:.6g}, "
           f"full {res['full']['grad_w_norm']:.6g}")

@@ -151,7 +151,7 @@ def main() -> None:
         return child(args)
     sys.path.insert(0, str(HERE.parent))
     model_dir(args.layers)  # build the weights once, outside the timed processes
-    sides = [("this checkout (bf16 compute, fp32 master, budget %d)" % args.budget, None)]
+    sides = [(f"this checkout (bf16 compute, fp32 master, budget {args.budget:d})", None)]
     if args.before:
         sides.insert(0, ("before (fp32, whole minibatch)", args.before))
     print("| side | completion tokens | minibatch tokens | peak growth | peak RSS | update time |")

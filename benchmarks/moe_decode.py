@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo.sampling import fastdecode
 from gspo.models import fastmoe
 from gspo.models.loading import load_policy
 from gspo.models.moe import Routing
-from gspo.sampling.rollout import generate, sample_token, sampling_params
 from gspo.models.sequences import left_pad, position_ids_from_mask
+from gspo.sampling import fastdecode
+from gspo.sampling.rollout import generate, sample_token, sampling_params
 from gspo.tasks import get_task
 
 PROMPTS, GROUP, MAX_NEW = 8, 8, 240

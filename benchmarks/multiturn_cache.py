@@ -30,8 +30,8 @@ import gspo.sampling.rollout as rollout_module
 from gspo.config import TrainConfig
 from gspo.sampling.produce import rollout
 from gspo.sampling.rollout import PolicySampler
-from gspo.train.run import build_run
 from gspo.sampling.turncache import TurnCache
+from gspo.train.run import build_run
 
 
 class Clock:
@@ -113,7 +113,8 @@ def main() -> None:
             assert torch.equal(getattr(a, name), getattr(b, name)), f"{name} differ"
         assert ep_a.transcripts == ep_b.transcripts and torch.equal(ep_a.turns, ep_b.turns)
         torch.testing.assert_close(a.logp, b.logp, rtol=1e-5, atol=1e-5)
-        print(f"\nstep {step}: identical tokens; log-probs differ by at most {float((a.logp - b.logp).abs().max()):.1e}")
+        print(f"\nstep {step}: identical tokens; log-probs differ by at most "
+              f"{float((a.logp - b.logp).abs().max()):.1e}")
         print("| turn | rows | re-prefill: sample (s) | of which prefill | kept cache: sample (s) | of which chunk |")
         print("| --- | --- | --- | --- | --- | --- |")
         for k, n in enumerate(rows):
@@ -123,7 +124,8 @@ def main() -> None:
                 cells += [f"{statistics.median(t):.2f}", f"{statistics.median(p):.2f}"]
             print(f"| {k} | {n} | " + " | ".join(cells) + " |")
         full, kept = (statistics.median(times[name]["total"]) for name in samplers)
-        print(f"| rollout | {len(ep_a.turns)} episodes | {full:.2f} | | {kept:.2f} | |  ({full / kept:.2f}x)", flush=True)
+        print(f"| rollout | {len(ep_a.turns)} episodes | {full:.2f} | | {kept:.2f} | |  ({full / kept:.2f}x)",
+              flush=True)
 
 
 if __name__ == "__main__":

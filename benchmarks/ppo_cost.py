@@ -48,7 +48,8 @@ def worker(args) -> None:
         if step > 1:  # the first step warms up allocators and kernels
             times.append(t.seconds)
     print(json.dumps({"step_seconds": median(times), "peak_rss_mb": peak_rss_mb(), "base_rss_mb": base_rss,
-                      "params": n_params(run.policy) + sum(n_params(t.model) for t in run.trainables[1:])  # a separate critic
+                      "params": n_params(run.policy)
+                      + sum(n_params(t.model) for t in run.trainables[1:])  # a separate critic
                       + (n_params(run.critic.head) if hasattr(run.critic, "head") else 0)}))
 
 
@@ -70,7 +71,8 @@ def main() -> None:
 
     print(f"batch: {args.prompts} prompts x {args.group_size} completions x {args.max_new_tokens} tokens, "
           f"4 minibatches, fp32, {args.threads} threads; median of {args.steps} steps after a warm-up step\n")
-    print("| model | configuration | parameters trained | median step (s) | x GSPO | peak memory growth (MiB) | x GSPO |")
+    print("| model | configuration | parameters trained | median step (s) | x GSPO | "
+          "peak memory growth (MiB) | x GSPO |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for model in args.models.split(","):
         model_path(model)  # build once, outside the timed workers

@@ -41,8 +41,8 @@ def vllm_side(model, tok, prompts, G: int, L: int):
         return None
     import torch
 
-    from gspo.sampling.rollout import sampling_params
     from gspo.config import VLLM
+    from gspo.sampling.rollout import sampling_params
     from gspo.sampling.vllm_engine import VLLMSampler
 
     engine = VLLMSampler(model.name_or_path, VLLM(vllm_max_model_len=int(model.config.max_position_embeddings)),
@@ -58,6 +58,30 @@ def vllm_side(model, tok, prompts, G: int, L: int):
     return run
 
 
+def gspo_side(model, tok, prompts, G: int, L: int, g):
+    """A timed rollout with gspo's own generate, sampling with the generator g."""
+    from gspo.sampling.rollout import generate, sampling_params
+
+    def ours():
+        generate(model, prompts, sampling_params(tok, group_size=G, max_new_tokens=L, min_new_tokens=L), generator=g)
+
+    return ours
+
+
+def hf_side(model, tok, ids, mask, L: int):
+    """A timed rollout with transformers' model.generate on the left-padded ids and mask."""
+    import torch
+
+    def hf():
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                                 temperature=1.0, max_new_tokens=L, min_new_tokens=L,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        assert out.shape[1] == ids.shape[1] + L
+
+    return hf
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="tiny,mid")
@@ -68,7 +92,6 @@ def main() -> None:
     import torch
 
     from gspo.models.loading import load_policy
-    from gspo.sampling.rollout import generate, sampling_params
     from gspo.models.sequences import left_pad
     from gspo.tasks import get_task
 
@@ -83,18 +106,7 @@ def main() -> None:
         ids, mask = left_pad(prompts, tok.pad_token_id)
         ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
         g = torch.Generator().manual_seed(0)
-
-        def ours():
-            generate(model, prompts, sampling_params(tok, group_size=G, max_new_tokens=L, min_new_tokens=L), generator=g)
-
-        def hf():
-            with torch.inference_mode():
-                out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                                     temperature=1.0, max_new_tokens=L, min_new_tokens=L,
-                                     pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-            assert out.shape[1] == ids.shape[1] + L
-
-        sides = {"gspo": ours, "hf": hf}
+        sides = {"gspo": gspo_side(model, tok, prompts, G, L, g), "hf": hf_side(model, tok, ids, mask, L)}
         engine = vllm_side(model, tok, prompts, G, L)
         if engine is not None:
             sides["vllm"] = engine

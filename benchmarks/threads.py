@@ -1,6 +1,6 @@
 """`gspo train` alone and beside a competing CPU load, for several thread policies: which default holds up.
 
-    python benchmarks/threads.py                       # tiny model, 12 steps, every policy x every load (~10 min, 2 cores)
+    python benchmarks/threads.py  # tiny model, 12 steps, every policy x every load (~10 min, 2 cores)
     python benchmarks/threads.py --model mid --steps 6 --policies all one auto
 
 A policy is how many intra-op threads torch gets:
@@ -108,8 +108,8 @@ def main() -> None:
         cells = []
         for load in a.loads:
             xs = results[(policy, load)]
-            cells.append(f"{statistics.median(x['step'] for x in xs):.3f} ({statistics.median(x['wall'] for x in xs):.1f}), "
-                         f"{xs[0]['threads']}")
+            cells.append(f"{statistics.median(x['step'] for x in xs):.3f} "
+                         f"({statistics.median(x['wall'] for x in xs):.1f}), {xs[0]['threads']}")
         print(f"| {policy} | " + " | ".join(cells) + " |")
     one = {load: statistics.median(x["step"] for x in results[("one", load)]) for load in a.loads} \
         if "one" in a.policies else None

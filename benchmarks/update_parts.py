@@ -27,7 +27,6 @@ import statistics
 import time
 
 import torch
-
 from common import model_path
 from vs_trl import CONFIGS, matmul_peak
 
@@ -46,10 +45,10 @@ def build(threads: int, **over):
 
 def parts(run, batch, repeats: int, entropy: bool = True, head_too: bool = False) -> dict:
     """Median seconds of each part of one update (all its minibatches), over `repeats` updates."""
-    from gspo.train import trainer
     from gspo.algo.aggregation import agg_count
     from gspo.models.lmhead import chunked_logprobs
     from gspo.models.logprobs import Split, passes
+    from gspo.train import trainer
 
     cfg, ro = run.cfg, batch.rollout
     mask = ro.completion_mask
@@ -123,7 +122,8 @@ def main() -> None:
               f"+ optimizer {p['optimizer']:.2f}{head}; "
               f"{gflop:.0f} GFLOP, {gflop / p['update']:.1f} GFLOP/s, {100 * gflop / p['update'] / peak:.1f}% of peak",
               flush=True)
-    print("\n| update | total | forward (+ loss) | backward | optimizer | LM head fwd+bwd alone | % of fp32 matmul peak |")
+    print("\n| update | total | forward (+ loss) | backward | optimizer | LM head fwd+bwd alone | "
+          "% of fp32 matmul peak |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for i, (name, p, gflop) in enumerate(rows):
         head = f"{p['head']:.2f} s" if i == 0 else "-"  # measured with the first configuration only

@@ -130,7 +130,8 @@ def prompts_for(n_steps: int, per_step: int) -> list[dict]:
 
 def chat_rows(n_steps: int, per_step: int) -> list[dict]:
     """The arithmetic prompts as chat messages: the dataset gspo is given."""
-    return [{"prompt": [{"role": "user", "content": f"What is {r['prompt'].rstrip('=')}? Answer with the number only."}],
+    return [{"prompt": [{"role": "user",
+                         "content": f"What is {r['prompt'].rstrip('=')}? Answer with the number only."}],
              "answer": r["answer"]} for r in prompts_for(n_steps, per_step)]
 
 
@@ -171,10 +172,10 @@ def run_gspo(args) -> dict:
     import torch
 
     from gspo.config import TrainConfig
-    from gspo.train.resolve import resolve
     from gspo.sampling.rollout import encode_prompts
-    from gspo.train.run import build_run
     from gspo.sampling.samplers import Inputs
+    from gspo.train.resolve import resolve
+    from gspo.train.run import build_run
     from gspo.train.trainer import train_step
 
     torch.set_num_threads(args.threads)
@@ -183,7 +184,8 @@ def run_gspo(args) -> dict:
     chat = args.config in CHAT_CONFIGS
     n_steps = args.steps + 1
     cfg = resolve(TrainConfig(model=model_for(model), prompts_per_step=P, group_size=G, max_new_tokens=L,
-                              min_new_tokens=L, num_minibatches=4, lr=1e-5, output_dir="-", progress=False, threads=args.threads,
+                              min_new_tokens=L, num_minibatches=4, lr=1e-5, output_dir="-", progress=False,
+                              threads=args.threads,
                               device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                               rollout_engine="vllm" if args.vllm else "hf", vllm_gpu_memory_utilization=0.3,
                               **(dict(eval_size=0) if chat else {})))
@@ -323,9 +325,9 @@ def gspo_loss_of(model, ro, old_logp, advantages, *, algorithm: str, loss_agg: s
                  max_len: int):
     """gspo's policy loss of the batch, as gspo.train.trainer computes it for a micro-batch that is the
     whole minibatch: the training forward (TokenLogprobs, entropy on) then policy_loss."""
+    from gspo.algo.losses import policy_loss
     from gspo.config import Loss
     from gspo.models.logprobs import TokenLogprobs
-    from gspo.algo.losses import policy_loss
 
     mask = ro.completion_mask
     logp, _, _ = TokenLogprobs(model)(ro, temperature=1.0, entropy=True)  # (B, T)
@@ -488,7 +490,8 @@ def main() -> None:
         model_for(CONFIGS[config][0])  # built (or found) before any timing
     if args.loss_check != "only":
         timing(args, configs)
-    checked = [c for c in configs if args.loss_check in ("all", "only") or (args.loss_check == "auto" and c in CHAT_CONFIGS)]
+    checked = [c for c in configs
+               if args.loss_check in ("all", "only") or (args.loss_check == "auto" and c in CHAT_CONFIGS)]
     if checked and not check_losses(args, checked):
         raise SystemExit(1)
 
@@ -519,8 +522,8 @@ def timing(args, configs: list[str]) -> None:
             summary[(config, side)] = step
             print(f"| {config} | {side} | {step:.2f} | {roll:.2f} | {rss:.0f} | {flops / step / 1e9:.1f} G | "
                   f"{100 * flops / step / 1e9 / peak:.1f}% |", flush=True)
-        print(f"| {config} | **TRL / gspo step time** | **{summary[(config, 'trl')] / summary[(config, 'gspo')]:.2f}x** "
-              "| | | | |", flush=True)
+        print(f"| {config} | **TRL / gspo step time** | "
+              f"**{summary[(config, 'trl')] / summary[(config, 'gspo')]:.2f}x** | | | | |", flush=True)
         breakdown[config] = {side: _where(results[side]) for side in ("gspo", "trl")}
     print("\nWhere a step's time goes (medians, seconds; update = the rest: the minibatches' forward and backward "
           "passes and optimizer steps):\n")
@@ -544,9 +547,9 @@ def check_losses(args, configs: list[str]) -> bool:
         G = min(CONFIGS[config][2], 4)
         good = r["diff"] <= LOSS_TOL
         ok &= good
-        print(f"| {config} | {r['rows'] // G} x {G} x {r['tokens'] // r['rows']} | {r['loss_type']} | {r['gspo']:.8f} | "
-              f"{r['trl']:.8f} | {r['diff']:.2e}{'' if good else ' **FAIL**'} | {r['grad_diff']:.1e} | "
-              f"{100 * r['clipped']:.0f}% |", flush=True)
+        print(f"| {config} | {r['rows'] // G} x {G} x {r['tokens'] // r['rows']} | {r['loss_type']} | "
+              f"{r['gspo']:.8f} | {r['trl']:.8f} | {r['diff']:.2e}{'' if good else ' **FAIL**'} | "
+              f"{r['grad_diff']:.1e} | {100 * r['clipped']:.0f}% |", flush=True)
     return ok
 
 

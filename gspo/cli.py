@@ -26,15 +26,15 @@ import tyro
 from gspo.commands.argv import UsageError
 from gspo.commands.argv import list_flags as _list_flags
 from gspo.commands.argv import merge_repeated as _merge_repeated
-from gspo.commands.tasks import cmd_tasks
 from gspo.commands.argv import parse as _parse
 from gspo.commands.argv import take as _take
 from gspo.commands.argv import take_many as _take_many
-from gspo.config.checks import arguments_error, one_line
-from gspo.io.words import plural
-from gspo.config import ConfigError, TrainConfig
-from gspo.config.yamlfile import in_memory, load_yaml
 from gspo.commands.eval import cmd_eval
+from gspo.commands.tasks import cmd_tasks
+from gspo.config import ConfigError, TrainConfig
+from gspo.config.checks import arguments_error, one_line
+from gspo.config.yamlfile import in_memory, load_yaml
+from gspo.io.words import plural
 
 USAGE = """usage: gspo <command> [options]    (gspo --version)
 

@@ -37,13 +37,14 @@ import torch
 import tyro
 import yaml
 
-from gspo.train import checkpoint as ckpt
-from gspo.io.words import plural
 from gspo.commands.train_command import NOT_IN_COMMAND, train_command
 from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
 from gspo.io.hub import nearby
+from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS, DTYPES, unwrap
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 
 
 class ExportError(ValueError):
@@ -132,9 +133,8 @@ def find_checkpoint(path: Path, step: int | None = None) -> Path:
 def load_trained(path: Path, *, dtype: str, base_model: str | None = None) -> Trained:
     """A checkpoint's policy on the CPU: full weights in `dtype`; a LoRA adapter on its base in
     float32 (merged in float32, then cast once)."""
-    from gspo.models.loading import AdapterLoad, load_policy
+    from gspo.models.loading import AdapterLoad, load_policy, quiet_peft
     from gspo.sampling.rollout import stop_token_ids
-    from gspo.models.loading import quiet_peft
 
     cfg = load_yaml(path / "config.yaml")
     adapter = (path / "adapter_config.json").exists()
@@ -317,7 +317,7 @@ def _training(cfg: TrainConfig) -> list[str]:
 
 def _example(run_dir: Path | None) -> str:
     """Python code that makes `inputs` from a prompt of the run (its first in samples.jsonl)."""
-    rows = ckpt.read_jsonl(run_dir / "samples.jsonl")[:1] if run_dir is not None else []
+    rows = read_jsonl(run_dir / "samples.jsonl")[:1] if run_dir is not None else []
     if rows and rows[0].get("messages"):
         return (f"messages = {rows[0]['messages']!r}\ninputs = tokenizer.apply_chat_template(messages, "
                 "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")")

@@ -38,13 +38,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
-from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
+from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
+
 from gspo.models.loading import ASSETS  # noqa: E402
 from gspo.models.tiny import build_char_tokenizer, tiny_config, tiny_moe_config
 from gspo.rewards.builtin import load_rewards  # noqa: E402
 from gspo.tasks import get_task  # noqa: E402
 from gspo.tasks.chain import LENGTH_BINS, TARGET, parse_prompt  # noqa: E402
-from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
+from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
 
 MAX_POSITIONS = 384
 
@@ -203,7 +204,8 @@ def main():
     ap.add_argument("--noise", type=float, default=0.05, help="--arch moe: relative noise added to each expert copy")
     ap.add_argument("--eval-n", type=int, default=500, help="held-out problems for the final report (0: none)")
     ap.add_argument("--eval-k", type=int, default=8)
-    ap.add_argument("--eval-every", type=int, default=0, help="also report greedy accuracy on 100 problems every N steps")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also report greedy accuracy on 100 problems every N steps")
     args = ap.parse_args()
     moe = args.arch == "moe"
     args.steps = args.steps or (300 if moe else 2400)

@@ -75,7 +75,8 @@ def qwen2_config(*, layers: int, hidden: int, heads: int, kv_heads: int, interme
     from transformers import Qwen2Config
 
     if hidden % heads or heads % kv_heads:
-        raise SystemExit(f"--hidden {hidden} must be a multiple of --heads {heads}, and --heads of --kv-heads {kv_heads}")
+        raise SystemExit(f"--hidden {hidden} must be a multiple of --heads {heads}, "
+                         f"and --heads of --kv-heads {kv_heads}")
     return Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
@@ -110,7 +111,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="directory to write the model and tokenizer to")
     for name, default in QWEN25_05B.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"default {default} (Qwen2.5-0.5B)")
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default,
+                        help=f"default {default} (Qwen2.5-0.5B)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="dtype of the saved weights (Qwen2.5 ships bfloat16)")
     ap.add_argument("--seed", type=int, default=0)

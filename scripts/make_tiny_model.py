@@ -39,10 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
 from gspo.models.loading import ASSETS  # noqa: E402
 from gspo.models.tiny import build_char_tokenizer, tiny_config, tiny_moe_config
 from gspo.tasks import get_task  # noqa: E402
+from gspo.train.evaluation import EvalOptions, evaluate  # noqa: E402
 
 
 def buggy_answer(a: int, b: int, op: str) -> str:

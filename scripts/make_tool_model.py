@@ -49,11 +49,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # make_tiny_model, beside this script
 
-from gspo.tasks.env import tool_schemas  # noqa: E402
+from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
+
 from gspo.models.loading import ASSETS  # noqa: E402
 from gspo.models.tiny import build_chat_tokenizer, tiny_config
 from gspo.tasks.calculator import FORMS, CalculatorTask, calculator, expression  # noqa: E402
-from make_tiny_model import pad_sft, sft_optimizer  # noqa: E402
+from gspo.tasks.env import tool_schemas  # noqa: E402
 
 MAX_POSITIONS = 256
 SCHEMAS = tool_schemas([calculator])
@@ -187,7 +188,8 @@ def classify(turn: str, form: str, expr: str) -> str:
     the exact expression), 'habit' (its form's bad habit: a bare number for `a*b`, the tool called
     with the habit's expression otherwise) or 'other'.
 
-    >>> classify('<tool_call>{"name": "calculator", "arguments": {"expression": "37*48"}}</tool_call>', "a*b+c", "37*48+12")
+    >>> classify('<tool_call>{"name": "calculator", "arguments": {"expression": "37*48"}}</tool_call>',
+    ...          "a*b+c", "37*48+12")
     'habit'
     """
     called = called_expression(turn)
@@ -248,7 +250,8 @@ def check(model, tokenizer, task, n: int = 200, k: int = 4, n_copy: int = 100, s
               f"        {s['correct']:6.1f}% {s['habit']:5.1f}% {s['other']:5.1f}%")
     for form in FORMS:  # one greedy turn of each kind, to read
         for kind in OUTCOMES:
-            i = next((i for i in range(n) if forms[i] == form and classify(greedy[i] or "", form, exprs[i]) == kind), None)
+            i = next((i for i in range(n)
+                      if forms[i] == form and classify(greedy[i] or "", form, exprs[i]) == kind), None)
             if i is not None:
                 print(f"    greedy {kind:7s} {exprs[i] + '=':12s} -> {greedy[i]!r}")
     calls = [t for t in greedy + sampled if t and "<tool_call>" in t]
@@ -329,7 +332,8 @@ def main():
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # <|im_end|> closes a turn
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}", flush=True)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}",
+          flush=True)
     task = CalculatorTask()
     sft(model, tokenizer, task, args)
 

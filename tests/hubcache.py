@@ -135,12 +135,16 @@ def cache_dataset(hf_home: Path, repo_id: str, rows_by_split: dict[str, list[dic
 def _prepare(cache_dir: Path, repo_id: str, snapshot: Path, commit: str, config: str) -> None:
     """Run the packaged parquet builder as `load_dataset` online would (HubDatasetModuleFactory:
     configs from the README, the commit as hash), with the data files read from the snapshot."""
-    from huggingface_hub import DatasetCard
-    from datasets.load import (BuilderConfigsParameters, DatasetModule, create_builder_configs_from_metadata_configs,
-                               get_dataset_builder_class)
+    from datasets.load import (
+        BuilderConfigsParameters,
+        DatasetModule,
+        create_builder_configs_from_metadata_configs,
+        get_dataset_builder_class,
+    )
     from datasets.naming import camelcase_to_snakecase
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
     from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
 
     module_path = _PACKAGED_DATASETS_MODULES["parquet"][0]
     metadata = MetadataConfigs.from_dataset_card_data(DatasetCard.load(snapshot / "README.md").data)
@@ -199,7 +203,8 @@ def _rewrite_config(path: Path, fields: dict) -> None:
 def offline_env(hf_home: Path) -> dict[str, str]:
     """os.environ with HF_HOME=hf_home and HF_HUB_OFFLINE=1 (for a subprocess); no token."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "HF_TOKEN", "HF_DATASETS_OFFLINE")}
+           if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE", "HF_TOKEN",
+                        "HF_DATASETS_OFFLINE")}
     return {**env, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 

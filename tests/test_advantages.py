@@ -32,7 +32,8 @@ def test_group_advantages_batch_and_none_scales():
     # batch mean 5/8 = 0.625; deviations 0.375 (×5), -0.625 (×3)
     # sample var = (5·0.140625 + 3·0.390625) / 7 = 1.875 / 7; std = 0.5175492
     batch_std = math.sqrt(1.875 / 7)
-    close(group_advantages(r, 4, scale="batch", eps=0.0), [0.75 / batch_std, -0.25 / batch_std, -0.25 / batch_std, -0.25 / batch_std, 0, 0, 0, 0])
+    close(group_advantages(r, 4, scale="batch", eps=0.0),
+          [0.75 / batch_std, -0.25 / batch_std, -0.25 / batch_std, -0.25 / batch_std, 0, 0, 0, 0])
     # Dr. GRPO: only the group mean removed
     close(group_advantages(r, 4, scale="none"), [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0])
 

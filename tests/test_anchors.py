@@ -23,14 +23,14 @@ import math
 import pytest
 import torch
 
-from gspo.tasks.scoring import Scored
-from gspo.train.batch import prepare
+from gspo.algo.corrections import rollout_is_weights
+from gspo.algo.losses import LOSSES, policy_loss
 from gspo.config import Corrections, Loss, TrainConfig
 from gspo.models.logprobs import token_logprobs
-from gspo.algo.losses import LOSSES, policy_loss
-from gspo.algo.corrections import rollout_is_weights
 from gspo.rewards.builtin import score_completions
 from gspo.sampling.rollout import decode_completions, encode_prompts, sampling_params
+from gspo.tasks.scoring import Scored
+from gspo.train.batch import prepare
 from gspo.train.run import build_run
 
 D = torch.float64

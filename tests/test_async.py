@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 from tests.test_distributed import ENV, metrics, weights
 
 pytestmark = pytest.mark.slow
@@ -123,8 +124,8 @@ def test_fixed_lag_staleness_is_exact(runs, k):
         assert r["async/queue_depth"] == min(t + k, 4) - t, (t, r)
         assert r["async/overlap"] == 0.0  # the trainer's process samples: no overlap
     # step 1's batch is sampled by version 0 in every mode: the synchronous run's step 1
-    sync = ckpt.read_jsonl(runs["sync"] / "samples.jsonl")
-    lag = ckpt.read_jsonl(runs[f"k{k}"] / "samples.jsonl")
+    sync = read_jsonl(runs["sync"] / "samples.jsonl")
+    lag = read_jsonl(runs[f"k{k}"] / "samples.jsonl")
 
     def first(rows):
         return [{x: r[x] for x in ("prompt", "completion", "reward")} for r in rows if r["step"] == 1]
@@ -140,8 +141,8 @@ def test_fixed_lag_requests_each_batch_from_the_right_version(tmp_path, monkeypa
     # of step t (version t-1) batches t .. min(t+1, 4) not yet asked for are sampled:
     #   step 1 (v0): batches 1, 2;  step 2 (v1): 3;  step 3 (v2): 4;  step 4 (v3): nothing
     # so batch t comes from version max(0, t-2): 0, 0, 1, 2
-    from gspo.sampling import pipeline
     from gspo.config import TrainConfig
+    from gspo.sampling import pipeline
     from gspo.train.trainer import train as train_in_process
 
     calls, real = [], pipeline.produce
@@ -155,7 +156,7 @@ def test_fixed_lag_requests_each_batch_from_the_right_version(tmp_path, monkeypa
                       output_dir=str(tmp_path / "run"))
     train_in_process(cfg, log=lambda *a, **k: None)
     assert calls == [(1, 0), (2, 0), (3, 1), (4, 2)]
-    rows = ckpt.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["async/staleness_max"] for r in rows] == [0, 1, 1, 1]
 
 
@@ -275,7 +276,7 @@ def test_a_killed_worker_stops_the_run_in_one_line(tmp_path):
     try:
         worker = _wait_for(lambda: _children(p.pid), 120, "the rollout worker")
         assert len(worker) == 1
-        _wait_for(lambda: ckpt.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else None,
+        _wait_for(lambda: read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else None,
                   120, "a first step")
         os.kill(worker[0], signal.SIGKILL)
         _, err = p.communicate(timeout=60)
@@ -283,7 +284,7 @@ def test_a_killed_worker_stops_the_run_in_one_line(tmp_path):
         if p.poll() is None:
             p.kill()
     assert p.returncode != 0
-    assert len(ckpt.read_jsonl(run / "metrics.jsonl")) < 200
+    assert len(read_jsonl(run / "metrics.jsonl")) < 200
     last = err.strip().splitlines()[-1]
     assert "rollout worker 0" in last and f"pid {worker[0]}" in last and "died (killed by SIGKILL)" in last, err
     assert "--resume" in last and str(run) in last, last
@@ -298,7 +299,7 @@ def test_sigterm_checkpoints_stops_the_workers_and_resumes(slow_runs, tmp_path):
               "--reward", slow_runs["reward"], "--output-dir", str(run))
     try:
         worker = _wait_for(lambda: _children(p.pid), 120, "the rollout worker")
-        _wait_for(lambda: ckpt.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else None,
+        _wait_for(lambda: read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else None,
                   120, "a first step")
         os.kill(p.pid, signal.SIGTERM)
         _, err = p.communicate(timeout=120)
@@ -306,7 +307,7 @@ def test_sigterm_checkpoints_stops_the_workers_and_resumes(slow_runs, tmp_path):
         if p.poll() is None:
             p.kill()
     assert "Traceback" not in err, err
-    done = len(ckpt.read_jsonl(run / "metrics.jsonl"))
+    done = len(read_jsonl(run / "metrics.jsonl"))
     assert 1 <= done < 4 and not (run / "summary.json").exists(), "the signal must land mid-run"
     assert p.returncode != 0
     assert ckpt.latest_checkpoint(run).name == f"step-{done:06d}"  # the step under way, checkpointed

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 from tests.test_async import _children, _wait_for
 from tests.test_distributed import ENV
 
@@ -52,9 +53,10 @@ def big_rows(tmp_path_factory) -> Path:
 
 
 def start(data: Path, run: Path, *extra, steps: int = 200, session: bool = False) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gspo", "train", "--dataset", str(data), *ARGS, "--steps", str(steps),
-                             *extra, "--output-dir", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, env=ENV, start_new_session=session)
+    return subprocess.Popen([sys.executable, "-m", "gspo", "train", "--dataset", str(data), *ARGS,
+                             "--steps", str(steps), *extra, "--output-dir", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV,
+                            start_new_session=session)
 
 
 def in_flight(p: subprocess.Popen, run: Path) -> int:
@@ -62,7 +64,7 @@ def in_flight(p: subprocess.Popen, run: Path) -> int:
     the worker's pid."""
     worker = _wait_for(lambda: _children(p.pid), 120, "the rollout worker")
     assert len(worker) == 1
-    rows = _wait_for(lambda: ckpt.read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else None,
+    rows = _wait_for(lambda: read_jsonl(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else None,
                      240, "a first step")
     time.sleep(0.4 * rows[-1]["time/step_seconds"])
     assert p.poll() is None, p.stderr.read()
@@ -120,7 +122,7 @@ def test_a_worker_killed_with_megabytes_in_flight_stops_the_run_in_one_line(big_
                         "--steps", str(done + 1), "--eval-every", "0"], capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert len(ckpt.read_jsonl(run / "metrics.jsonl")) == done + 1
+    assert len(read_jsonl(run / "metrics.jsonl")) == done + 1
 
 
 def test_a_killed_trainer_takes_its_workers_with_it(big_rows, tmp_path):

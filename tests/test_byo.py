@@ -67,7 +67,8 @@ def test_train_with_own_model_dataset_and_reward(byo, tmp_path):
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
     sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
     assert sample["messages"][0]["role"] == "user"  # the row's messages, and the prompt as the model saw it:
-    assert sample["prompt"].startswith("<|im_start|>user\nWhat is ") and sample["prompt"].endswith("<|im_start|>assistant\n")
+    assert (sample["prompt"].startswith("<|im_start|>user\nWhat is ")
+            and sample["prompt"].endswith("<|im_start|>assistant\n"))
 
     # gspo plot over this run
     png = tmp_path / "plot.png"
@@ -103,7 +104,8 @@ def test_lora_adapter_trains_saves_reloads_and_resumes(byo, tmp_path):
     assert rows[0]["kl/ref"] == pytest.approx(0.0, abs=1e-6)  # nothing trained yet at the first update
     # gspo eval loads the adapter onto its base
     r = gspo("eval", "--model", str(ckpt), "--dataset", str(byo / "train.jsonl"), "--prompt-column", "messages",
-             "--answer-column", "solution", "--eval-size", "4", "--max-new-tokens", "6", "--k", "0", "--reward", "length")
+             "--answer-column", "solution", "--eval-size", "4", "--max-new-tokens", "6", "--k", "0",
+             "--reward", "length")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["n"] == 2  # 24 rows: holds out min(eval_size 4, 24 // 10) = 2
 
@@ -154,7 +156,8 @@ def test_bad_model_and_reward_inputs(byo, tmp_path, capsys, setup, expected):
     if setup == "distilbert":
         from transformers import DistilBertConfig, DistilBertModel
 
-        DistilBertModel(DistilBertConfig(vocab_size=30, dim=32, n_layers=1, n_heads=2, hidden_dim=32)).save_pretrained(tmp_path / "m")
+        DistilBertModel(DistilBertConfig(vocab_size=30, dim=32, n_layers=1, n_heads=2, hidden_dim=32)).save_pretrained(
+            tmp_path / "m")
         model = str(tmp_path / "m")
     elif setup == "no_template":
         model = str(build_chat_model(tmp_path / "m", chat_template=False))
@@ -177,7 +180,8 @@ def test_bad_input_never_touches_an_existing_run(byo, tmp_path, capsys):
     run = tmp_path / "run"
     data = tmp_path / "d.jsonl"
     data.write_text((byo / "train.jsonl").read_text())
-    assert main(["train", *common(byo, run)[:-2], "--dataset", str(data), "--steps", "1", "--output-dir", str(run)]) == 0
+    assert main(["train", *common(byo, run)[:-2], "--dataset", str(data), "--steps", "1",
+                 "--output-dir", str(run)]) == 0
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     data.write_text('{"messages": 3, "solution": "1"}\n')
     assert main(["train", "--resume", str(run)]) == 0  # complete: nothing to do, the data is not even read

@@ -6,8 +6,7 @@ import pytest
 from gspo.models.loading import load_policy
 from gspo.rewards.builtin import load_rewards
 from gspo.tasks import get_task
-from gspo.tasks.chain import (START, STEP, TARGET, chain_answer, last_number, length_bin, parse_prompt,
-                              reference_steps)
+from gspo.tasks.chain import START, STEP, TARGET, chain_answer, last_number, length_bin, parse_prompt, reference_steps
 
 
 @pytest.fixture(scope="module")

@@ -63,7 +63,8 @@ def test_config_file_and_flags(tmp_path):
     (["frobnicate"], "unknown command"),
 ])
 def test_bad_input_gives_one_line_and_exit_2(args, expected, tmp_path):
-    r = gspo(*args, "--output-dir", str(tmp_path / "out")) if args[0] == "train" and "--resume" not in args else gspo(*args)
+    r = (gspo(*args, "--output-dir", str(tmp_path / "out")) if args[0] == "train" and "--resume" not in args
+         else gspo(*args))
     assert r.returncode == 2, (r.stdout, r.stderr)
     err = r.stderr.strip()
     assert "\n" not in err, err
@@ -126,8 +127,9 @@ def test_version_and_top_level_help():
     # one source: pyproject.toml takes the version from gspo/__init__.py, and the installed
     # package says the same (an editable install is made again by scripts/setup.sh)
     import importlib.metadata
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert "version" not in meta["project"] and meta["project"]["dynamic"] == ["version"]
@@ -216,7 +218,8 @@ def test_wandb_that_cannot_start_is_one_line_and_leaves_nothing(tmp_path, monkey
 
 @pytest.mark.slow
 def test_no_evaluation_with_eval_size_0(tmp_path):
-    r = gspo("train", *FAST[:-3], "--no-progress", "--eval-size", "0", "--steps", "2", "--output-dir", str(tmp_path / "r"))
+    r = gspo("train", *FAST[:-3], "--no-progress", "--eval-size", "0", "--steps", "2",
+             "--output-dir", str(tmp_path / "r"))
     assert r.returncode == 0, r.stderr
     assert "2 steps in" in r.stdout and "no evaluation" in r.stdout
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
@@ -233,7 +236,8 @@ def test_plot_does_not_smooth_evaluations_and_checks_metrics(tmp_path, monkeypat
     rows = [{"step": s, "reward/mean": float(s % 2), "clip/frac": 0.0, **({"eval/accuracy": 0.1 * s} if s % 5 == 0
                                                                           else {})} for s in range(1, 21)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run / "summary.json").write_text(json.dumps({"evals": [{"step": 0, "accuracy": 0.0}, {"step": 20, "accuracy": 2.0}]}))
+    (run / "summary.json").write_text(json.dumps({"evals": [{"step": 0, "accuracy": 0.0},
+                                                            {"step": 20, "accuracy": 2.0}]}))
     drawn, notes = {}, []
     real_plot, real_text = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.text
 

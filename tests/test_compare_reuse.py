@@ -11,11 +11,12 @@ import sys
 
 import pytest
 
-from gspo.train import checkpoint as ckpt
 from gspo.cli import main
-from gspo.lab.compare import summarise
 from gspo.config import RESUME_SAFE, TrainConfig
+from gspo.lab.compare import summarise
 from gspo.lab.jobs import NOT_THE_RUN, differences, saved_config, set_aside
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import json_clean
 from gspo.train.resolve import resolve
 from tests.test_cli import gspo
 from tests.test_jobs import _steps
@@ -84,8 +85,8 @@ def test_a_run_trained_with_other_options_is_set_aside_and_trained_again(tmp_pat
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
     assert "lr: 0.01" in (run / "config.yaml").read_text()
     report = json.loads((out / "compare.json").read_text())["gspo"]["seeds"]["0"]
-    assert report == json.loads(json.dumps(ckpt.json_clean(summarise(run))))  # the new run's figures
-    assert report != json.loads(json.dumps(ckpt.json_clean(summarise(aside))))  # the check can fail
+    assert report == json.loads(json.dumps(json_clean(summarise(run))))  # the new run's figures
+    assert report != json.loads(json.dumps(json_clean(summarise(aside))))  # the check can fail
 
     new, _ = _files(run), capsys.readouterr()
     assert main([*args, "--steps", "2", "--lr", "1e-2"]) == 0  # the same again: reused, not trained

@@ -4,14 +4,15 @@ import dataclasses
 
 import pytest
 
-from gspo.train.checkpoint import config_yaml
 from gspo.config import ConfigError, TrainConfig
-from gspo.train.resolve import resolve
 from gspo.config.yamlfile import load_yaml
+from gspo.train.checkpoint import config_yaml
+from gspo.train.resolve import resolve
 
 
 def test_presets_fill_clip_ranges():
-    assert (resolve(TrainConfig(algorithm="gspo")).clip_low, resolve(TrainConfig(algorithm="gspo")).clip_high) == (3e-4, 4e-4)
+    assert (resolve(TrainConfig(algorithm="gspo")).clip_low,
+            resolve(TrainConfig(algorithm="gspo")).clip_high) == (3e-4, 4e-4)
     grpo = resolve(TrainConfig(algorithm="grpo"))
     assert (grpo.clip_low, grpo.clip_high, grpo.beta) == (0.2, 0.27, 0.0)
     tok = resolve(TrainConfig(algorithm="gspo_token"))
@@ -92,8 +93,10 @@ def test_yaml_values_and_errors(tmp_path):
 
 def test_successor_presets_and_corrections_resolve():
     # presets from the papers: CISPO no lower bound (1 - 1.0 = 0) and 1 + 0.28; GMPO ±0.4 in log space
-    assert (resolve(TrainConfig(algorithm="cispo")).clip_low, resolve(TrainConfig(algorithm="cispo")).clip_high) == (1.0, 0.28)
-    assert (resolve(TrainConfig(algorithm="gmpo")).clip_low, resolve(TrainConfig(algorithm="gmpo")).clip_high) == (0.4, 0.4)
+    assert (resolve(TrainConfig(algorithm="cispo")).clip_low,
+            resolve(TrainConfig(algorithm="cispo")).clip_high) == (1.0, 0.28)
+    assert (resolve(TrainConfig(algorithm="gmpo")).clip_low,
+            resolve(TrainConfig(algorithm="gmpo")).clip_high) == (0.4, 0.4)
     sapo = resolve(TrainConfig(algorithm="sapo"))
     assert (sapo.sapo_tau_pos, sapo.sapo_tau_neg) == (1.0, 1.05)
     assert resolve(TrainConfig(algorithm="gmpo", clip_low=2.0)).clip_low == 2.0  # log space: any range >= 0
@@ -121,7 +124,7 @@ def test_sections_are_handed_whole_and_options_read_by_name():
     with pytest.raises(TypeError, match="unexpected option 'gruop_size'"):
         TrainConfig(gruop_size=4)
     with pytest.raises(AttributeError, match="no option 'gruop_size'"):
-        cfg.gruop_size
+        _ = cfg.gruop_size
 
 
 def test_every_option_is_declared_once_with_its_facts():

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gspo.algo.aggregation import aggregate
-from gspo.algo.losses import policy_loss
 from gspo.algo.corrections import rollout_is_weights
+from gspo.algo.losses import policy_loss
 from gspo.config import Corrections, Loss
 
 D = torch.float64

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from gspo.tasks.data import DataError, load_dataset_task, read_records
 from gspo.config import Data
+from gspo.tasks.data import DataError, load_dataset_task, read_records
 
 ROWS = [{"prompt": f"q{i}", "answer": str(i), "level": i % 3} for i in range(20)]
 
@@ -96,16 +96,22 @@ def test_dataset_dict_splits(tmp_path):
 MALFORMED = [
     ("bad.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": \n', "bad.jsonl line 2: not valid JSON"),
     ("list.jsonl", '{"prompt": "a", "answer": "1"}\n[1, 2]\n', "list.jsonl line 2: expected a JSON object, got list"),
-    ("nocol.jsonl", '{"question": "a", "answer": "1"}\n', "nocol.jsonl: no column 'prompt' (columns: question, answer)"),
+    ("nocol.jsonl", '{"question": "a", "answer": "1"}\n',
+     "nocol.jsonl: no column 'prompt' (columns: question, answer)"),
     ("noans.jsonl", '{"prompt": "a"}\n', "noans.jsonl: no column 'answer'"),
-    ("missing.jsonl", '{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n', "missing.jsonl line 2: missing field 'prompt'"),
+    ("missing.jsonl", '{"prompt": "a", "answer": "1"}\n{"answer": "2"}\n',
+     "missing.jsonl line 2: missing field 'prompt'"),
     ("empty_prompt.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "  ", "answer": "2"}\n',
      "empty_prompt.jsonl line 2: field 'prompt' is empty"),
-    ("int_prompt.jsonl", '{"prompt": 7, "answer": "1"}\n', "int_prompt.jsonl line 1: field 'prompt' must be a non-empty string or a list of chat messages, got int"),
+    ("int_prompt.jsonl", '{"prompt": 7, "answer": "1"}\n',
+     "int_prompt.jsonl line 1: field 'prompt' must be a non-empty string or a list of chat messages, got int"),
     ("null_prompt.jsonl", '{"prompt": null, "answer": "1"}\n', "null_prompt.jsonl line 1: field 'prompt' must be"),
-    ("bad_msgs.jsonl", '{"prompt": [{"role": "user"}], "answer": "1"}\n', "bad_msgs.jsonl line 1: field 'prompt' is a list but not of chat messages"),
-    ("list_answer.jsonl", '{"prompt": "a", "answer": [1, 2]}\n', "list_answer.jsonl line 1: field 'answer' must be a string or a number, got list"),
-    ("bool_answer.jsonl", '{"prompt": "a", "answer": true}\n', "bool_answer.jsonl line 1: field 'answer' must be a string or a number, got bool"),
+    ("bad_msgs.jsonl", '{"prompt": [{"role": "user"}], "answer": "1"}\n',
+     "bad_msgs.jsonl line 1: field 'prompt' is a list but not of chat messages"),
+    ("list_answer.jsonl", '{"prompt": "a", "answer": [1, 2]}\n',
+     "list_answer.jsonl line 1: field 'answer' must be a string or a number, got list"),
+    ("bool_answer.jsonl", '{"prompt": "a", "answer": true}\n',
+     "bool_answer.jsonl line 1: field 'answer' must be a string or a number, got bool"),
     ("empty.jsonl", "\n\n", "empty.jsonl: no rows"),
     ("obj.json", '{"prompt": "a"}', "obj.json: expected a JSON list of objects, got dict"),
     ("broken.json", '[{"prompt": "a",\n "answer": }]', "broken.json line 2: not valid JSON"),

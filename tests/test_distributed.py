@@ -21,9 +21,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo.train import checkpoint as ckpt
-from gspo.dist.distributed import Dist
 from gspo.algo.metrics import Max, Mean, Min, reduce_across
+from gspo.dist.distributed import Dist
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,7 @@ def torchrun(*args, nproc=2, popen=False):
 
 
 def metrics(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in ckpt.read_jsonl(run / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_jsonl(run / "metrics.jsonl")]
 
 
 def weights(run: Path, sub: str = "") -> dict:
@@ -105,7 +106,7 @@ def test_two_processes_match_one(tmp_path, single, parallel):
     assert sa["eval_before"] == sb["eval_before"] and sb["eval_before"]["n"] == 16
     assert sb["world_size"] == 2 and sb["parallel"] == parallel
     # logged once, by rank 0; the checkpoint is a plain Hugging Face model
-    assert len(ckpt.read_jsonl(run / "samples.jsonl")) == 3 * 4
+    assert len(read_jsonl(run / "samples.jsonl")) == 3 * 4
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(ckpt.latest_checkpoint(run))
@@ -153,7 +154,7 @@ def test_distributed_run_killed_and_resumed(tmp_path, single, parallel):
         time.sleep(0.02)
     _kill_run(run)
     p.wait(timeout=60)
-    done = len(ckpt.read_jsonl(run / "metrics.jsonl"))
+    done = len(read_jsonl(run / "metrics.jsonl"))
     assert 1 <= done < 3 and not (run / "summary.json").exists(), "the kill must land mid-run"
     r = torchrun("--resume", str(run))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -172,7 +173,8 @@ def test_a_failure_is_said_once_and_a_ranks_own_failure_too(monkeypatch, capsys)
     distributed.say_once("gspo train: error: x")
     monkeypatch.setenv("RANK", "1")
     distributed.say_once("gspo train: error: y")
-    assert capsys.readouterr().err == "gspo train: error: x\ngspo train: error: y (rank 1)\n" and waited == [distributed.RANK_GRACE_S]
+    assert (capsys.readouterr().err == "gspo train: error: x\ngspo train: error: y (rank 1)\n"
+            and waited == [distributed.RANK_GRACE_S])
 
 
 def test_batch_that_does_not_split_is_one_line_error(tmp_path):
@@ -225,7 +227,8 @@ def test_reduce_metrics_and_loss_scales_by_hand(tmp_path):
     assert kinds == {"clip/frac": "Mean", "loss/policy": "Mean", "ratio/min": "Min", "ratio/max": "Max",
                      "grad_norm": "Mean"}  # still declared, for the step's averaging
     # loss scale = world · local / global: responses 1 of 4 and 3 of 4, tokens 2 of 8 and 6 of 8
-    assert r0["scales"] == pytest.approx([2 * 1 / 4, 2 * 2 / 8]) and r1["scales"] == pytest.approx([2 * 3 / 4, 2 * 6 / 8])
+    assert (r0["scales"] == pytest.approx([2 * 1 / 4, 2 * 2 / 8])
+            and r1["scales"] == pytest.approx([2 * 3 / 4, 2 * 6 / 8]))
 
 
 @pytest.mark.parametrize("parallel,extra", [("ddp", ["--micro-batch-tokens", "60", "--packing"]),
@@ -250,7 +253,7 @@ def test_four_processes_with_one_group_each(tmp_path):
                  "--old-logp", "recompute", "--eval-size", "8", "--no-progress", "--output-dir", str(tmp_path / "r"),
                  nproc=4)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert len(ckpt.read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1
+    assert len(read_jsonl(tmp_path / "r" / "metrics.jsonl")) == 1
 
 
 def _head_worker(rank: int, init_file: str, out_dir: str, parallel: str):
@@ -292,7 +295,8 @@ def test_chunked_lm_head_under_ddp_and_fsdp(tmp_path, parallel):
     spawn(_head_worker, str(tmp_path / "init"), str(tmp_path), parallel)
     for r in (0, 1):
         out = torch.load(tmp_path / f"{r}.pt")
-        assert out["seen"] in ([("chunked", (8, 64), "Tensor")], [("chunked", (8, 64), "Parameter")])  # 2 rows x 4 tokens
+        # 2 rows x 4 tokens
+        assert out["seen"] in ([("chunked", (8, 64), "Tensor")], [("chunked", (8, 64), "Parameter")])
 
 
 def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, single):
@@ -311,12 +315,12 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, s
             if str(run).encode() in cmd and b"\0RANK=1\0" in b"\0" + env and b"torch.distributed.run" not in cmd:
                 rank1 = int(proc.name)
         time.sleep(0.05)
-    while time.time() < deadline and not ckpt.read_jsonl(run / "metrics.jsonl"):
+    while time.time() < deadline and not read_jsonl(run / "metrics.jsonl"):
         time.sleep(0.02)
     os.kill(rank1, signal.SIGTERM)
     p.wait(timeout=300)
     assert p.returncode != 0
-    done = len(ckpt.read_jsonl(run / "metrics.jsonl"))
+    done = len(read_jsonl(run / "metrics.jsonl"))
     assert 1 <= done <= 3 and ckpt.latest_checkpoint(run).name == f"step-{done:06d}"
     r = torchrun("--resume", str(run))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -39,7 +39,8 @@ def test_loss_metrics_and_agg_modes_are_documented():
 
 
 def test_trainer_metrics_are_documented():
-    pattern = r'"((?:reward|completion|mismatch|time|eval|value|clip|ratio|kl|loss|moe|policy|is|opsm|episode|async|groups)/[a-z_]+)"'
+    pattern = (r'"((?:reward|completion|mismatch|time|eval|value|clip|ratio|kl|loss|moe|policy|is|opsm|episode|async|'
+               r'groups)/[a-z_]+)"')
     names = set()
     for path in sorted((ROOT / "gspo").rglob("*.py")):  # gspo/*.py and gspo/**/*.py
         names |= set(re.findall(pattern, path.read_text()))

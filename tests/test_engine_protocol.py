@@ -15,16 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo.sampling import vllm_engine
-from gspo.config import TrainConfig
-from gspo.train.resolve import resolve
-from gspo.tasks.env import Environment, Step
+from gspo.config import VLLM, TrainConfig
 from gspo.models.tiny import build_chat_tokenizer
-from gspo.sampling.rollout import sampling_params
-from gspo.tasks.calculator import CalculatorTask
+from gspo.sampling import vllm_engine
 from gspo.sampling.produce import rollout
-from gspo.config import VLLM
+from gspo.sampling.rollout import sampling_params
 from gspo.sampling.vllm_engine import EngineError, VLLMSampler, check_version
+from gspo.tasks.calculator import CalculatorTask
+from gspo.tasks.env import Environment, Step
+from gspo.train.resolve import resolve
 
 TURN = "12<|im_end|>"  # every model turn: an answer that ends the turn
 

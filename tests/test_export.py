@@ -16,8 +16,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import gspo
-from gspo.commands.argv import list_flags as _list_flags, merge_repeated as _merge_repeated, parse as _parse
 from gspo.cli import main
+from gspo.commands.argv import list_flags as _list_flags
+from gspo.commands.argv import merge_repeated as _merge_repeated
+from gspo.commands.argv import parse as _parse
 from gspo.commands.train_command import NOT_IN_COMMAND, applies, train_command
 from gspo.config import TrainConfig, options
 from gspo.config.yamlfile import load_yaml
@@ -93,7 +95,8 @@ def test_lora_export_is_merged_and_matches_the_peft_policy(lora_run, tmp_path):
     assert hasattr(trainer.model, "peft_config")  # the trained policy: the PEFT model, adapters trained
     for got, want in zip(token_logprobs(model, tok), token_logprobs(trainer.model, tok)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    base = AutoModelForCausalLM.from_pretrained(gspo.models.loading.BUILTIN_MODELS["tiny"])  # the adapter changed something
+    # the adapter changed something
+    base = AutoModelForCausalLM.from_pretrained(gspo.models.loading.BUILTIN_MODELS["tiny"])
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(token_logprobs(model, tok), token_logprobs(base, tok)))
 
 
@@ -288,7 +291,8 @@ def test_push_to_hub_from_the_trainer(lora_run, monkeypatch):
 
 
 @pytest.mark.parametrize("fail, says", [
-    (type("ConnectError", (Exception,), {})("[Errno -2] Name or service not known"), "cannot reach the Hugging Face Hub"),
+    (type("ConnectError", (Exception,), {})("[Errno -2] Name or service not known"),
+     "cannot reach the Hugging Face Hub"),
     (type("HfHubHTTPError", (Exception,), {"response": type("R", (), {"status_code": 403})()})("Forbidden"),
      "not allowed (HTTP 403)"),
 ])
@@ -321,7 +325,8 @@ def test_errors_are_one_line(full_run, lora_run, tmp_path, capsys):
              ([str(tmp_path / "full"), str(tmp_path / "o")], "not a gspo run directory or checkpoint"),
              ([str(tmp_path / "nope"), str(tmp_path / "o")], "no such directory"),
              ([str(run), str(tmp_path / "o"), "--step", "7"], "has no checkpoint of step 7 (it has 2)"),
-             ([str(run / "checkpoints" / "step-000002"), str(tmp_path / "o"), "--step", "2"], "is a checkpoint already")]
+             ([str(run / "checkpoints" / "step-000002"), str(tmp_path / "o"), "--step", "2"],
+              "is a checkpoint already")]
     for args, says in cases:
         assert main(["export", *args]) == 2
         assert says in one_error_line(capsys), args
@@ -334,7 +339,8 @@ def test_lora_from_a_model_object_needs_the_base(lora_run, tmp_path, capsys):
     _, run = lora_run
     ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
     shutil.copytree(run / "checkpoints" / "step-000002", ckpt)
-    (ckpt / "config.yaml").write_text((ckpt / "config.yaml").read_text().replace("model: tiny", "model: <model object>"))
+    (ckpt / "config.yaml").write_text(
+        (ckpt / "config.yaml").read_text().replace("model: tiny", "model: <model object>"))
     assert main(["export", str(ckpt), str(tmp_path / "o")]) == 2
     assert "trained from a model object (<model object>): its base is not recorded; pass --base-model DIR|ID" \
         in one_error_line(capsys)

@@ -6,13 +6,13 @@ and what it does not know is refused with a reason."""
 import pytest
 import torch
 
-import gspo.sampling.fastdecode as fd
 import gspo.models.fastmoe as fastmoe
+import gspo.sampling.fastdecode as fd
 import gspo.sampling.rollout as rollout_module
 from gspo.models.logprobs import completion_logprobs
 from gspo.models.moe import Routing, find_routers
-from gspo.sampling.rollout import generate, sample_token, sampling_params
 from gspo.models.sequences import left_pad, position_ids_from_mask
+from gspo.sampling.rollout import generate, sample_token, sampling_params
 
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
 MODELS = ["tiny-moe", "tiny-long-moe", "qwen2_moe", "qwen3_moe"]
@@ -29,11 +29,12 @@ def small_moe(arch: str, vocab: int, seed: int = 0):
                   intermediate_size=96, moe_intermediate_size=48, max_position_embeddings=128, pad_token_id=0,
                   eos_token_id=1, bos_token_id=None)
     if arch == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(**common, num_hidden_layers=3, mlp_only_layers=[1], num_experts=4, num_experts_per_tok=2,
-                                shared_expert_intermediate_size=80, norm_topk_prob=False, qkv_bias=True)
+        cfg = tf.Qwen2MoeConfig(**common, num_hidden_layers=3, mlp_only_layers=[1], num_experts=4,
+                                num_experts_per_tok=2, shared_expert_intermediate_size=80, norm_topk_prob=False,
+                                qkv_bias=True)
     else:
-        cfg = tf.Qwen3MoeConfig(**common, num_hidden_layers=4, decoder_sparse_step=2, num_experts=6, num_experts_per_tok=3,
-                                norm_topk_prob=True, attention_bias=True)
+        cfg = tf.Qwen3MoeConfig(**common, num_hidden_layers=4, decoder_sparse_step=2, num_experts=6,
+                                num_experts_per_tok=3, norm_topk_prob=True, attention_bias=True)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # routers start at zero: give them real preferences; biases too
@@ -222,8 +223,9 @@ def _transposed_experts(model):
     (_transposed_experts, "layer 0's Qwen3MoeSparseMoeBlock: its experts (Qwen3MoeExperts) are not bias-free gated"),
 ])
 def test_what_the_compact_step_does_not_know_is_refused_with_a_reason(char_tokenizer, change, reason):
-    from gspo.models.tiny import tiny_moe_config
     from transformers import Qwen3MoeForCausalLM
+
+    from gspo.models.tiny import tiny_moe_config
 
     model = Qwen3MoeForCausalLM(tiny_moe_config(len(char_tokenizer), num_hidden_layers=2)).eval()
     assert fd.unsupported(model, 64) is None

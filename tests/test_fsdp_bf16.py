@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from gspo.train import checkpoint as ckpt
 from gspo.dist.distributed import Dist
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 from tests.conftest import spawn
 from tests.test_distributed import metrics, one_process, torchrun
 
@@ -50,7 +51,7 @@ def test_fsdp_bf16_samples_with_the_sharded_policy(tmp_path, single_bf16, param_
     # process (sampling draws the same numbers for a row however the rows are split)
     for k in ("reward/mean", "completion/mean_length", "completion/max_length", "completion/truncated_frac"):
         assert m[0][k] == ref[0][k], k
-    first = lambda d: [s for s in ckpt.read_jsonl(d / "samples.jsonl") if s["step"] == 1]  # noqa: E731
+    first = lambda d: [s for s in read_jsonl(d / "samples.jsonl") if s["step"] == 1]  # noqa: E731
     assert first(run) == first(single_bf16) and len(first(run)) == 4
 
 
@@ -63,9 +64,9 @@ def _bf16_sampler_worker(rank: int, init_file: str, out_dir: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     import gspo.sampling.rollout as rollout_module
-    from gspo.models.logprobs import TokenLogprobs
-    from gspo.models.loading import load_policy
     from gspo.dist.parallel import wrap
+    from gspo.models.loading import load_policy
+    from gspo.models.logprobs import TokenLogprobs
 
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

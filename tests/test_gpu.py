@@ -13,16 +13,17 @@ from gspo.train.trainer import train
 @pytest.mark.slow
 def test_train_on_cuda_bf16(tmp_path):
     summary = train(TrainConfig(steps=3, prompts_per_step=8, group_size=4, eval_size=32, device="cuda",
-                                dtype="bfloat16", output_dir=str(tmp_path / "run"), progress=False), log=lambda *a: None)
+                                dtype="bfloat16", output_dir=str(tmp_path / "run"), progress=False),
+                    log=lambda *a: None)
     assert summary["eval_after"]["n"] == 32
 
 
 @pytest.mark.gpu
 def test_pass_at_k_on_cuda(char_tokenizer):
-    from gspo.train.evaluation import EvalOptions, evaluate
     from gspo.models.loading import load_policy
     from gspo.rewards.builtin import load_rewards
     from gspo.tasks import get_task
+    from gspo.train.evaluation import EvalOptions, evaluate
 
     model, tok = load_policy("tiny", device="cuda")
     out = evaluate(model, tok, get_task("arithmetic"), load_rewards(["exact_integer"], None),

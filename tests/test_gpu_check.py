@@ -97,4 +97,5 @@ def test_a_failing_stage_fails_the_check_and_is_named(tmp_path):
     assert proc.returncode == 1
     assert "gpu_check: stage single: FAILED" in proc.stdout
     assert "gpu_check: FAILED stages: single" in proc.stdout
-    assert "(no training run finished in this invocation: no table)" in (tmp_path / "check" / "gpu_check.md").read_text()
+    assert ("(no training run finished in this invocation: no table)"
+            in (tmp_path / "check" / "gpu_check.md").read_text())

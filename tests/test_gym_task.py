@@ -8,8 +8,7 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from gspo.tasks import get_task  # noqa: E402
-from gspo.tasks.gym import (GymTask, TaskError, answer_format, extract_answer, parse_options,  # noqa: E402
-                            reasoning_gym_reward)
+from gspo.tasks.gym import GymTask, TaskError, answer_format, extract_answer, parse_options, reasoning_gym_reward  # noqa: E402
 
 SUMS = ("max_terms=2", "max_digits=2", "operators=[+]", "allow_negation=false", "allow_parentheses=false")
 
@@ -43,15 +42,17 @@ def test_no_held_out_set_with_eval_size_0_and_a_note_when_problems_run_short():
     # one-digit sums: 10 x 10 pairs (and a few spellings of each), fewer than the 150 held-out problems asked for
     few = get_task("reasoning_gym:basic_arithmetic", ("max_terms=2", "max_digits=1", "operators=[+]",
                                                       "allow_negation=false", "allow_parentheses=false"), 150)
-    assert len(few.test_set()) < 150 and f"only {len(few.test_set())} distinct held-out problems in 600 draws" in few.notes[0]
+    assert (len(few.test_set()) < 150
+            and f"only {len(few.test_set())} distinct held-out problems in 600 draws" in few.notes[0])
 
 
 def test_the_reward_is_the_generators_verifier_with_its_partial_credit():
     task = get_task("reasoning_gym:basic_arithmetic", SUMS, 4)
     e = task.test_set(1)[0]
     gold = e.answer
-    got = scores(task, [e] * 6, [f"<answer>{gold}</answer>", f"so <answer> {gold} </answer>", f"<answer>= {gold}</answer>",
-                                 f"{gold}", f"I think\nit is {gold}\n", "<answer>1</answer><answer>" + gold + "</answer>"])
+    got = scores(task, [e] * 6, [f"<answer>{gold}</answer>", f"so <answer> {gold} </answer>",
+                                 f"<answer>= {gold}</answer>", f"{gold}", f"I think\nit is {gold}\n",
+                                 "<answer>1</answer><answer>" + gold + "</answer>"])
     # exact 1; spaces inside the tags stripped 1; "= 71" holds "71": reasoning-gym's len(gold)/len(answer);
     # no tags: the last line, "71" 1 and "it is 71" 2/8; two tagged answers: the last counts
     assert got == [1.0, 1.0, len(gold) / (len(gold) + 2), 1.0, len(gold) / (len(gold) + 6), 1.0]
@@ -91,7 +92,8 @@ def test_a_mix_with_weights_and_per_generator_options():
 
 
 @pytest.mark.parametrize("spec, options, message", [
-    ("reasoning_gym:basic_arithmetc", (), r"reasoning-gym has no task 'basic_arithmetc'; did you mean basic_arithmetic\?"),
+    ("reasoning_gym:basic_arithmetc", (),
+     r"reasoning-gym has no task 'basic_arithmetc'; did you mean basic_arithmetic\?"),
     ("reasoning_gym:", (), r"no generator named; e.g. --task reasoning_gym:basic_arithmetic"),
     ("reasoning_gym:chain_sum=0", (), r"weight of chain_sum must be > 0"),
     ("reasoning_gym:chain_sum=x", (), r"weight 'x' of chain_sum is not a number"),
@@ -117,9 +119,9 @@ def test_option_values_are_yaml_scalars():
 
 def test_prompts_carry_the_format_and_plain_text_without_a_chat_template(char_tokenizer):
     from gspo.config import TrainConfig
-    from gspo.train.resolve import resolve
     from gspo.sampling.samplers import Inputs, task_for
     from gspo.tasks.base import for_tokenizer, prompt_note
+    from gspo.train.resolve import resolve
 
     cfg = resolve(TrainConfig(task="reasoning_gym:basic_arithmetic", task_options=SUMS, model="tiny", eval_size=4))
     task = task_for(cfg, Inputs())
@@ -137,8 +139,8 @@ def test_prompts_carry_the_format_and_plain_text_without_a_chat_template(char_to
 
 
 def test_yaml_and_python_take_a_mapping_of_options(tmp_path):
-    from gspo.config.yamlfile import load_yaml
     from gspo.config import TrainConfig
+    from gspo.config.yamlfile import load_yaml
     from gspo.train.resolve import resolve
 
     (tmp_path / "run.yaml").write_text("task: reasoning_gym:basic_arithmetic\ntask_options:\n  max_terms: 2\n"

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 
 from gspo.cli import main
-from gspo.io.hub import HubError, looks_like_hub_id, model_dir, model_files
 from gspo.config import Data
+from gspo.io.hub import HubError, looks_like_hub_id, model_dir, model_files
 from tests.hubcache import cache_dataset, cache_model, offline_env, offline_hub, tiny_qwen2_dir, tiny_qwen3_dir
 
 QWEN2, QWEN3, GSM8K = "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B", "openai/gsm8k"
@@ -182,7 +182,8 @@ def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
     summary = gspo.Trainer(cfg, model=QWEN3, train_dataset=dd).train(log=lambda *a: None)
     assert summary["steps"] == 1
     assert f"model: {QWEN3}\n" in (tmp_path / "r" / "config.yaml").read_text()
-    with pytest.raises(gspo.tasks.data.DataError, match=r"train_dataset: no split 'validation' \(splits: train, test\)"):
+    with pytest.raises(gspo.tasks.data.DataError,
+                       match=r"train_dataset: no split 'validation' \(splits: train, test\)"):
         load_dataset_task(dd, Data(prompt_column="question", dataset_split="validation"))
 
 
@@ -195,7 +196,6 @@ def test_lora_run_on_a_hub_id_exports_merged_offline(offline, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import gspo
-
     from gspo.models.loading import load_policy
 
     cfg = gspo.TrainConfig(model=QWEN2, revision="v2", lora_r=2, lr=1e-2, warmup_steps=0, steps=1, dataset=GSM8K,
@@ -258,13 +258,14 @@ def test_not_in_the_offline_cache(offline, tmp_path, capsys):
         model_dir(QWEN2, revision="v9")
     assert main(["train", "--model", QWEN2, *GSM8K_ARGS, "--dataset-config", "socratic",
                  "--output-dir", str(tmp_path / "c")]) == 2
-    assert "dataset openai/gsm8k: config 'socratic' is not in the local Hugging Face cache" in error_line(capsys, "train")
+    assert ("dataset openai/gsm8k: config 'socratic' is not in the local Hugging Face cache"
+            in error_line(capsys, "train"))
     assert not any((tmp_path / d).exists() for d in "abc")
 
 
 def _http_error(cls, status: int, url: str):
-    from huggingface_hub.errors import Response  # the response type huggingface_hub's errors carry
     import httpx2
+    from huggingface_hub.errors import Response  # the response type huggingface_hub's errors carry
 
     return cls(f"{status} Client Error", response=Response(status, request=httpx2.Request("GET", url)))
 
@@ -272,7 +273,8 @@ def _http_error(cls, status: int, url: str):
 @pytest.mark.parametrize("error,status,expected", [
     ("RepositoryNotFoundError", 404, "model Qwen/Nope: no such model on the Hugging Face Hub (check the id, or log in "
                                      "if it is private: hf auth login / HF_TOKEN)"),
-    ("GatedRepoError", 403, "model Qwen/Nope: gated: accept its terms on huggingface.co/Qwen/Nope and log in (HF_TOKEN)"),
+    ("GatedRepoError", 403, "model Qwen/Nope: gated: accept its terms on huggingface.co/Qwen/Nope and log in "
+                            "(HF_TOKEN)"),
     ("RevisionNotFoundError", 404, "model Qwen/Nope (revision v3): no such revision on the Hugging Face Hub (a branch, "
                                    "tag or commit hash of huggingface.co/Qwen/Nope)"),
 ])

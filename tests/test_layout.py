@@ -104,7 +104,7 @@ def test_config_sections_and_algo_import_no_configuration():
 
 def test_function_sizes():
     too_long, too_many = [], []
-    for name, path in modules().items():
+    for _name, path in modules().items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 for fn in node.body:

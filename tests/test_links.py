@@ -236,8 +236,10 @@ def test_sending_weights_is_not_counted_as_waiting():
             return ("done", 0, batch)
 
     pipe = WorkerPipeline.__new__(WorkerPipeline)
-    cfg = SimpleNamespace(async_rl=SimpleNamespace(max_staleness=0, drop_uniform_groups=False), run=SimpleNamespace(steps=1))
-    pipe.run = SimpleNamespace(cfg=cfg, dist=Dist(), policy=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+    cfg = SimpleNamespace(async_rl=SimpleNamespace(max_staleness=0, drop_uniform_groups=False),
+                          run=SimpleNamespace(steps=1))
+    pipe.run = SimpleNamespace(cfg=cfg, dist=Dist(),
+                               policy=torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
     pipe.lag, pipe.pending, pipe.requested, pipe.link, pipe.sent, pipe.in_flight = 0, {}, 0, Link(), [-1], {}
     _, metrics = pipe.take(1)
     assert metrics["async/trainer_idle_seconds"] < 0.1
@@ -250,8 +252,9 @@ def _rank_of_a_closing_world(rank: int, port: int, late_s: float, out: str) -> N
     rank 1's wait for its goodbye; the rollout rank is slow between its two goodbyes (a loaded
     machine deschedules it). Each trainer then leaves as gspo's does: a barrier of the trainers,
     the group destroyed, os._exit. Writes its exit code to `out`/rank."""
-    import torch.distributed as torch_dist
     from types import SimpleNamespace
+
+    import torch.distributed as torch_dist
 
     links.CLOSE_STOP_S, links.CLOSE_TERM_S = 0.1, 0.1  # rank 1 stops waiting for its goodbye after 0.2 s
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)

@@ -11,17 +11,24 @@ import dataclasses
 import pytest
 import torch
 
-from gspo.config import TrainConfig
-from gspo.models.logprobs import (Split, completion_logprobs, forward_logprobs, micro_batches, supports_packing,
-                           token_logprobs, trim)
 from gspo.algo.aggregation import AGG_MODES, agg_count
-from gspo.sampling.rollout import generate, sampling_params
+from gspo.config import TrainConfig
+from gspo.models.logprobs import (
+    Split,
+    completion_logprobs,
+    forward_logprobs,
+    micro_batches,
+    supports_packing,
+    token_logprobs,
+    trim,
+)
 from gspo.models.sequences import position_ids_from_mask
-from gspo.train.run import build_run
-from gspo.tasks.scoring import Scored
-from gspo.train.trainer import accumulate
-from gspo.train.batch import prepare
 from gspo.sampling.produce import rollout, score
+from gspo.sampling.rollout import generate, sampling_params
+from gspo.tasks.scoring import Scored
+from gspo.train.batch import prepare
+from gspo.train.run import build_run
+from gspo.train.trainer import accumulate
 
 D = torch.float64
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2=", "1+1=", "345-67="]

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 import gspo
-from gspo.train import checkpoint as ckpt
 from gspo.models.loading import add_lora, load_policy, unwrap
 from gspo.models.value import Critic
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 from tests.test_distributed import ARGS, assert_same_metrics, metrics, one_process, torchrun
 
 FAST = dict(prompts_per_step=4, group_size=4, eval_size=8, max_new_tokens=8, progress=False, seed=3)
@@ -65,8 +66,8 @@ def test_ppo_lora_with_separate_critic_trains_checkpoints_and_resumes(tmp_path):
     shutil.rmtree(cut / "checkpoints" / "step-000003")
     (cut / "summary.json").unlink()
     gspo.Trainer().train(resume=cut)
-    a = deterministic(ckpt.read_jsonl(full / "metrics.jsonl"))
-    b = deterministic(ckpt.read_jsonl(cut / "metrics.jsonl"))
+    a = deterministic(read_jsonl(full / "metrics.jsonl"))
+    b = deterministic(read_jsonl(cut / "metrics.jsonl"))
     assert [r["step"] for r in b] == [1, 2, 3] and a == b
     wa, wb = last, ckpt.latest_checkpoint(cut)
     for f in ("adapter_model.safetensors", "critic/model.safetensors"):

@@ -172,8 +172,8 @@ def test_one_registration_adds_a_loss():
     # from the registry picks it up with nothing else edited: policy_loss runs it for
     # Loss(algorithm=name) (with the section's clip range), LOSSES lists it, and resolve
     # fills its preset clip range. The toy loss is -3·Â·log π per token.
-    from gspo.config import TrainConfig
     from gspo.algo.losses import TokenLoss, register_loss
+    from gspo.config import TrainConfig
     from gspo.train.resolve import resolve
 
     seen = []
@@ -241,7 +241,8 @@ def test_every_loss_uses_the_requested_mode(name, mode):
     #   seq-mean-token-sum-norm = -((2·1)/4 + (3·3)/4) / 2   = -1.375
     # CISPO's and SAPO's values are not -Â (they are -Â·log π and -2Â/τ): for them the
     # gradient is checked instead, which on-policy is GRPO's in every mode.
-    expected = {"seq-mean-token-mean": -2.5, "token-mean": -2.75, "seq-mean-token-sum": -5.5, "seq-mean-token-sum-norm": -1.375}
+    expected = {"seq-mean-token-mean": -2.5, "token-mean": -2.75, "seq-mean-token-sum": -5.5,
+                "seq-mean-token-sum-norm": -1.375}
     logp = t([[-0.3, -9.0, -9.0], [-1.0, -2.0, -0.5]]).requires_grad_()
     loss, _ = policy_loss(logp, logp.detach().clone(), t([2.0, 3.0]), t(AGG_MASK), L(name, 0.2, 0.2, loss_agg=mode),
                           max_len=4)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from gspo.models.tiny import build_char_tokenizer, tiny_moe_config
 from gspo.models.loading import load_policy
+from gspo.models.tiny import build_char_tokenizer, tiny_moe_config
 from gspo.tasks import get_task
 from gspo.tasks.chain import parse_prompt, reference_steps
 

@@ -285,8 +285,8 @@ def test_refused_cell(cell, extra, fragment, tmp_path, capsys):
 @pytest.mark.parametrize("cell", TWO)
 def test_two_process_cell(cell, tmp_path):
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc(cell)}", "-m", "gspo",
-           "train", *flags(cell), *toy(cell), "--output-dir", str(run)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc(cell)}",
+           "-m", "gspo", "train", *flags(cell), *toy(cell), "--output-dir", str(run)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     expect(cell, res.returncode, res.stderr, run)
 

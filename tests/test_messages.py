@@ -111,7 +111,8 @@ CASES = [  # command, arguments, what the line must hold (the option, and its va
     ("train", ["--algorithm", "ppo", "--group-size", "0"], "group_size: must be >= 1 (got 0)"),
     ("train", ["--adam-betas", "0.9", "1.5"], "adam_betas: each must be in [0, 1) (got (0.9, 1.5))"),
     ("train", ["--reward", "exact_match", "--reward-weights", "1", "2"], "(1 reward given)"),
-    ("train", ["--rollout-workers", "1", "--rollout-devices", "cpu", "cpu"], "rollout_devices: needs 1 device, one per"),
+    ("train", ["--rollout-workers", "1", "--rollout-devices", "cpu", "cpu"],
+     "rollout_devices: needs 1 device, one per"),
     ("train", ["--resume", "nosuch"], "--resume "),
     ("export", ["runs/gspo-20250101"], "gspo export: error: OUT: missing (usage: gspo export RUN_DIR|CHECKPOINT OUT"),
     ("export", [], "RUN_DIR|CHECKPOINT and OUT: missing"),
@@ -184,11 +185,12 @@ def test_what_a_config_file_may_hold_is_said_not_refused(place, capsys):
 
 
 def test_plurals_agree(capsys):
-    from gspo.io.words import plural
     from gspo.cli import _print_summary
+    from gspo.io.words import plural
     from gspo.train.run import AlreadyComplete
 
-    assert (plural(1, "step"), plural(2, "step"), plural(1, "process", "processes")) == ("1 step", "2 steps", "1 process")
+    assert (plural(1, "step"), plural(2, "step"),
+            plural(1, "process", "processes")) == ("1 step", "2 steps", "1 process")
     _print_summary({"algorithm": "gspo", "task": "t", "steps": 1, "wall_seconds": 3, "eval_before": {},
                     "eval_after": {"n": 0}})
     assert "gspo on t: 1 step in 3s" in capsys.readouterr().out
@@ -196,8 +198,8 @@ def test_plurals_agree(capsys):
     import torch
 
     from gspo.algo.advantages import group_advantages
-    from gspo.tasks.scoring import RewardError
     from gspo.rewards.builtin import apply_rewards, load_rewards
+    from gspo.tasks.scoring import RewardError
 
     with pytest.raises(ValueError, match=r"batch of 1 reward is not a whole number of groups of size 2"):
         group_advantages(torch.tensor([1.0]), 2)

@@ -4,8 +4,8 @@ check, the load-balancing loss, and drift in real updates."""
 import pytest
 import torch
 
-from gspo.models.moe import MoEError, Routing, drift, find_routers, load_balancing_loss
 from gspo.models.logprobs import completion_logprobs
+from gspo.models.moe import MoEError, Routing, drift, find_routers, load_balancing_loss
 from gspo.sampling.rollout import generate, sampling_params
 
 ARCHS = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"]
@@ -156,7 +156,8 @@ def test_sampling_routing_matches_teacher_forced_routing(arch, char_tokenizer):
     model = tiny_moe(arch, vocab=len(tok))
     routing = Routing(model)
     prompts = [tok(p)["input_ids"] for p in ["12+7=", "999-123=", "5+5="]]
-    ro = generate(model, prompts, sampling_params(tok, group_size=2, max_new_tokens=5, min_new_tokens=5), generator=torch.Generator().manual_seed(0), routing=routing)
+    ro = generate(model, prompts, sampling_params(tok, group_size=2, max_new_tokens=5, min_new_tokens=5),
+                  generator=torch.Generator().manual_seed(0), routing=routing)
     B, S = ro.input_ids.shape
     assert ro.routing.shape == (B, S, 2, 2)
     assert (ro.routing[:, -1] == -1).all() and (ro.routing[:, :-1] >= 0).all()
@@ -201,15 +202,15 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     # its norm (rounding leaves <= 7e-6), metrics within 1e-5.
     import dataclasses
 
-    from gspo.config import TrainConfig
-    from gspo.train.resolve import resolve
-    from gspo.models.logprobs import micro_batches
     from gspo.algo.aggregation import agg_count
-    from gspo.train.run import build_run
-    from gspo.tasks.scoring import Scored
-    from gspo.train.trainer import accumulate
-    from gspo.train.batch import prepare
+    from gspo.config import TrainConfig
+    from gspo.models.logprobs import micro_batches
     from gspo.sampling.produce import rollout, score
+    from gspo.tasks.scoring import Scored
+    from gspo.train.batch import prepare
+    from gspo.train.resolve import resolve
+    from gspo.train.run import build_run
+    from gspo.train.trainer import accumulate
 
     cfg = resolve(TrainConfig(model="tiny-moe", prompts_per_step=4, group_size=4, max_new_tokens=6,
                               num_minibatches=1, router_aux_loss_coef=0.5, output_dir=str(tmp_path / "run"),
@@ -263,8 +264,15 @@ def test_balance_loss_over_processes_and_micro_batches_matches_one_process(tmp_p
     # balance loss: the expert counts are summed over micro-batches and processes, so every
     # metric and weight agree (before: per-process, per-micro-batch f made step 1's grad_norm
     # 0.89 against 0.49, moe/aux_loss 2.300 against 2.234)
-    from tests.test_distributed import (ARGS, assert_same_metrics, assert_same_weights, metrics, one_process,
-                                        torchrun, weights)
+    from tests.test_distributed import (
+        ARGS,
+        assert_same_metrics,
+        assert_same_weights,
+        metrics,
+        one_process,
+        torchrun,
+        weights,
+    )
 
     args = [*ARGS, "--model", "tiny-moe", "--steps", "2", "--old-logp", "recompute", "--save-every", "0",
             "--router-aux-loss-coef", "0.5"]

@@ -92,8 +92,9 @@ def test_moe_options_on_a_dense_model_are_refused(tmp_path, capsys):
 def test_compare_smoke(moe_dir, tmp_path):
     out = tmp_path / "cmp"
     r = subprocess.run([sys.executable, "-m", "gspo", "compare", "--configs", "gspo", "grpo", "grpo-rr",
-                        "lowlr:algorithm=grpo,lr=1e-5", "tis:rollout_dtype=bfloat16,rollout_is=token", "--steps", "2", "--model", str(moe_dir), "--prompts-per-step",
-                        "4", "--group-size", "4", "--eval-size", "8", "--eval-every", "1", "--no-progress",
+                        "lowlr:algorithm=grpo,lr=1e-5", "tis:rollout_dtype=bfloat16,rollout_is=token", "--steps", "2",
+                        "--model", str(moe_dir), "--prompts-per-step", "4", "--group-size", "4", "--eval-size", "8",
+                        "--eval-every", "1", "--no-progress",
                         "--output-dir", str(out)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
@@ -102,7 +103,7 @@ def test_compare_smoke(moe_dir, tmp_path):
     # a bf16 sampler with recomputed old log-probs logs its gap; the fp32 sampler reuses its own (no gap logged)
     assert report["tis"]["mismatch_mean"] > 0 and report["gspo"]["mismatch_mean"] is None
     assert (out / "mismatch.png").read_bytes()[:4] == b"\x89PNG" and "mismatch.png" in (out / "report.md").read_text()
-    for name, v in report.items():
+    for _name, v in report.items():
         assert {"accuracy", "clip_frac_mean", "drift_mean", "diverged"} <= set(v)
         assert 0 <= v["accuracy"] <= 1 and v["drift_mean"] is not None
     assert report["grpo-rr"]["drift_in_ratio_mean"] == 0.0

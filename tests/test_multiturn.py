@@ -12,19 +12,28 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gspo.train import checkpoint as ckpt
 from gspo.algo.advantages import group_advantages, turn_advantages
 from gspo.config import TrainConfig
-from gspo.tasks.env import (Environment, EnvError, Step, ToolEnvironment, episode_env, load_env, observation_text,
-                      tool_schemas)
-from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
-from gspo.models.logprobs import token_logprobs
-from gspo.train.steplog import episode_metrics
-from gspo.models.tiny import build_chat_tokenizer
 from gspo.models.loading import load_policy
-from gspo.sampling.rollout import PolicySampler, sampling_params, stop_token_ids
+from gspo.models.logprobs import token_logprobs
 from gspo.models.sequences import Rollout, left_pad
+from gspo.models.tiny import build_chat_tokenizer
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
+from gspo.sampling.rollout import PolicySampler, sampling_params, stop_token_ids
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask, calculator
+from gspo.tasks.env import (
+    EnvError,
+    Environment,
+    Step,
+    ToolEnvironment,
+    episode_env,
+    load_env,
+    observation_text,
+    tool_schemas,
+)
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
+from gspo.train.steplog import episode_metrics
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37*48+12"}}</tool_call>'
 MODEL = os.environ.get("GSPO_TEST_TOOL_MODEL", "tiny-tool")
@@ -47,8 +56,8 @@ class ScriptedSampler:
         p_ids, p_mask = left_pad(prompts, self.tok.pad_token_id)
         B = len(prompts) * G
         return Rollout(p_ids.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0), torch.tensor([ids] * B),
-                       torch.ones(B, n), torch.full((B, n), -0.5), torch.full((B,), n), torch.zeros(B, dtype=torch.bool),
-                       G)
+                       torch.ones(B, n), torch.full((B, n), -0.5), torch.full((B,), n),
+                       torch.zeros(B, dtype=torch.bool), G)
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +215,8 @@ def test_load_env_errors_are_one_line(tmp_path):
     with pytest.raises(EnvError, match="no such file"):
         load_env(str(tmp_path / "nope.py") + ":Env")
     (tmp_path / "e.py").write_text("class NotAnEnv:\n    pass\n\ndef f(x):\n    return x\n\n"
-                                   "from gspo.tasks.env import ToolEnvironment\nclass Bad(ToolEnvironment):\n    tools = [f]\n")
+                                   "from gspo.tasks.env import ToolEnvironment\n"
+                                   "class Bad(ToolEnvironment):\n    tools = [f]\n")
     with pytest.raises(EnvError, match="has no step"):
         load_env(f"{tmp_path / 'e.py'}:NotAnEnv")
     with pytest.raises(EnvError, match="has no 'Missing'"):
@@ -250,10 +260,10 @@ def test_evaluation_reward_adds_the_environments_turn_rewards(tok, monkeypatch):
     #   environment's reward  -0.1 - 0.1 + 1.0        = 0.8
     #   final turn "34": is_34 = 1 (weight 1), length = len("34") / 10 = 0.2 (weight 0.5)
     #   episode reward        1 * 1 + 0.5 * 0.2 + 0.8 = 1.9, as training's score gives it
-    from gspo.train import evaluation
     from gspo.rewards.builtin import Reward
-    from gspo.tasks.scoring import per_completion
     from gspo.sampling.produce import score
+    from gspo.tasks.scoring import per_completion
+    from gspo.train import evaluation
 
     rewards = [Reward("is_34", per_completion(lambda c, **_: float(c == "34"))),
                Reward("length", per_completion(lambda c, **_: len(c) / 10), weight=0.5)]
@@ -343,10 +353,10 @@ def test_recomputed_logprobs_equal_the_sampled_ones_over_episodes(tool_model, to
 
 
 def _batch(tmp_path, **kw):
-    from gspo.train.run import build_run
+    from gspo.sampling.produce import rollout, score
     from gspo.tasks.scoring import Scored
     from gspo.train.batch import prepare
-    from gspo.sampling.produce import rollout, score
+    from gspo.train.run import build_run
 
     cfg = TrainConfig(task="calculator", model=MODEL, prompts_per_step=4, group_size=4, num_minibatches=1,
                       output_dir=str(tmp_path / "run"), progress=False, **kw)
@@ -354,7 +364,8 @@ def _batch(tmp_path, **kw):
     examples = run.task.train_batch(1, 4, 0)
     ro, texts, ids, ep = rollout(run, examples, 1)
     rewards, parts = score(run.rewards, examples, texts, ids, 4, ep)
-    return run, prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts, episodes=ep))
+    return run, prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts,
+                                        episodes=ep))
 
 
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo", "gspo_token"])
@@ -455,9 +466,9 @@ def test_user_environment_file_with_a_raising_tool(tmp_path, capsys):
     out = tmp_path / "run"
     assert _train("--task", "calculator", "--model", MODEL, "--env", f"{env_file}:BrokenCalculator",
                   *FAST, "--samples-per-step", "16", "--output-dir", str(out)) == 0
-    rows = ckpt.read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     assert all(r["episode/tool_calls"] > 0 and r["episode/tool_error_rate"] == 1.0 for r in rows)
-    samples = ckpt.read_jsonl(out / "samples.jsonl")
+    samples = read_jsonl(out / "samples.jsonl")
     # (tiny-tool's character vocabulary has no capitals: "RuntimeError" reads "<unk>untime<unk>rror")
     assert any("<tool_response>error: <unk>untime<unk>rror: the calculator is broken</tool_response>" in s["episode"]
                for s in samples)
@@ -465,7 +476,8 @@ def test_user_environment_file_with_a_raising_tool(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--task", "arithmetic", "--max-turns", "3"], "max_turns: 3 turns need an environment"),
-    (["--task", "calculator", "--model", "tiny"], "task calculator: prompts are chat messages but the tokenizer of tiny has no chat template"),
+    (["--task", "calculator", "--model", "tiny"],
+     "task calculator: prompts are chat messages but the tokenizer of tiny has no chat template"),
     (["--task", "calculator", "--model", MODEL, "--turn-advantages"], "turn_advantages: needs a token-level"),
     (["--task", "calculator", "--model", MODEL, "--env", "nowhere.py:Env"], "no such file nowhere.py"),
 ])
@@ -493,7 +505,7 @@ def test_multi_turn_run_resumed_mid_run_matches_an_uninterrupted_one(tmp_path):
     assert _train(*args, "--steps", "3", "--output-dir", str(tmp_path / "full")) == 0
     assert _train(*args, "--steps", "2", "--output-dir", str(tmp_path / "part")) == 0
     assert _train("--resume", str(tmp_path / "part"), "--steps", "3") == 0
-    a, b = (ckpt.read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("full", "part"))
+    a, b = (read_jsonl(tmp_path / d / "metrics.jsonl") for d in ("full", "part"))
     drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     assert drop(a) == drop(b) and len(a) == 3 and a[0]["episode/turns"] > 1
     from safetensors.torch import load_file

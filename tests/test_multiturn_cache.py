@@ -7,14 +7,14 @@ import torch
 import gspo.sampling.episodes as episodes_module
 import gspo.sampling.fastdecode as fd
 import gspo.sampling.rollout as rollout_module
-from gspo.tasks.data import Example
-from gspo.tasks.env import Environment, Step
-from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
-from gspo.models.logprobs import token_logprobs
 from gspo.models.loading import load_policy
+from gspo.models.logprobs import token_logprobs
 from gspo.models.moe import Routing
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.sampling.rollout import PolicySampler, sampling_params, stop_token_ids
 from gspo.tasks.calculator import CalculatorEnv, CalculatorTask
+from gspo.tasks.data import Example
+from gspo.tasks.env import Environment, Step
 
 
 class Again(Environment):
@@ -211,7 +211,8 @@ def test_recorded_logprobs_equal_a_recomputation_with_a_kept_cache(tool_model):
 
 def test_end_rollout_drops_the_cache_and_rows_not_kept_are_prefilled(tool_model, monkeypatch):
     model, tok = tool_model
-    prompts = [tok("<|im_start|>user\n12*34=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"],
+    prompts = [tok("<|im_start|>user\n12*34=<|im_end|>\n<|im_start|>assistant\n",
+                   add_special_tokens=False)["input_ids"],
                tok("<|im_start|>user\n5*6=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]]
     params = sampling_params(tok, stop=stop_token_ids(tok, model), group_size=2, max_new_tokens=12)
     later = sampling_params(tok, stop=stop_token_ids(tok, model), group_size=1, max_new_tokens=12)
@@ -284,8 +285,8 @@ def test_a_chunk_before_any_decode_step_is_checked_against_hugging_face(tool_mod
 
 def test_an_environment_that_raises_mid_rollout_leaves_no_kept_cache(monkeypatch):
     from gspo.config import TrainConfig
-    from gspo.tasks.env import EnvError
     from gspo.sampling.produce import rollout
+    from gspo.tasks.env import EnvError
     from gspo.train.resolve import resolve
     from gspo.train.run import build_run
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gspo.config import ConfigError, TrainConfig
-from gspo.train.resolve import resolve
 from gspo.models.loading import disable_dropout, load_policy, low_precision_copy
+from gspo.train.resolve import resolve
 from gspo.train.run import build_run
 from gspo.train.trainer import train_step
 

@@ -19,8 +19,8 @@ TINY = ["--model", "tiny", "--eval-size", "8", "--prompts-per-step", "4", "--gro
 
 def gspo(*args):
     """The CLI as a user runs it, its output a pipe (not a terminal)."""
-    return subprocess.run([sys.executable, "-m", "gspo", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    return subprocess.run([sys.executable, "-m", "gspo", *args], capture_output=True, text=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 def test_in_processes_says_each_call_as_it_ends_and_keeps_the_results_in_order():
@@ -48,7 +48,8 @@ def test_compare_side_by_side_shows_each_runs_progress_as_it_happens(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     runs = [line for line in lines if not re.match(r"\s*[ab]: accuracy|report: ", line)]  # the table at the end
-    done = {run: i for i, line in enumerate(runs) for run in "ab" if line.startswith(f"[compare] {run} seed 0: done in ")}
+    done = {run: i for i, line in enumerate(runs) for run in "ab"
+            if line.startswith(f"[compare] {run} seed 0: done in ")}
     b_last = max(i for i, line in enumerate(runs) if line.startswith("[b seed 0] "))
     assert done["a"] < b_last < done["b"]  # a's end said when a ended, before b's last line: not after every run
     step = re.compile(r"\[(a|b) seed 0\] step (\d+)/(\d+) \((\d+)%\)  reward [\d.]+  clip/frac \S+  .*\d+ s$")

@@ -8,8 +8,8 @@ gguf package is missing.
 """
 
 import importlib.metadata
-import json
 import importlib.util
+import json
 import shutil
 from pathlib import Path
 
@@ -126,7 +126,8 @@ def test_bad_gguf_files_are_one_line(gspo_cache, tmp_path):
     w = gguf.GGUFWriter(str(foo), "foo")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(GGUFError, match=r"GGUF architecture 'foo' cannot be read by transformers .* \(it reads llama, "):
+    with pytest.raises(GGUFError,
+                       match=r"GGUF architecture 'foo' cannot be read by transformers .* \(it reads llama, "):
         resolve_model_path(str(foo))
     two = tmp_path / "two"
     two.mkdir()
@@ -163,7 +164,8 @@ def test_without_the_gguf_package_the_error_says_how_to_install_it(tmp_path, mon
 
     monkeypatch.setattr(builtins, "__import__", no_gguf)
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
-    with pytest.raises(GGUFError, match=r"m.gguf: reading a GGUF file needs the gguf package: pip install 'gspo\[gguf\]'"):
+    with pytest.raises(GGUFError,
+                       match=r"m.gguf: reading a GGUF file needs the gguf package: pip install 'gspo\[gguf\]'"):
         header(tmp_path / "m.gguf")
 
 
@@ -191,7 +193,8 @@ def test_sampler_logprobs_are_the_training_forwards_and_im_end_stops(smol):
 
     model, tok = smol
     prompts = chat_prompts(tok, QUESTIONS)
-    assert tok.decode(prompts[0]).startswith("<|im_start|>system\n") and "<|im_start|>assistant\n" in tok.decode(prompts[0])
+    assert (tok.decode(prompts[0]).startswith("<|im_start|>system\n")
+            and "<|im_start|>assistant\n" in tok.decode(prompts[0]))
     ro = generate(model, prompts, sampling_params(tok, group_size=2, max_new_tokens=24, temperature=1.0),
                   generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -235,9 +238,9 @@ def test_a_lora_run_on_a_reasoning_gym_task_by_name_and_its_export(gspo_cache, c
     pytest.importorskip("peft")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gspo.train.checkpoint import latest_checkpoint
     from gspo.cli import main
     from gspo.models.loading import load_policy
+    from gspo.train.checkpoint import latest_checkpoint
 
     run, out = tmp_path / "run", tmp_path / "out"
     # beside the verifier, a reward that varies with the reply's length in characters: groups are never flat

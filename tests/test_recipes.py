@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gspo.train import checkpoint as ckpt
-from gspo.tasks.data import Example
 from gspo.tasks.base import SystemPrompt, with_system
+from gspo.tasks.data import Example
+from gspo.io.files import read_jsonl
 from tests.hubcache import cache_dataset, cache_model, offline_env, offline_hub, tiny_qwen2_dir, tiny_qwen3_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,9 +115,9 @@ def check_run(recipe: Path, run_dir: Path, stderr: str, extra: dict) -> None:
     for key, value in changed.items():
         assert saved[key] == value, (key, saved[key], value)
     assert saved["clip_low"] == 3e-4 and saved["clip_high"] == 4e-4  # GSPO's preset (paper §5.1)
-    [row] = ckpt.read_jsonl(run_dir / "metrics.jsonl")
+    [row] = read_jsonl(run_dir / "metrics.jsonl")
     assert row["step"] == 1 and "reward/math_verify/mean" in row and "mismatch/token_abs" in row
-    sample = ckpt.read_jsonl(run_dir / "samples.jsonl")[0]
+    sample = read_jsonl(run_dir / "samples.jsonl")[0]
     system = load(recipe)["system_prompt"]
     assert sample["messages"][0] == {"role": "system", "content": system}
     # what the model saw: the chat template's system turn, then the question as the user's turn
@@ -141,8 +141,8 @@ def hub(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_recipe_options_are_real_and_models_have_stand_ins(recipe):
-    from gspo.train.resolve import resolve
     from gspo.config.yamlfile import load_yaml
+    from gspo.train.resolve import resolve
 
     cfg = resolve(load_yaml(recipe))  # an unknown key or a bad value raises here
     assert cfg.model in STAND_INS, f"{recipe.name}: add a tiny stand-in for {cfg.model} to STAND_INS"
@@ -255,14 +255,14 @@ def test_system_prompt_keeps_answers_columns_and_the_task():
     assert (task.name, task.default_rewards, task.default_max_new_tokens, task.notes) == \
         ("rows", ("exact_match",), 16, ["a note"])
     with pytest.raises(AttributeError):
-        task.no_such_attribute
+        _ = task.no_such_attribute
     assert with_system([], "S") == [{"role": "system", "content": "S"}]
 
 
 def test_system_prompt_reaches_training_evaluation_and_gspo_eval(tmp_path):
     from gspo.config import TrainConfig
-    from gspo.train.resolve import resolve
     from gspo.sampling.samplers import task_and_rewards
+    from gspo.train.resolve import resolve
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1), "level": i % 2}) + "\n"

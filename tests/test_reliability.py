@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,7 @@ def gspo(*args, popen=False, cwd=None, env=None):
 
 
 def metrics(run: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in ckpt.read_jsonl(run / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_jsonl(run / "metrics.jsonl")]
 
 
 def weights(run: Path) -> dict:
@@ -49,7 +50,7 @@ def assert_same_run(a: Path, b: Path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
     assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
-    steps = [r["step"] for r in ckpt.read_jsonl(b / "samples.jsonl")]
+    steps = [r["step"] for r in read_jsonl(b / "samples.jsonl")]
     assert steps == sorted(steps) and set(steps) == set(range(1, 7))  # each step's samples once
 
 
@@ -71,7 +72,7 @@ def _wait(p, until, timeout=300):
 @pytest.mark.parametrize("when", ["before_first_checkpoint", "during_checkpoint_write", "after_checkpoint"])
 def test_killed_at_any_moment_resumes_to_the_same_run(full, tmp_path, when):
     run = tmp_path / "run"
-    rows = lambda: len(ckpt.read_jsonl(run / "metrics.jsonl"))  # noqa: E731
+    rows = lambda: len(read_jsonl(run / "metrics.jsonl"))  # noqa: E731
     env = {"GSPO_TEST_PAUSE_IN_CHECKPOINT": "3"} if when == "during_checkpoint_write" else None
     p = gspo(*ARGS, "--output-dir", str(run), popen=True, env=env)
     if when == "before_first_checkpoint":  # step 1 done, step 2 (the first checkpoint) not yet saved
@@ -110,12 +111,12 @@ def test_resuming_a_complete_run_says_so_and_changes_nothing(full, tmp_path):
 def test_signal_stops_with_a_checkpoint_and_resumes(full, tmp_path, sig):
     run = tmp_path / "run"
     p = gspo(*ARGS, "--output-dir", str(run), popen=True)
-    _wait(p, lambda: len(ckpt.read_jsonl(run / "metrics.jsonl")) >= 1)
+    _wait(p, lambda: len(read_jsonl(run / "metrics.jsonl")) >= 1)
     p.send_signal(sig)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 128 + sig, err
     lines = err.strip().splitlines()
-    done = len(ckpt.read_jsonl(run / "metrics.jsonl"))
+    done = len(read_jsonl(run / "metrics.jsonl"))
     assert lines == [f"gspo train: interrupted by {signal.Signals(sig).name} after step {done}; checkpoint written; "
                      f"continue with: gspo train --resume {run}"]
     assert ckpt.latest_checkpoint(run).name == f"step-{done:06d}" and done < 6

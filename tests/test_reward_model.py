@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from gspo.config import ConfigError
+from gspo.rewards.builtin import load_reward, load_rewards, score_completions
 from gspo.tasks.data import Example
 from gspo.tasks.scoring import RewardError
-from gspo.rewards.builtin import load_reward, load_rewards, score_completions
 
 # the reward model's template; the policy's (tests/conftest.py CHAT_TEMPLATE) uses <|im_start|>role\n...<|im_end|>
 RM_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"

@@ -6,8 +6,19 @@ import re
 
 import pytest
 
+from gspo.rewards.builtin import (
+    Reward,
+    apply_rewards,
+    exact_match,
+    format_reward,
+    length_penalty,
+    load_reward,
+    load_rewards,
+    math_verify,
+    numeric_match,
+    score_completions,
+)
 from gspo.tasks.data import Example
-from gspo.rewards.builtin import Reward, apply_rewards, exact_match, format_reward, length_penalty, load_reward, load_rewards, math_verify, numeric_match, score_completions
 from gspo.tasks.scoring import RewardError
 
 # a GSM8K answer column: the worked solution, the final answer after "####"
@@ -59,9 +70,11 @@ def test_math_verify_table(completion, answer, expected):
 
 def test_format_and_length():
     f = format_reward(r"<think>.*?</think>\s*<answer>.*?</answer>")
-    assert f(["<think>hmm</think> <answer>4</answer>", "<answer>4</answer>", "<think>a\nb</think><answer>4</answer>"]) == [1.0, 0.0, 1.0]
+    assert f(["<think>hmm</think> <answer>4</answer>", "<answer>4</answer>",
+              "<think>a\nb</think><answer>4</answer>"]) == [1.0, 0.0, 1.0]
     # 2 of 8 tokens -> -0.25; 8 of 8 -> -1; more is capped at -1
-    assert length_penalty(8)(["", "", ""], completion_ids=[[1, 2], list(range(8)), list(range(20))]) == [-0.25, -1.0, -1.0]
+    assert length_penalty(8)(["", "", ""],
+                             completion_ids=[[1, 2], list(range(8)), list(range(20))]) == [-0.25, -1.0, -1.0]
 
 
 def test_chat_completions_reach_rewards_as_messages():
@@ -74,7 +87,8 @@ def test_chat_completions_reach_rewards_as_messages():
 
     from gspo.rewards.builtin import Reward
 
-    total, per = score_completions([Reward("spy", spy), Reward("exact_match", exact_match)], [ex], ["4", "5"], [[1], [2]], 2)
+    total, per = score_completions([Reward("spy", spy), Reward("exact_match", exact_match)], [ex], ["4", "5"],
+                                   [[1], [2]], 2)
     assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
     assert seen["topic"] == ["math", "math"] and seen["answer"] == ["4", "4"]
     assert seen["prompts"] == [ex.prompt, ex.prompt] and seen["completion_ids"] == [[1], [2]]
@@ -268,11 +282,12 @@ def test_a_type_error_inside_a_reward_still_names_the_row():
 # ----------------------------------------------------------------------------------------------
 
 def _evaluate(model, tokenizer, fn):
-    from gspo.train.evaluation import EvalOptions, evaluate
     from gspo.tasks import get_task
+    from gspo.train.evaluation import EvalOptions, evaluate
 
     task = get_task("arithmetic")
-    return task.test_set(6), evaluate(model, tokenizer, task, [Reward("picky", fn)], EvalOptions(n=6, k=2, max_new_tokens=2))
+    return task.test_set(6), evaluate(model, tokenizer, task, [Reward("picky", fn)],
+                                      EvalOptions(n=6, k=2, max_new_tokens=2))
 
 
 def test_a_reward_that_returns_none_everywhere_reports_no_accuracy(tiny_random, char_tokenizer):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from gspo.models.logprobs import completion_logprobs
-from gspo.sampling.rollout import generate, sample_token, sampling_params
 from gspo.models.sequences import left_pad, position_ids_from_mask
+from gspo.sampling.rollout import generate, sample_token, sampling_params
 
 
 def _uniforms(n: int, seed: int) -> torch.Tensor:
@@ -25,7 +25,8 @@ def test_recorded_logprobs_equal_recomputation(tiny_random, char_tokenizer):
     tok = char_tokenizer
     g = torch.Generator().manual_seed(0)
     for temperature in (1.0, 0.7):
-        ro = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=3, max_new_tokens=6, temperature=temperature), generator=g)
+        ro = generate(tiny_random, encode(tok, PROMPTS),
+                      sampling_params(tok, group_size=3, max_new_tokens=6, temperature=temperature), generator=g)
         with torch.no_grad():
             logp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask,
                                        temperature=temperature)
@@ -70,7 +71,8 @@ def test_stops_at_eos_and_flags_truncation(char_tokenizer):
 def test_eos_ends_rows_independently(tiny_random, char_tokenizer):
     tok = char_tokenizer
     g = torch.Generator().manual_seed(3)
-    ro = generate(tiny_random, encode(tok, PROMPTS * 4), sampling_params(tok, group_size=4, max_new_tokens=8), generator=g)
+    ro = generate(tiny_random, encode(tok, PROMPTS * 4), sampling_params(tok, group_size=4, max_new_tokens=8),
+                  generator=g)
     for b in range(ro.completion_ids.shape[0]):
         L = int(ro.lengths[b])
         row = ro.completion_ids[b]
@@ -97,7 +99,8 @@ def test_sampling_is_seeded(tiny_random, char_tokenizer):
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
-        return generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=4, max_new_tokens=6), generator=g).completion_ids
+        return generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=4, max_new_tokens=6),
+                        generator=g).completion_ids
 
     assert torch.equal(run(5), run(5))
     assert not torch.equal(run(5), run(6))
@@ -134,7 +137,8 @@ def test_left_pad_and_positions():
 def test_temperature_scales_training_logprobs(tiny_random, char_tokenizer, temperature):
     # the training log-probs use the sampling temperature: log softmax(logits / τ)
     tok = char_tokenizer
-    ro = generate(tiny_random, encode(tok, PROMPTS[:1]), sampling_params(tok, group_size=1, max_new_tokens=3, temperature=0.0))
+    ro = generate(tiny_random, encode(tok, PROMPTS[:1]),
+                  sampling_params(tok, group_size=1, max_new_tokens=3, temperature=0.0))
     with torch.no_grad():
         lp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask,
                                  temperature=temperature)
@@ -150,13 +154,15 @@ def test_min_new_tokens_fixes_the_length(tiny_random, char_tokenizer):
     with torch.no_grad():  # make EOS the most likely token everywhere
         tiny_random.lm_head.weight[tok.eos_token_id] += 5.0
     g = torch.Generator().manual_seed(0)
-    ro = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=2, max_new_tokens=5, min_new_tokens=5), generator=g)
+    ro = generate(tiny_random, encode(tok, PROMPTS),
+                  sampling_params(tok, group_size=2, max_new_tokens=5, min_new_tokens=5), generator=g)
     assert (ro.lengths == 5).all() and ro.truncated.all()
     assert not (ro.completion_ids == tok.eos_token_id).any()
     with torch.no_grad():
         logp = completion_logprobs(tiny_random, ro.input_ids, ro.attention_mask, ro.completion_mask)
     torch.testing.assert_close(logp, ro.logp, rtol=1e-5, atol=1e-5)
-    free = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=2, max_new_tokens=5), generator=g)
+    free = generate(tiny_random, encode(tok, PROMPTS), sampling_params(tok, group_size=2, max_new_tokens=5),
+                    generator=g)
     assert (free.lengths < 5).any()  # without the ban, EOS does get drawn
 
 
@@ -203,8 +209,9 @@ def test_inverse_cdf_sampling_frequencies_and_logprobs():
 def _qwen_like_chat_model(path):
     """A chat model as Qwen2.5 ships: the tokenizer's EOS is <|endoftext|>, the chat template
     closes turns with <|im_end|>, and generation_config.eos_token_id lists both."""
-    from tests.conftest import build_chat_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from tests.conftest import build_chat_model
 
     build_chat_model(path)  # tokenizer: <pad>=0, <|im_end|>=1, <unk>=2, <|im_start|>=3, then printable chars
     tok = AutoTokenizer.from_pretrained(path)
@@ -249,10 +256,10 @@ def test_stop_tokens_union_of_tokenizer_generation_config_and_user(tmp_path):
 
 
 def test_evaluation_stops_on_the_same_set(tmp_path):
-    from gspo.tasks.data import Example
-    from gspo.train.evaluation import EvalOptions, evaluate
     from gspo.models.loading import load_policy
     from gspo.rewards.builtin import Reward
+    from gspo.tasks.data import Example
+    from gspo.train.evaluation import EvalOptions, evaluate
 
     path, im_end, eot = _qwen_like_chat_model(tmp_path / "m")
     model, tok = load_policy(str(path))
@@ -313,7 +320,8 @@ def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(rollout_module, "decoder", spy)
-    ro = generate(model, encode(tok, PROMPTS), sampling_params(tok, group_size=4, max_new_tokens=1000, min_new_tokens=3),
+    ro = generate(model, encode(tok, PROMPTS),
+                  sampling_params(tok, group_size=4, max_new_tokens=1000, min_new_tokens=3),
                   generator=torch.Generator().manual_seed(0))
     assert isinstance(made[0], fd.FastDecoder) and not made[0].fallback
     P = ro.prompt_ids.shape[1]

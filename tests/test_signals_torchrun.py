@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from gspo.train import checkpoint as ckpt
 from gspo.dist import distributed
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LAUNCH = ["--standalone", "--nproc-per-node=2"]
@@ -32,7 +33,7 @@ def test_ctrl_c_under_torchrun_says_once_how_to_resume(tmp_path):
                          start_new_session=True)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and p.poll() is None and not ckpt.read_jsonl(run / "metrics.jsonl"):
+        while time.time() < deadline and p.poll() is None and not read_jsonl(run / "metrics.jsonl"):
             time.sleep(0.05)
         assert p.poll() is None, p.stderr.read()[-3000:]
         os.killpg(p.pid, signal.SIGINT)
@@ -40,7 +41,7 @@ def test_ctrl_c_under_torchrun_says_once_how_to_resume(tmp_path):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    done = len(ckpt.read_jsonl(run / "metrics.jsonl"))
+    done = len(read_jsonl(run / "metrics.jsonl"))
     assert ckpt.latest_checkpoint(run).name == f"step-{done:06d}"
     lines = [line for line in err.splitlines() if "interrupted by" in line]
     assert lines == [f"gspo train: interrupted by SIGINT after step {done}; checkpoint written; continue with: "

@@ -159,10 +159,9 @@ def _fake_run(run, accuracy: float, clip: float, diverged=False, n=500):
 def _report_of(tmp_path, acc: dict, n=500, diverged=()):
     """compare.json and report.md of finished runs with these accuracies (what gspo.lab.compare.compare
     writes after training), through summarise, aggregate and write_report."""
-    from gspo.lab.compare import summarise
-    from gspo.lab.report import aggregate
     from gspo.config import TrainConfig
-    from gspo.lab.report import write_report
+    from gspo.lab.compare import summarise
+    from gspo.lab.report import aggregate, write_report
 
     report = {}
     for name, values in acc.items():

@@ -2,7 +2,6 @@
 and the study's expansion, levels and noise pairs."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -83,7 +82,8 @@ def test_staleness_preset_end_to_end(tmp_path, capsys):
     study = json.loads((out / "study.json").read_text())
     assert study["axis"] == "K" and study["levels"] == [0, 2]
     acc = study["figures"]["accuracy"]["gspo-behaviour"]["K2"]
-    assert acc == {"mean": report["gspo-behaviour@K2"]["accuracy"], "ci95": report["gspo-behaviour@K2"]["accuracy_ci95"]}
+    assert acc == {"mean": report["gspo-behaviour@K2"]["accuracy"],
+                   "ci95": report["gspo-behaviour@K2"]["accuracy_ci95"]}
     md = (out / "report.md").read_text()
     assert "; 6 runs trained in " in md  # 4 configurations x 2 seeds, the 2 linked ones not counted
     assert "## Against K" in md and "| configuration | K0 | K2 |" in md and "**final held-out accuracy**" in md
@@ -148,7 +148,7 @@ def test_simulated_staleness_reports_mark_few_differences_after_the_correction()
     noise = rng.normal(0.0, 0.02, size=(reports, 18, 2, 3))
     old_any = new_any = old_marked = 0
     for r in range(reports):
-        study, report = _staleness_report(lambda i, name, f, s: (0.8, 0.7)[f] + float(noise[r, i, f, s]))
+        study, report = _staleness_report(lambda i, name, f, s, r=r: (0.8, 0.7)[f] + float(noise[r, i, f, s]))
         old = sum(bool(outside_noise(*paired_ci95([report[a]["seeds"][s][key] for s in "012"],
                                                   [report[b]["seeds"][s][key] for s in "012"])))
                   for key in ("accuracy", "accuracy_curve_mean") for a, b in study.pairs())

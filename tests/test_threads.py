@@ -76,7 +76,8 @@ def test_gspo_train_beside_a_busy_machine_takes_one_thread_and_keeps_it(tmp_path
     try:
         r = subprocess.run([sys.executable, "-m", "gspo", "train", "--steps", "1", "--eval-size", "0",
                             "--prompts-per-step", "4", "--group-size", "2", "--no-progress",
-                            "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, env=env, timeout=300)
+                            "--output-dir", str(tmp_path / "run")],
+                           capture_output=True, text=True, env=env, timeout=300)
         # gspo eval takes its threads alike (it took torch's default, every core, before)
         e = subprocess.run([sys.executable, "-m", "gspo", "eval", "--model", str(tmp_path / "run"), "--k", "0",
                             "--eval-size", "4", "--no-progress"],

@@ -10,9 +10,10 @@ import time
 import pytest
 import torch
 
-from gspo.train import checkpoint as ckpt
-from gspo.config import TrainConfig
 from gspo.algo.metrics import Max, Mean, Min, step_means
+from gspo.config import TrainConfig
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import append_jsonl, read_jsonl, trim_jsonl
 from gspo.train.optim import lr_factor
 from gspo.train.trainer import train
 
@@ -51,15 +52,15 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path, algorithm):
         time.sleep(0.02)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    killed_at = len(ckpt.read_jsonl(metrics))
+    killed_at = len(read_jsonl(metrics))
     assert 3 <= killed_at < steps, "the kill must land mid-run"
     assert not (run / "summary.json").exists()
 
     r = gspo("train", "--resume", str(run))
     out, err = r.communicate(timeout=300)
     assert r.returncode == 0, err
-    a = deterministic(ckpt.read_jsonl(tmp_path / "full" / "metrics.jsonl"))
-    b = deterministic(ckpt.read_jsonl(metrics))
+    a = deterministic(read_jsonl(tmp_path / "full" / "metrics.jsonl"))
+    b = deterministic(read_jsonl(metrics))
     assert [row["step"] for row in b] == list(range(1, steps + 1))
     assert a == b
     sa = json.loads((tmp_path / "full" / "summary.json").read_text())
@@ -78,7 +79,7 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path, algorithm):
         hb = torch.load(wb / "critic" / "value_head.pt")
         assert all(torch.equal(ha[k], hb[k]) for k in ha)
     # samples.jsonl holds each step exactly once, too
-    steps_logged = [row["step"] for row in ckpt.read_jsonl(run / "samples.jsonl")]
+    steps_logged = [row["step"] for row in read_jsonl(run / "samples.jsonl")]
     assert steps_logged == sorted(steps_logged) and set(steps_logged) == set(range(1, steps + 1))
 
 
@@ -90,7 +91,7 @@ def test_run_directory_contents(tmp_path):
     run = tmp_path / "run"
     assert {p.name for p in run.iterdir()} == {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json",
                                                "checkpoints"}
-    rows = ckpt.read_jsonl(run / "metrics.jsonl")
+    rows = read_jsonl(run / "metrics.jsonl")
     assert len(rows) == 2 and REQUIRED_METRICS <= set(rows[0])
     assert "eval/accuracy" in rows[0]  # eval_every=1, before the last step
     assert [d.name for _, d in ckpt.checkpoint_dirs(run)] == ["step-000002"]  # keep_checkpoints=1
@@ -105,7 +106,7 @@ def test_run_directory_contents(tmp_path):
 
     AutoModelForCausalLM.from_pretrained(last)
     # samples: 4 per step
-    assert len(ckpt.read_jsonl(run / "samples.jsonl")) == 8
+    assert len(read_jsonl(run / "samples.jsonl")) == 8
     # an existing, non-empty run directory is never overwritten
     before = (run / "metrics.jsonl").read_text()
     with pytest.raises(FileExistsError):
@@ -154,20 +155,20 @@ def test_partial_checkpoints_are_ignored_and_cleaned(tmp_path):
 def test_jsonl_cut_short_by_a_kill_is_trimmed(tmp_path):
     p = tmp_path / "metrics.jsonl"
     p.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
-    assert [r["step"] for r in ckpt.read_jsonl(p)] == [1, 2]
-    ckpt.trim_jsonl(p, 1)
+    assert [r["step"] for r in read_jsonl(p)] == [1, 2]
+    trim_jsonl(p, 1)
     assert p.read_text() == '{"step": 1, "a": 1}\n'
-    ckpt.append_jsonl(p, [{"step": 2, "x": float("nan")}])
-    assert ckpt.read_jsonl(p)[-1] == {"step": 2, "x": None}
+    append_jsonl(p, [{"step": 2, "x": float("nan")}])
+    assert read_jsonl(p)[-1] == {"step": 2, "x": None}
 
 
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     # max_new_tokens 2: most completions are cut (truncated); with the flag their tokens leave
     # the loss (mask 0) while their rewards still shape the group's advantages
-    from gspo.train.run import build_run
+    from gspo.sampling.produce import rollout, score
     from gspo.tasks.scoring import Scored
     from gspo.train.batch import prepare
-    from gspo.sampling.produce import rollout, score
+    from gspo.train.run import build_run
 
     cfg = TrainConfig(prompts_per_step=4, group_size=4, max_new_tokens=2, mask_truncated_completions=True,
                       output_dir=str(tmp_path / "r"), progress=False, old_logp="recompute")
@@ -186,7 +187,8 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     (["--algorithm", "cispo"], ()),
     (["--algorithm", "sapo"], ()),
     (["--algorithm", "gmpo"], ()),
-    (["--rollout-dtype", "bfloat16", "--rollout-is", "token"], ("is/truncated_frac", "is/weight_mean", "is/weight_max")),
+    (["--rollout-dtype", "bfloat16", "--rollout-is", "token"],
+     ("is/truncated_frac", "is/weight_mean", "is/weight_max")),
     # a window of ±0.5% per token masks some responses, not all: at ±0.1% (transformers 5.24's bf16 copy) every
     # kept response of both steps had Â = 0, and nothing moved
     (["--rollout-dtype", "bfloat16", "--algorithm", "grpo", "--rollout-is", "geometric", "--rollout-is-mode", "mask",
@@ -199,7 +201,7 @@ def test_successor_losses_and_corrections_train_end_to_end(tmp_path, extra, expe
     out = tmp_path / "run"
     code = main(["train", *FAST, "--steps", "2", "--max-new-tokens", "8", "--output-dir", str(out), *extra])
     assert code == 0
-    rows = ckpt.read_jsonl(out / "metrics.jsonl")
+    rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert all(k in r for k in expect), set(expect) - r.keys()

@@ -1,20 +1,19 @@
 """What a TRL user trips on: TRL's option names, did-you-mean, typed flag errors, runs trained
 from Python with objects (eval, resume), the chain task's model, messages and warnings."""
 
-import dataclasses
 import json
 import warnings
 
 import pytest
 
 import gspo
-from gspo.config.trl import to_gspo
-from gspo.commands.argv import parse as _parse
 from gspo.cli import main
+from gspo.commands.argv import parse as _parse
 from gspo.config import ConfigError, TrainConfig, options
-from gspo.train.resolve import resolve
+from gspo.config.trl import to_gspo
 from gspo.config.yamlfile import load_yaml
 from gspo.models.loading import load_policy
+from gspo.train.resolve import resolve
 
 TINY = dict(prompts_per_step=2, group_size=2, max_new_tokens=4, eval_size=4, progress=False)
 
@@ -88,15 +87,16 @@ def test_the_docs_page_names_every_entry_of_the_table():
 
 
 def test_train_help_says_near_its_top_that_trls_names_work():
-    from gspo.config.trl import TRL_NAMES
     from gspo.commands.help import train_help
+    from gspo.config.trl import TRL_NAMES
 
     top = "\n".join(train_help(width=100).splitlines()[:16])  # before the algorithms and the 300 lines of options
     assert "TRL's GRPOConfig option names are accepted" in top and "docs/trl.md" in top
     for flag in ("--num_generations", "--learning_rate", "--max_completion_length"):
         assert flag in top and TRL_NAMES[flag[2:]]  # names the table has
     assert "--device is cpu unless given" in top
-    args = ["--num_generations", "4", "--learning_rate", "3e-5", "--max_completion_length", "9", "--loss_type", "dr_grpo"]
+    args = ["--num_generations", "4", "--learning_rate", "3e-5", "--max_completion_length", "9",
+            "--loss_type", "dr_grpo"]
     cfg = _parse(TrainConfig, args, "gspo train")  # what the help says works, works
     assert (cfg.group_size, cfg.lr, cfg.max_new_tokens, cfg.loss_agg) == (4, 3e-5, 9, "seq-mean-token-sum-norm")
 

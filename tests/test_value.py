@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.train.trainer import train
 from gspo.models.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
+from gspo.train.trainer import train
 
 D = torch.float64
 

@@ -7,9 +7,17 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
+from gspo.lab.variance import (
+    _binned,
+    _per_response,
+    length_edges,
+    measure,
+    one_minibatch_update,
+    ratio_variance,
+    sample_old,
+    write_variance,
+)
 from gspo.train.run import build_run
-from gspo.lab.variance import (_binned, _per_response, length_edges, measure, one_minibatch_update, ratio_variance,
-                           sample_old, write_variance)
 
 
 def test_per_response_by_hand():
@@ -130,5 +138,6 @@ def test_compare_presets_in_help_and_unknown(capsys, tmp_path):
     assert done.value.code == 0 and "--preset NAME" in out and "length: GSPO, GRPO" in out
     assert main(["compare", "--preset", "lenght", "--output-dir", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
-    assert "--preset: unknown preset 'lenght'; presets: paper, length, staleness, precision" in err and "Traceback" not in err
+    assert ("--preset: unknown preset 'lenght'; presets: paper, length, staleness, precision" in err
+            and "Traceback" not in err)
     assert not (tmp_path / "c").exists()

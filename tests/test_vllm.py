@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 
 try:
     import vllm  # noqa: F401
@@ -41,13 +42,13 @@ def gspo(*args, popen=False, env=None):
 
 
 def rows(run):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in ckpt.read_jsonl(run / "metrics.jsonl")]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_jsonl(run / "metrics.jsonl")]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from gspo.models.loading import load_policy, resolve_model_path
     from gspo.config import VLLM
+    from gspo.models.loading import load_policy, resolve_model_path
     from gspo.sampling.vllm_engine import VLLMSampler
 
     policy, tok = load_policy("tiny")
@@ -110,8 +111,8 @@ def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(en
     # engine records log p(y_t) - log(1 - p(stops)), renormalised without them; after N, log p(y_t).
     # So `--old-logp auto` recomputes pi_old (the policy's full-distribution log-probs) on vLLM.
     from gspo.config import TrainConfig
-    from gspo.train.resolve import resolve
     from gspo.sampling.rollout import sampling_params
+    from gspo.train.resolve import resolve
 
     sampler, policy, tok = engine
     sampler.sync(policy)
@@ -120,7 +121,8 @@ def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(en
     ro = sampler.sample(_prompts(tok, 1), params, generator=torch.Generator().manual_seed(5))  # one prompt: no padding
     P = ro.prompt_ids.shape[1]
     with torch.no_grad():
-        logits = policy(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, P - 1:-1].float()  # (B, T, V)
+        # (B, T, V)
+        logits = policy(input_ids=ro.input_ids, attention_mask=ro.attention_mask).logits[:, P - 1:-1].float()
     lp = torch.log_softmax(logits, -1)  # (B, T, V)
     full = lp.gather(-1, ro.completion_ids[..., None])[..., 0]  # (B, T) the policy's
     stop = torch.logsumexp(lp[..., list(stops)], -1)  # (B, T) log p(stops)
@@ -178,8 +180,8 @@ def test_weight_sync_is_what_makes_the_engine_sample_the_current_policy(engine):
 
 
 def test_lora_adapters_are_merged_for_the_engine(engine):
-    from gspo.models.logprobs import completion_logprobs
     from gspo.models.loading import add_lora
+    from gspo.models.logprobs import completion_logprobs
     from gspo.sampling.rollout import sampling_params
     from gspo.sampling.vllm_engine import checkpoint_weights
 
@@ -260,11 +262,11 @@ def test_vllm_run_learns_and_resumes_exactly(tmp_path):
     killed = tmp_path / "killed"
     p = gspo(*args, "--output-dir", str(killed), popen=True)
     deadline = time.time() + 600
-    while time.time() < deadline and len(ckpt.read_jsonl(killed / "metrics.jsonl")) < 3:
+    while time.time() < deadline and len(read_jsonl(killed / "metrics.jsonl")) < 3:
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert 3 <= len(ckpt.read_jsonl(killed / "metrics.jsonl")) < 6
+    assert 3 <= len(read_jsonl(killed / "metrics.jsonl")) < 6
     r = gspo("train", "--resume", str(killed))
     assert r.returncode == 0, r.stderr[-3000:]
     assert rows(killed) == rows(one)

@@ -144,10 +144,10 @@ def test_fsdp_gathers_one_parameter_at_a_time(tmp_path):
 def test_sleep_discards_the_weights_once_a_sync_put_the_policys_there(monkeypatch):
     # level 1 (offload) while the engine holds the checkpoint's weights; level 2 (discard) once
     # synced, since the next sync overwrites them all; a sample without that sync syncs again
-    from gspo.sampling import vllm_engine
-    from gspo.models.tiny import build_chat_tokenizer
-    from gspo.sampling.rollout import sampling_params
     from gspo.config import VLLM
+    from gspo.models.tiny import build_chat_tokenizer
+    from gspo.sampling import vllm_engine
+    from gspo.sampling.rollout import sampling_params
     from gspo.sampling.vllm_engine import VLLMSampler
     from tests.test_engine_protocol import fake_vllm
 

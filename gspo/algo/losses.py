@@ -26,14 +26,16 @@ token's log-prob) and the value loss, which lives with the critic (`gspo.models.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from gspo.algo.aggregation import agg_count, aggregate
 from gspo.algo.corrections import apply_opsm
 from gspo.algo.metrics import Max, Mean, Min
+
 Tensor = torch.Tensor
 
 

@@ -20,9 +20,9 @@ import typing
 
 import tyro
 
+from gspo.config import TrainConfig, option_types
 from gspo.config import trl as aliases
 from gspo.config.checks import check_value
-from gspo.config import TrainConfig, option_types
 from gspo.config.yamlfile import flag_value_error, unknown_flag
 
 

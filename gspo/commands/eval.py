@@ -121,15 +121,15 @@ def cmd_eval(args: list[str]) -> int:
 
 def _evaluate(a: EvalArgs, threads: int) -> int:
     """cmd_eval on `threads` CPU threads: the JSON line of results on stdout."""
-    from gspo.train.resolve import resolve
-    from gspo.tasks.env import episode_env
-    from gspo.sampling.episodes import EpisodeSpec
-    from gspo.train.evaluation import EvalOptions, evaluate
-    from gspo.models.loading import DTYPES, load_policy, quiet_peft, resolve_device
     from gspo.io.reporting import line_on_stderr
+    from gspo.models.loading import DTYPES, load_policy, quiet_peft, resolve_device
+    from gspo.sampling.episodes import EpisodeSpec
     from gspo.sampling.rollout import stop_token_ids
     from gspo.sampling.samplers import task_and_rewards
     from gspo.tasks.base import for_tokenizer
+    from gspo.tasks.env import episode_env
+    from gspo.train.evaluation import EvalOptions, evaluate
+    from gspo.train.resolve import resolve
 
     cfg, model_path = eval_config(a)
     cfg = resolve(cfg)

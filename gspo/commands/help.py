@@ -12,9 +12,8 @@ import shutil
 import textwrap
 import typing
 
-from gspo.config import SECTIONS, option_types
 from gspo.algo.losses import LOSSES
-from gspo.config import Loss
+from gspo.config import SECTIONS, Loss, option_types
 
 INTRO = """usage: gspo train [--config FILE] [--resume RUN_DIR] [OPTIONS]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import shlex
 
-from gspo.config import SECTION_OF, ConfigError, TrainConfig, options
 from gspo.algo.losses import LOSSES
+from gspo.config import SECTION_OF, ConfigError, TrainConfig, options
 from gspo.train.resolve import checked, resolve
 
 NOT_IN_COMMAND = ("output_dir", "progress", "threads")  # where the run wrote, how it showed progress, its CPU threads

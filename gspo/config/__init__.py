@@ -23,8 +23,26 @@ import functools
 import typing
 from dataclasses import dataclass, field
 
-from gspo.config.sections import (PPO, VLLM, AsyncRL, ConfigError, Corrections, Data, Episodes, Eval, Loss, LoRA, MoE,
-                                  Optim, Policy, Rewards, RunOptions, Sampling, bounds_error, opt)
+from gspo.config.sections import (
+    PPO,
+    VLLM,
+    AsyncRL,
+    ConfigError,
+    Corrections,
+    Data,
+    Episodes,
+    Eval,
+    LoRA,
+    Loss,
+    MoE,
+    Optim,
+    Policy,
+    Rewards,
+    RunOptions,
+    Sampling,
+    bounds_error,
+    opt,
+)
 
 # the sections in the order of `gspo train --help` and config.yaml: attribute -> (class, help title)
 SECTIONS: dict[str, tuple[type, str]] = {

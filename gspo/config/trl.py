@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.config.checks import check_value, yaml_value
 from gspo.io.words import did_you_mean as near
-from gspo.config import SECTION_OF, ConfigError, TrainConfig
 
 SKIP = object()  # a TRL value that changes nothing in gspo (bf16: false)
 

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import yaml
 
-from gspo.config.trl import did_you_mean as trl_did_you_mean, is_trl, to_gspo
-from gspo.io.words import did_you_mean
-from gspo.config.checks import yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig, option_types
+from gspo.config.checks import yaml_value
+from gspo.config.trl import did_you_mean as trl_did_you_mean
+from gspo.config.trl import is_trl, to_gspo
+from gspo.io.words import did_you_mean
 
 
 def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:

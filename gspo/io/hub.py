@@ -176,8 +176,14 @@ def cache_home() -> str:
 def classify(e: BaseException) -> str:
     """What a hub failure was: gated, revision, missing, token, incomplete, offline, unreachable or other."""
     from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, IncompleteSnapshotError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        IncompleteSnapshotError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     for cls, case in ((GatedRepoError, "gated"), (RevisionNotFoundError, "revision"),
                       (RepositoryNotFoundError, "missing"), (IncompleteSnapshotError, "incomplete")):

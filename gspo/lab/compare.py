@@ -48,15 +48,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gspo.train import checkpoint as ckpt
-from gspo.config.checks import check_value, yaml_value
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
-from gspo.lab.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
-from gspo.train.resolve import resolve
-from gspo.lab.report import COLLAPSE_POINTS, aggregate, write_report
+from gspo.config.checks import check_value, yaml_value
 from gspo.io.reporting import flushing, labelled, line_on_stdout
-from gspo.lab.studies import Study
 from gspo.io.words import plural
+from gspo.lab.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
+from gspo.lab.report import COLLAPSE_POINTS, aggregate, write_report
+from gspo.lab.studies import Study
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import atomic_write_text, json_clean, read_jsonl
+from gspo.train.resolve import resolve
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -178,7 +179,7 @@ def _mean(xs):
 
 
 def summarise(run_dir: Path) -> dict:
-    rows = ckpt.read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = [e["accuracy"] for e in summary.get("evals", []) if e.get("accuracy") is not None]
     final = summary["eval_after"]["accuracy"]  # None: no evaluation, or the reward scored no completion
@@ -242,7 +243,7 @@ def compare(base: TrainConfig, configs: list[str | tuple[str, dict]] | Study, *,
     t0 = time.time()
     results = _train_all(cfgs, log, options.jobs)
     report = {name: aggregate(per_seed) for name, per_seed in results.items()}
-    ckpt.atomic_write_text(out / "compare.json", json.dumps(ckpt.json_clean(report), indent=2) + "\n")
+    atomic_write_text(out / "compare.json", json.dumps(json_clean(report), indent=2) + "\n")
     models = options.variance_models
     if models and not (out / "variance.json").exists():
         from gspo.lab.variance import write_variance

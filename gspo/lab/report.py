@@ -21,8 +21,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from gspo.train import checkpoint as ckpt
 from gspo.lab.stats import FAMILY_LEVEL, ci95, eval_noise, holm, paired_test
+from gspo.io.files import atomic_write_text, json_clean, read_jsonl
 
 COLLAPSE_POINTS = 0.10  # "diverged": the final held-out accuracy this far below the run's best
 # the held-out accuracies: measured on the same eval_n problems by every seed, so their intervals
@@ -51,7 +51,7 @@ def _seed_mean(series: list[tuple[list, list]]) -> tuple[list, list]:
 def _plots(out: Path, names: list[str], seeds: list[int]) -> None:
     from gspo.lab.plot import plot_panels
 
-    rows = {n: [ckpt.read_jsonl(out / "runs" / f"{n}-seed{s}" / "metrics.jsonl") for s in seeds] for n in names}
+    rows = {n: [read_jsonl(out / "runs" / f"{n}-seed{s}" / "metrics.jsonl") for s in seeds] for n in names}
     evals = {n: [json.loads((out / "runs" / f"{n}-seed{s}" / "summary.json").read_text())["evals"] for s in seeds]
              for n in names}
 
@@ -157,7 +157,7 @@ class _Written:
 def _write(w: _Written) -> dict:
     judged = judge(w.report, w.study.pairs() if w.study else None,
                    ("accuracy", "accuracy_curve_mean") if w.study else ("accuracy",), eval_n=w.eval_n)
-    ckpt.atomic_write_text(w.out / "compare.json", json.dumps(ckpt.json_clean(with_judged(w.report, judged)),
+    atomic_write_text(w.out / "compare.json", json.dumps(json_clean(with_judged(w.report, judged)),
                                                               indent=2) + "\n")
     _report_md(w, judged)
     return judged
@@ -369,4 +369,4 @@ def _report_md(w: _Written, judged: dict) -> None:
     if (out / "variance.md").exists():  # the no-training measurement (gspo.lab.variance)
         table = (out / "variance.md").read_text().split("\n", 2)[2]  # without its title
         lines += ["## Importance-ratio variance by response length", "", table, "![variance](variance.png)", ""]
-    ckpt.atomic_write_text(out / "report.md", "\n".join(lines))
+    atomic_write_text(out / "report.md", "\n".join(lines))

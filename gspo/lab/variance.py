@@ -33,17 +33,17 @@ from pathlib import Path
 
 import torch
 
-from gspo.train import checkpoint as ckpt
-from gspo.config import TrainConfig
-from gspo.models.logprobs import Split, forward_logprobs, token_logprobs
 from gspo.algo.aggregation import agg_count
-from gspo.models.moe import drift
+from gspo.config import TrainConfig
 from gspo.lab.plot import plot_panels
-from gspo.train.run import Run, build_run
-from gspo.tasks.scoring import Scored
-from gspo.train.trainer import accumulate, optimizer_step
-from gspo.train.batch import prepare
+from gspo.models.logprobs import Split, forward_logprobs, token_logprobs
+from gspo.models.moe import drift
 from gspo.sampling.produce import rollout, score, step_generator
+from gspo.tasks.scoring import Scored
+from gspo.io.files import atomic_write_text, json_clean
+from gspo.train.batch import prepare
+from gspo.train.run import Run, build_run
+from gspo.train.trainer import accumulate, optimizer_step
 
 Tensor = torch.Tensor
 QUANTITIES = ("w_token", "log_product", "s_seq")
@@ -181,7 +181,7 @@ def write_variance(results: list[dict], out_dir) -> None:
     response length of the bin, one line per model and routing setting) in `out_dir`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt.atomic_write_text(out / "variance.json", json.dumps(ckpt.json_clean(results), indent=2) + "\n")
+    atomic_write_text(out / "variance.json", json.dumps(json_clean(results), indent=2) + "\n")
     panels = {f"Var {LABELS[q]}": {} for q in QUANTITIES}
     for r in results:
         for setting, rows in r["settings"].items():
@@ -190,7 +190,7 @@ def write_variance(results: list[dict], out_dir) -> None:
                 panels[f"Var {LABELS[q]}"][label] = ([row["mean_length"] for row in rows], [row[q] for row in rows])
     plot_panels(panels, out / "variance.png", log_y=list(panels), xlabel="response length (tokens, bin mean)",
                 title="importance-ratio variance by response length (one minibatch update)")
-    ckpt.atomic_write_text(out / "variance.md", variance_table(results))
+    atomic_write_text(out / "variance.md", variance_table(results))
 
 
 def variance_table(results: list[dict]) -> str:

@@ -49,8 +49,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 # the built-in models' tokenizers and architectures (gspo.models.tiny); imported from here by scripts and tests
-from gspo.models.tiny import (CHARS, CHAT_CHARS, CHAT_MARKERS, CHAT_SPECIAL, CHAT_TEMPLATE, SPECIAL,  # noqa: E402,F401
-                       build_char_tokenizer, build_chat_tokenizer, tiny_config, tiny_moe_config)
+from gspo.models.tiny import (  # noqa: E402,F401
+    CHARS,
+    CHAT_CHARS,
+    CHAT_MARKERS,
+    CHAT_SPECIAL,
+    CHAT_TEMPLATE,
+    SPECIAL,
+    build_char_tokenizer,
+    build_chat_tokenizer,
+    tiny_config,
+    tiny_moe_config,
+)
 
 
 class ModelError(ValueError):
@@ -71,8 +81,8 @@ def resolve_device(device: str) -> torch.device:
 
 def gguf_dir(path: Path, name: str) -> Path | None:
     """The converted model directory of a .gguf file (or of a directory holding one); None if neither."""
-    from gspo.models.gguf import converted, gguf_source
     from gspo.io.reporting import line_on_stderr
+    from gspo.models.gguf import converted, gguf_source
 
     src = gguf_source(path, name)
     return None if src is None else converted(src, log=line_on_stderr)

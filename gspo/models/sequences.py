@@ -48,12 +48,12 @@ class Rollout:
         seen = self.completion_mask if self.env_mask is None else self.completion_mask + self.env_mask  # (B, T)
         return torch.cat([self.prompt_mask, seen.to(self.prompt_mask.dtype)], 1)  # (B, P+T)
 
-    def map(self, fn) -> "Rollout":
+    def map(self, fn) -> Rollout:
         """The same rollout with `fn` applied to every tensor field."""
         return dataclasses.replace(self, **{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), Tensor)})
 
-    def select(self, idx: Tensor) -> "Rollout":
+    def select(self, idx: Tensor) -> Rollout:
         """Rows `idx` (for minibatches); the group layout no longer holds for the result."""
         return self.map(lambda t: t[idx])
 

@@ -34,8 +34,8 @@ from torch import nn
 
 from gspo.algo.advantages import at_last_token, gae, masked_whiten
 from gspo.algo.metrics import Mean
-from gspo.models.logprobs import completion_hidden
 from gspo.models.loading import resolve_model_path
+from gspo.models.logprobs import completion_hidden
 from gspo.models.sequences import Rollout
 
 Tensor = torch.Tensor

@@ -39,15 +39,14 @@ import inspect
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from gspo.io.words import closest, did_you_mean, plural
 from gspo.rewards.model import RewardModel, check_device, reward_model_path
 from gspo.tasks.scoring import RewardError, RewardFn, completion_text, per_completion
-
-
 
 # ----------------------------------------------------------------------------------------------
 # Built-in verifiers, one completion at a time

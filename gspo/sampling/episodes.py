@@ -41,15 +41,15 @@ at once in threads (run_steps); asynchronous environments are left out.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from gspo.tasks.env import EnvError, Step, observation_text, tool_schemas
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams, cut_at_stop_strings, encode_prompts
+from gspo.tasks.env import EnvError, Step, observation_text, tool_schemas
 
 Tensor = torch.Tensor
 

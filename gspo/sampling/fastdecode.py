@@ -54,10 +54,10 @@ import torch.nn.functional as F
 import transformers
 from packaging.version import Version
 
+from gspo.io.reporting import warn
 from gspo.models.fastmoe import mlp_step, unsupported_mlp
 from gspo.models.lmhead import fused_head
 from gspo.models.moe import held, keep
-from gspo.io.reporting import warn
 
 Tensor = torch.Tensor
 

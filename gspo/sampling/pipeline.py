@@ -58,13 +58,13 @@ import torch
 
 from gspo.dist import distributed
 from gspo.dist.distributed import Dist
-from gspo.tasks.env import episode_env
 from gspo.dist.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.models.loading import DTYPES, cast_parameters, disable_dropout, resolve_device
 from gspo.sampling.produce import Produced, produce
 from gspo.sampling.rollout import stop_token_ids
-from gspo.tasks.base import for_tokenizer
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
+from gspo.tasks.base import for_tokenizer
+from gspo.tasks.env import episode_env
 
 Tensor = torch.Tensor
 

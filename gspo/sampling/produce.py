@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo.sampling.episodes import Draws, EpisodeSpec, Episodes, run_episodes
-from gspo.rewards.builtin import Reward, TrainerState, score_completions
 from gspo.models.sequences import Rollout
+from gspo.rewards.builtin import Reward, TrainerState, score_completions
+from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec, run_episodes
 from gspo.sampling.rollout import cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.tasks.scoring import Scored
 

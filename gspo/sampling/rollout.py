@@ -37,9 +37,9 @@ from typing import Protocol
 import torch
 
 from gspo.dist import parallel
-from gspo.sampling.fastdecode import decoder, describe
 from gspo.models.moe import NO_ROUTING
 from gspo.models.sequences import Rollout, left_pad, position_ids_from_mask
+from gspo.sampling.fastdecode import decoder, describe
 from gspo.sampling.turncache import Start, TurnCache
 
 Tensor = torch.Tensor
@@ -89,7 +89,7 @@ class Sampler(Protocol):
         """Load the policy's current weights, so the next rollout samples from it."""
 
     def sample(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
-               rows: tuple[int, int] | None = None) -> "Rollout":
+               rows: tuple[int, int] | None = None) -> Rollout:
         """G completions per prompt (see `generate` for `generator` and `rows`); may be called
         several times per rollout (once per turn of multi-turn episodes)."""
 
@@ -128,7 +128,7 @@ class PolicySampler:
                 for dst, src in zip(self.model.parameters(), policy.parameters()):
                     dst.copy_(src)
 
-    def sample(self, prompts, params, *, generator=None, rows=None) -> "Rollout":
+    def sample(self, prompts, params, *, generator=None, rows=None) -> Rollout:
         turns = self.turns.begin(self.model) if self.turns is not None else None  # (FSDP: the sharded weights)
         with parallel.gathered(self.root or self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
             return _sample(self.model, prompts, params, (generator, rows), self.routing, turns)
@@ -159,7 +159,7 @@ def encode_prompts(tokenizer, prompts: list, max_length: int = 0, tools: list | 
     return [ids[-max_length:] for ids in out] if max_length > 0 else out
 
 
-def cut_at_stop_strings(ro: "Rollout", tokenizer, strings: tuple[str, ...]) -> "Rollout":
+def cut_at_stop_strings(ro: Rollout, tokenizer, strings: tuple[str, ...]) -> Rollout:
     """End each completion at the token that completes the first occurrence of any of
     `strings` in its text: the tokens after it are dropped (padding, mask 0, log-prob 0) and
     the row counts as ended, not truncated. The sampler may have run past the string."""
@@ -183,7 +183,7 @@ def cut_at_stop_strings(ro: "Rollout", tokenizer, strings: tuple[str, ...]) -> "
     return ro
 
 
-def decode_completions(tokenizer, ro: "Rollout") -> tuple[list[str], list[list[int]]]:
+def decode_completions(tokenizer, ro: Rollout) -> tuple[list[str], list[list[int]]]:
     """Completion texts (special tokens dropped) and token ids (padding dropped, stop token kept)."""
     ids = [row[: int(n)].tolist() for row, n in zip(ro.completion_ids, ro.lengths)]
     return tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True), ids

@@ -18,14 +18,24 @@ import torch
 
 from gspo.config import ConfigError, TrainConfig
 from gspo.dist.distributed import Dist
-from gspo.models.loading import (DTYPES, AdapterLoad, add_lora, load_policy, load_tokenizer, low_precision_copy,
-                         prepare_tokenizer, quiet_peft, resolve_model_path, unwrap)
+from gspo.models.loading import (
+    DTYPES,
+    AdapterLoad,
+    add_lora,
+    load_policy,
+    load_tokenizer,
+    low_precision_copy,
+    prepare_tokenizer,
+    quiet_peft,
+    resolve_model_path,
+    unwrap,
+)
 from gspo.models.moe import NO_ROUTING, MoEError, NoRouting, Routing, is_moe
 from gspo.rewards.builtin import Reward, load_rewards
 from gspo.sampling.rollout import PolicySampler, Sampler
+from gspo.sampling.vllm_engine import VLLMSampler
 from gspo.tasks import build_task
 from gspo.tasks.base import SystemPrompt
-from gspo.sampling.vllm_engine import VLLMSampler
 
 
 @dataclass

@@ -57,9 +57,9 @@ import re
 import numpy as np
 import torch
 
+from gspo.config import VLLM
 from gspo.models.sequences import Rollout, left_pad
 from gspo.sampling.rollout import SamplingParams
-from gspo.config import VLLM
 
 Tensor = torch.Tensor
 
@@ -274,8 +274,8 @@ def checkpoint_weights(policy, dtype: torch.dtype | None = None):
     holds: at most twice the largest parameter, where building the whole state dict held every
     gathered (FSDP) or merged (LoRA) copy at once. Plain weights already in `dtype` are the
     parameters themselves (no copy)."""
-    from gspo.models.loading import unwrap
     from gspo.dist.parallel import full_tensor
+    from gspo.models.loading import unwrap
 
     model = unwrap(policy)
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}

@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from gspo.tasks.data import Example
 from gspo.tasks.base import DrawnSplits
+from gspo.tasks.data import Example
 
 
 def problem(prompt: str, answer: str, source: str) -> Example:

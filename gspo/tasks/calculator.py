@@ -22,9 +22,9 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
+from gspo.tasks.base import DrawnSplits
 from gspo.tasks.data import Example
 from gspo.tasks.env import ToolEnvironment
-from gspo.tasks.base import DrawnSplits
 
 FORMS = ("a*b", "a*b+c", "a*b-c", "(a+b)*c")
 _OPS = {ast.Add: lambda x, y: x + y, ast.Sub: lambda x, y: x - y, ast.Mult: lambda x, y: x * y}

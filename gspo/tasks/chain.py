@@ -27,9 +27,9 @@ import re
 from dataclasses import dataclass
 from typing import ClassVar
 
+from gspo.tasks.base import DrawnSplits
 from gspo.tasks.data import Example
 from gspo.tasks.scoring import per_completion
-from gspo.tasks.base import DrawnSplits
 
 TARGET = 1000  # count up until the total reaches it
 START, STEP = (10, 599), (50, 99)  # a and d are uniform in these ranges (inclusive)

@@ -35,7 +35,6 @@ both Hub ids (`--dataset` and `--eval-dataset`).
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import random
 from dataclasses import dataclass, field
@@ -264,12 +263,17 @@ class DatasetTask:
     default_rewards: tuple[str, ...] = ("exact_match",)
     default_max_new_tokens: int = 256
     notes: list[str] = field(default_factory=list)  # warnings for the user (e.g. a tiny evaluation split)
+    _orders: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (seed, epoch) -> order
 
-    @functools.lru_cache(maxsize=4)
     def _order(self, seed: int, epoch: int) -> tuple[int, ...]:
-        idx = list(range(len(self.train)))
-        random.Random(f"dataset-{seed}-{epoch}").shuffle(idx)
-        return tuple(idx)
+        """Epoch `epoch`'s shuffle; the last 4 kept (a batch spans at most two epochs)."""
+        if (seed, epoch) not in self._orders:
+            idx = list(range(len(self.train)))
+            random.Random(f"dataset-{seed}-{epoch}").shuffle(idx)
+            if len(self._orders) >= 4:
+                self._orders.pop(next(iter(self._orders)))  # the oldest
+            self._orders[(seed, epoch)] = tuple(idx)
+        return self._orders[(seed, epoch)]
 
     def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
         """Rows for training step `step` (1-based): positions (step-1)·n ... step·n-1 of the

@@ -185,6 +185,7 @@ class GymTask:
     default_system_prompt: str = SYSTEM_PROMPT
     answer_from: str = "tag"  # what the verifier scores (extract_answer): tag, tag_only, last_line or last_number
     notes: list[str] = field(default_factory=list)
+    _blocks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (seed, block, reserve) -> problems
 
     @classmethod
     def from_spec(cls, spec: str, options: dict | None = None, *, test_size: int = 500, split_seed: int = 0,
@@ -233,9 +234,14 @@ class GymTask:
                               f"{4 * self.test_size} draws (asked for {self.test_size})")
         return out
 
-    @functools.lru_cache(maxsize=8)
     def _block(self, seed: int, block: int, reserve: int):
-        return self._generator(("train", seed, block, reserve), BLOCK)
+        """Block `block` of training problems; the last 8 kept."""
+        key = (seed, block, reserve)
+        if key not in self._blocks:
+            if len(self._blocks) >= 8:
+                self._blocks.pop(next(iter(self._blocks)))  # the oldest
+            self._blocks[key] = self._generator(("train", *key), BLOCK)
+        return self._blocks[key]
 
     def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
         """Problems (step-1)·n ... step·n-1 of the run's stream: a function of (seed, step) only."""

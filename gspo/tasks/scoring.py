@@ -11,8 +11,9 @@ scored rollout's rows (gspo.sampling.produce makes them, gspo.train.batch.prepar
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from torch import Tensor
 

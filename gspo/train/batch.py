@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo.dist import parallel
 from gspo.algo.corrections import rollout_is_weights
-from gspo.sampling.episodes import Episodes
-from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.algo.metrics import reduce_across
+from gspo.dist import parallel
+from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.models.moe import expert_counts
 from gspo.models.sequences import Rollout
+from gspo.sampling.episodes import Episodes
 from gspo.tasks.scoring import Scored
 
 Tensor = torch.Tensor

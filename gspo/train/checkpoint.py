@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import yaml
 
-from gspo.dist import parallel
 from gspo.config import to_dict
+from gspo.dist import parallel
 from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
 
 STEP_DIR = re.compile(r"^step-(\d+)$")

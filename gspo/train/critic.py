@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from gspo.dist import parallel
 from gspo.algo.advantages import group_advantages, masked_whiten, turn_advantages
-from gspo.models.logprobs import Split, forward_logprobs, passes
+from gspo.dist import parallel
 from gspo.models.loading import DTYPES, disable_dropout, unwrap
-from gspo.train.optim import Trainable, adamw, schedule
+from gspo.models.logprobs import Split, forward_logprobs, passes
 from gspo.models.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
+from gspo.train.optim import Trainable, adamw, schedule
 
 Tensor = torch.Tensor
 

@@ -24,11 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
 from gspo.io.reporting import bar_wanted
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
-from gspo.sampling.rollout import (PolicySampler, cut_at_stop_strings, decode_completions, encode_prompts, generate,
-                          sampling_params, stop_token_ids)
+from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
+from gspo.sampling.rollout import (
+    PolicySampler,
+    cut_at_stop_strings,
+    decode_completions,
+    encode_prompts,
+    generate,
+    sampling_params,
+    stop_token_ids,
+)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 
 from gspo.train import checkpoint as ckpt
+from gspo.io.files import read_jsonl
 
 
 class Interrupted(Exception):
@@ -120,7 +121,7 @@ class Guard:
     def failed(self) -> None:
         """A false start (no step done, no checkpoint) leaves no directory behind it."""
         run = self.run
-        if run.dist.is_main and self.created and not ckpt.read_jsonl(run.run_dir / "metrics.jsonl") \
+        if run.dist.is_main and self.created and not read_jsonl(run.run_dir / "metrics.jsonl") \
                 and ckpt.latest_checkpoint(run.run_dir) is None:
             shutil.rmtree(run.run_dir, ignore_errors=True)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gspo.dist import parallel
-from gspo.config import TrainConfig
 from gspo.algo.metrics import Mean
+from gspo.config import TrainConfig
+from gspo.dist import parallel
 
 
 @dataclass

@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 
 from gspo.dist import distributed
-from gspo.sampling import fastdecode
-from gspo.models import gguf as gguf_models
 from gspo.io.words import plural
+from gspo.models import gguf as gguf_models
 from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
+from gspo.sampling import fastdecode
 from gspo.sampling.rollout import PolicySampler
 
 

@@ -21,15 +21,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gspo.config.checks import check_value
-from gspo.io.words import plural
-from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, options
-from gspo.tasks.data import DatasetTask
 from gspo.algo.aggregation import AGG_MODES
 from gspo.algo.losses import LOSSES
+from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, bounds_error, options
+from gspo.config.checks import check_value
+from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS
-from gspo.config import bounds_error
 from gspo.tasks import TASKS, GymTask, get_task, is_gym
+from gspo.tasks.data import DatasetTask
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -28,28 +28,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gspo.train import checkpoint as ckpt
-from gspo.dist import distributed
-from gspo.dist import parallel
-from gspo.io.words import plural
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.yamlfile import load_yaml
-from gspo.train.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
-from gspo.tasks.data import DataError
+from gspo.dist import distributed, parallel
 from gspo.dist.distributed import Dist
-from gspo.train.lifecycle import check_no_writer
-from gspo.tasks.env import episode_env, tool_schemas
-from gspo.train.critic import NoCritic, make_critic
-from gspo.models.logprobs import TokenLogprobs, supports_packing
+from gspo.dist.threads import choose_threads
+from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS, DTYPES, disable_dropout, enable_checkpointing, load_policy, unwrap
+from gspo.models.logprobs import TokenLogprobs, supports_packing
 from gspo.models.moe import NO_ROUTING, NoRouting, Routing
-from gspo.train.optim import Trainable, make_optimizers
 from gspo.rewards.builtin import BUILTIN_REWARDS, Reward
 from gspo.sampling.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
-from gspo.dist.threads import choose_threads
+from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
 from gspo.tasks.base import for_tokenizer, prompt_note
-from gspo.sampling.samplers import (Inputs, load_policy_for, rewards_for, sampler_and_routing,
-                           task_for)
+from gspo.tasks.data import DataError
+from gspo.tasks.env import episode_env, tool_schemas
+from gspo.train import checkpoint as ckpt
+from gspo.train.critic import NoCritic, make_critic
+from gspo.train.lifecycle import check_no_writer
+from gspo.train.optim import Trainable, make_optimizers
+from gspo.train.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
 
 FIT_SAMPLE = 256  # prompts whose lengths _fit_lengths checks
 

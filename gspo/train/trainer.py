@@ -37,29 +37,29 @@ from pathlib import Path
 
 import torch
 
-from gspo.train import checkpoint as ckpt
-from gspo.dist import distributed
-from gspo.dist import parallel
-from gspo.train.batch import Batch, expert_load, prepare
-from gspo.io.words import plural
-from gspo.config import TrainConfig, to_dict
-from gspo.config.yamlfile import load_yaml
-from gspo.train.evaluation import EvalOptions, evaluate
 from gspo.algo.aggregation import agg_count
 from gspo.algo.losses import policy_loss
-from gspo.models.logprobs import MicroBatch, Split, passes
 from gspo.algo.metrics import Mean, combine, reduce_across
-from gspo.train.plan import describe, plan
+from gspo.config import TrainConfig, to_dict
+from gspo.config.yamlfile import load_yaml
+from gspo.dist import distributed, parallel
+from gspo.dist.threads import restored
 from gspo.io.reporting import Progress, Reporter, samples_rows, warn
-from gspo.tasks.scoring import RewardError
+from gspo.io.words import plural
+from gspo.models.logprobs import MicroBatch, Split, passes
 from gspo.rewards.builtin import TrainerState
 from gspo.sampling.episodes import EpisodeSpec
 from gspo.sampling.pipeline import Pipeline, make_pipeline, serve_rank
 from gspo.sampling.produce import step_generator
+from gspo.tasks.scoring import RewardError
+from gspo.train import checkpoint as ckpt
+from gspo.io.files import append_jsonl, atomic_write_text, json_clean
+from gspo.train.batch import Batch, expert_load, prepare
+from gspo.train.evaluation import EvalOptions, evaluate
 from gspo.train.lifecycle import Guard, Interrupted
+from gspo.train.plan import describe, plan
 from gspo.train.run import AlreadyComplete, Run, build_run
 from gspo.train.steplog import step_row
-from gspo.dist.threads import restored
 
 Tensor = torch.Tensor
 
@@ -156,7 +156,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
                 run.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)
-                ckpt.append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
+                append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
             saved = (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.run.steps
             if saved:
                 ckpt.save_run(run, step)
@@ -225,7 +225,7 @@ def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
         "plan": plan(run),
     }
     if dist.is_main:
-        ckpt.atomic_write_text(run.run_dir / "summary.json", json.dumps(ckpt.json_clean(summary), indent=2) + "\n")
+        atomic_write_text(run.run_dir / "summary.json", json.dumps(json_clean(summary), indent=2) + "\n")
         if eval_after["n"]:
             reporter.summary({"eval_before/accuracy": run.eval_before["accuracy"],
                               "eval_after/accuracy": eval_after["accuracy"]})
