@@ -23,7 +23,8 @@ def __getattr__(name: str):
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        value = importlib.import_module(f"{__name__}.{name}")  # gspo.models.loading without `import gspo.models.loading`
+        # gspo.models.loading without `import gspo.models.loading`
+        value = importlib.import_module(f"{__name__}.{name}")
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -96,7 +96,8 @@ def _print_summary(summary: dict) -> None:
     before, after = summary["eval_before"], summary["eval_after"]
     head = f"{summary['algorithm']} on {summary['task']}"
     if not after.get("n"):
-        print(f"{head}: {plural(summary['steps'], 'step')} in {summary['wall_seconds']:.0f}s (no evaluation: --eval-size 0)")
+        print(f"{head}: {plural(summary['steps'], 'step')} in {summary['wall_seconds']:.0f}s "
+              "(no evaluation: --eval-size 0)")
     elif None in (before["accuracy"], after["accuracy"]):  # the first reward scored no evaluated row: not 0%
         b, a = ("n/a" if v is None else f"{100 * v:.1f}%" if after.get("binary", True) else f"{v:.4g}"
                 for v in (before["accuracy"], after["accuracy"]))

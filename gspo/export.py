@@ -31,7 +31,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 import tyro
@@ -40,11 +40,14 @@ import yaml
 from gspo.commands.train_command import NOT_IN_COMMAND, train_command
 from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
+from gspo.io.files import read_jsonl
 from gspo.io.hub import nearby
 from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS, DTYPES, unwrap
 from gspo.train import checkpoint as ckpt
-from gspo.io.files import read_jsonl
+
+if TYPE_CHECKING:
+    from gspo.train.run import Run
 
 
 class ExportError(ValueError):
@@ -101,13 +104,13 @@ def export(source: str | Path, out: str | Path, *, dtype: str | None = None, bas
                  repo_id=repo_id)
 
 
-def from_run(run) -> Trained | None:
+def from_run(run: Run) -> Trained | None:
     """What a finished gspo.train.run.Run's policy exports as (gspo.api.Trainer keeps it); None where
     the policy is sharded (FSDP): the run's final checkpoint holds its gathered weights."""
     if run.dist.enabled and run.dist.parallel == "fsdp":
         return None
     base = getattr(unwrap(run.policy).config, "name_or_path", None) if str(run.cfg.policy.model).startswith("<") else None
-    return Trained(run.policy, run.tokenizer, run.cfg, run.steps_done, run.stop_ids, list(run.evals), run.run_dir,
+    return Trained(run.policy, run.tokenizer, run.cfg, run.progress.steps_done, run.stop_ids, list(run.progress.evals), run.run_dir,
                    base or None)
 
 

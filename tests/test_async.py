@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 from tests.test_distributed import ENV, metrics, weights
 
 pytestmark = pytest.mark.slow

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 from tests.test_async import _children, _wait_for
 from tests.test_distributed import ENV
 

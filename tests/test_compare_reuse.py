@@ -13,10 +13,10 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import RESUME_SAFE, TrainConfig
+from gspo.io.files import json_clean
 from gspo.lab.compare import summarise
 from gspo.lab.jobs import NOT_THE_RUN, differences, saved_config, set_aside
 from gspo.train import checkpoint as ckpt
-from gspo.io.files import json_clean
 from gspo.train.resolve import resolve
 from tests.test_cli import gspo
 from tests.test_jobs import _steps

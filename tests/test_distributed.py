@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 
 from gspo.algo.metrics import Max, Mean, Min, reduce_across
 from gspo.dist.distributed import Dist
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow

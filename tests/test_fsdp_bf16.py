@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from gspo.dist.distributed import Dist
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 from tests.conftest import spawn
 from tests.test_distributed import metrics, one_process, torchrun
 

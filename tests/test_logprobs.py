@@ -28,7 +28,7 @@ from gspo.sampling.rollout import generate, sampling_params
 from gspo.tasks.scoring import Scored
 from gspo.train.batch import prepare
 from gspo.train.run import build_run
-from gspo.train.trainer import accumulate
+from gspo.train.trainer import Totals, accumulate
 
 D = torch.float64
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2=", "1+1=", "345-67="]
@@ -121,7 +121,7 @@ def _one_minibatch(run, batch, budget, packed):
     run.packed = packed
     mask = batch.rollout.completion_mask
     idx = torch.arange(mask.shape[0])
-    total = [float(agg_count(mask, run.cfg.loss_agg)), float(mask.sum())]
+    total = Totals(float(agg_count(mask, run.cfg.loss_agg)), float(mask.sum()))
     metrics = accumulate(run, batch, idx, total)
     grads = _grads(run)
     for t in run.trainables:

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 import gspo
+from gspo.io.files import read_jsonl
 from gspo.models.loading import add_lora, load_policy, unwrap
 from gspo.models.value import Critic
 from gspo.train import checkpoint as ckpt
-from gspo.io.files import read_jsonl
 from tests.test_distributed import ARGS, assert_same_metrics, metrics, one_process, torchrun
 
 FAST = dict(prompts_per_step=4, group_size=4, eval_size=8, max_new_tokens=8, progress=False, seed=3)

@@ -210,7 +210,7 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     from gspo.train.batch import prepare
     from gspo.train.resolve import resolve
     from gspo.train.run import build_run
-    from gspo.train.trainer import accumulate
+    from gspo.train.trainer import Totals, accumulate
 
     cfg = resolve(TrainConfig(model="tiny-moe", prompts_per_step=4, group_size=4, max_new_tokens=6,
                               num_minibatches=1, router_aux_loss_coef=0.5, output_dir=str(tmp_path / "run"),
@@ -222,7 +222,7 @@ def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, re
     batch = prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts))
     mask = batch.rollout.completion_mask  # (B, T)
     idx = torch.arange(mask.shape[0])
-    total = [float(agg_count(mask, cfg.loss_agg)), float(mask.sum())]
+    total = Totals(float(agg_count(mask, cfg.loss_agg)), float(mask.sum()))
 
     def one_minibatch(budget):
         run.cfg = dataclasses.replace(cfg, micro_batch_tokens=budget)

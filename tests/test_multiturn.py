@@ -14,6 +14,7 @@ import torch
 
 from gspo.algo.advantages import group_advantages, turn_advantages
 from gspo.config import TrainConfig
+from gspo.io.files import read_jsonl
 from gspo.models.loading import load_policy
 from gspo.models.logprobs import token_logprobs
 from gspo.models.sequences import Rollout, left_pad
@@ -32,7 +33,6 @@ from gspo.tasks.env import (
     tool_schemas,
 )
 from gspo.train import checkpoint as ckpt
-from gspo.io.files import read_jsonl
 from gspo.train.steplog import episode_metrics
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37*48+12"}}</tool_call>'
@@ -372,13 +372,13 @@ def _batch(tmp_path, **kw):
 def test_environment_tokens_never_reach_the_loss(tmp_path, algorithm):
     # huge log-prob changes on environment tokens, new and old, leave the loss, every metric
     # and every gradient exactly as they were
-    from gspo.train.trainer import minibatch_loss
+    from gspo.train.trainer import Totals, minibatch_loss
 
     run, batch = _batch(tmp_path, algorithm=algorithm, old_logp="recompute", env="tests/test_multiturn.py:CountingEnv")
     env = batch.rollout.env_mask > 0
     assert env.any()
     idx = torch.arange(16)
-    total = [16.0, float(batch.rollout.completion_mask.sum())]
+    total = Totals(16.0, float(batch.rollout.completion_mask.sum()))
 
     def loss_and_grads():
         run.policy.zero_grad()
@@ -434,7 +434,7 @@ def test_turn_advantages_in_the_batch(tmp_path):
 
 
 def test_ppo_gae_runs_over_the_models_tokens_only(tmp_path):
-    from gspo.models.value import ppo_advantages
+    from gspo.algo.advantages import gae
 
     run, batch = _batch(tmp_path, algorithm="ppo", env="tests/test_multiturn.py:CountingEnv")
     ro = batch.rollout
@@ -442,8 +442,7 @@ def test_ppo_gae_runs_over_the_models_tokens_only(tmp_path):
     b = int(torch.argmax(ro.env_mask.sum(1)))  # an episode with environment tokens between turns
     on = ro.completion_mask[b] > 0
     n = int(on.sum())
-    adv, ret = ppo_advantages(batch.rewards[b:b + 1], batch.old_values[b:b + 1, on], torch.ones(1, n), gamma=1.0,
-                              lam=0.95, whiten=False)
+    adv, ret = gae(batch.rewards[b:b + 1], batch.old_values[b:b + 1, on], torch.ones(1, n), gamma=1.0, lam=0.95)
     # the last model token's return is the episode's reward (γ = 1, terminal), whatever env tokens follow
     assert batch.returns[b, on][-1].item() == pytest.approx(batch.rewards[b].item(), abs=1e-6)
     assert torch.allclose(batch.returns[b, on], ret[0], atol=1e-6)

@@ -74,7 +74,7 @@ def test_float16_trains_with_loss_scaling(tmp_path):
     ckpt.save_run(run, 3)
     again = build_run(None, resume=tmp_path / "r")
     ckpt.restore_run(again)
-    assert again.scaler.get_scale() == 1234.0 and again.start_step == 3
+    assert again.scaler.get_scale() == 1234.0 and again.progress.start_step == 3
 
 
 @pytest.mark.parametrize("changes,field", [

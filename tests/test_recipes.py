@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gspo.io.files import read_jsonl
 from gspo.tasks.base import SystemPrompt, with_system
 from gspo.tasks.data import Example
-from gspo.io.files import read_jsonl
 from tests.hubcache import cache_dataset, cache_model, offline_env, offline_hub, tiny_qwen2_dir, tiny_qwen3_dir
 
 ROOT = Path(__file__).resolve().parents[1]

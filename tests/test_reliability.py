@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from gspo.dist import distributed
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LAUNCH = ["--standalone", "--nproc-per-node=2"]

@@ -12,8 +12,8 @@ import torch
 
 from gspo.algo.metrics import Max, Mean, Min, step_means
 from gspo.config import TrainConfig
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import append_jsonl, read_jsonl, trim_jsonl
+from gspo.train import checkpoint as ckpt
 from gspo.train.optim import lr_factor
 from gspo.train.trainer import train
 

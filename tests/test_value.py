@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from gspo.config import TrainConfig
-from gspo.models.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
+from gspo.algo.advantages import ESTIMATORS, AdvantageInputs, kl_rewards
+from gspo.models.value import Critic, ValueHead, explained_variance, value_loss
 from gspo.train.trainer import train
 
 D = torch.float64
@@ -61,12 +62,13 @@ def test_ppo_advantages_with_kl_in_reward():
     kl = t([[-0.5, -1.0]]) - t([[-1.0, -1.25]])  # log π_old - log π_ref
     rewards = kl_rewards(t([1.0]), kl, mask, 0.2)
     torch.testing.assert_close(rewards, t([[-0.1, 0.95]]))
-    kw = dict(gamma=1.0, lam=1.0)
-    adv, ret = ppo_advantages(rewards, t([[0.0, 0.0]]), mask, whiten=False, **kw)
+    # the estimator `gae` (a run's with PPO) makes the same token rewards from kl and kl_coef
+    kw = dict(values=t([[0.0, 0.0]]), mask=mask, kl=kl, kl_coef=0.2, gamma=1.0, lam=1.0)
+    adv, ret = ESTIMATORS["gae"].fn(AdvantageInputs(t([1.0]), whiten=False, **kw))
     torch.testing.assert_close(adv, t([[0.85, 0.95]]))
     torch.testing.assert_close(ret, t([[0.85, 0.95]]))
     # whitened: zero mean and unit variance over the tokens
-    adv, _ = ppo_advantages(rewards, t([[0.0, 0.0]]), mask, whiten=True, **kw)
+    adv, _ = ESTIMATORS["gae"].fn(AdvantageInputs(t([1.0]), whiten=True, **kw))
     torch.testing.assert_close(adv, t([[-1.0, 1.0]]), rtol=1e-6, atol=1e-6)
 
 

@@ -19,8 +19,8 @@ import time
 import pytest
 import torch
 
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
 
 try:
     import vllm  # noqa: F401

@@ -1,4 +1,13 @@
-"""Advantage estimators: group-relative (GRPO, GSPO, GSPO-token) and GAE (PPO).
+"""Advantage estimators: group-relative (GRPO, GSPO, GSPO-token) and GAE (PPO), by name.
+
+    from gspo.algo.advantages import ESTIMATORS, AdvantageInputs
+    adv, _ = ESTIMATORS["group"].fn(AdvantageInputs(rewards, group_size=8))   # (B,) the paper's Â_i
+    adv, ret = ESTIMATORS["gae"].fn(AdvantageInputs(rewards, values=v, mask=m))  # (B, T), a critic's
+
+A run's estimator is named by its loss and --adv-scale (gspo.train.batch.estimator_name): `gae`
+for a loss whose advantages come from a value model (PPO), else `group`, `batch` or `none`. A new
+estimator is one function decorated with `register_estimator`; one that `needs_values` makes the
+run train a critic. The functions they are made of:
 
     from gspo.algo.advantages import group_advantages, gae, turn_advantages
     adv = group_advantages(rewards, group_size=8)            # (B,) one per response
@@ -14,6 +23,9 @@ arrive here already scored for this batch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -150,3 +162,96 @@ def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean
     if not shift_mean:
         out = out + mean
     return out * mask
+
+
+def kl_rewards(rewards: Tensor, kl: Tensor | None, mask: Tensor, kl_coef: float) -> Tensor:
+    """Token rewards (B, T) with the RLHF penalty: the sequence reward (B,) at the last completion
+    token, minus kl_coef · kl on every token (kl: (B, T) log π_old - log π_ref); kl_coef <= 0:
+    the sequence rewards as they are (gae places them at the last token)."""
+    if kl_coef <= 0:
+        return rewards
+    return -kl_coef * kl * mask + at_last_token(rewards.to(kl.device), mask)  # (B, T)
+
+
+# ----------------------------------------------------------------------------------------------
+# Estimators by name
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdvantageInputs:
+    """What an estimator reads. The group-relative ones read the global batch's `rewards` (and
+    `to_go`); GAE reads this process's rows (`values`, `mask`, `kl`) and sums over processes with
+    `all_sum` to whiten over the global batch."""
+
+    rewards: Tensor  # (N,) one reward per response
+    group_size: int = 1  # G: rows g*G .. g*G+G-1 answer the same prompt
+    to_go: Tensor | None = None  # (N, K) rewards-to-go per turn (--turn-advantages): advantages (N, K)
+    values: Tensor | None = None  # (B, T) a critic's V(s_t)
+    mask: Tensor | None = None  # (B, T) 1 on the model's tokens (an episode's may sit between the environment's)
+    kl: Tensor | None = None  # (B, T) log π_old - log π_ref, for the KL penalty in the reward
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten: bool = True
+    all_sum: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """A registered advantage estimator (`register_estimator`)."""
+
+    name: str
+    fn: Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]  # -> (advantages, returns or None)
+    summary: str  # one line for the docs and the plan
+    needs_values: bool = False  # reads a critic's values: the run trains a value model
+
+
+ESTIMATORS: dict[str, Estimator] = {}  # registered estimators, by name, in registration order
+
+
+def register_estimator(name: str, *, summary: str, needs_values: bool = False):
+    """Register an advantage estimator under `name`."""
+    def add(fn):
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ESTIMATORS[name] = Estimator(name, fn, summary, needs_values)
+        return fn
+    return add
+
+
+def _relative_to_group(inp: AdvantageInputs, scale: str) -> Tensor:
+    if inp.to_go is not None:
+        return turn_advantages(inp.to_go, inp.group_size, scale=scale)  # (N, K)
+    return group_advantages(inp.rewards, inp.group_size, scale=scale)  # (N,)
+
+
+@register_estimator("group", summary="(r - group mean) / group std: the paper's Â_i (GRPO, GSPO)")
+def group_scaled(inp: AdvantageInputs) -> tuple[Tensor, None]:
+    return _relative_to_group(inp, "group"), None
+
+
+@register_estimator("batch", summary="(r - group mean) / the whole batch's std")
+def batch_scaled(inp: AdvantageInputs) -> tuple[Tensor, None]:
+    return _relative_to_group(inp, "batch"), None
+
+
+@register_estimator("none", summary="r - group mean, unscaled (Dr. GRPO)")
+def group_centered(inp: AdvantageInputs) -> tuple[Tensor, None]:
+    return _relative_to_group(inp, "none"), None
+
+
+@register_estimator("gae", needs_values=True,
+                    summary="GAE over a value model's V(s_t), whitened over the global batch (PPO)")
+def gae_advantages(inp: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    """(advantages, returns) (B, T). GAE runs over the model's tokens alone: an episode's are moved
+    to the front, in order, and the results moved back (0 on the environment's tokens)."""
+    order = torch.sort((inp.mask == 0).to(torch.uint8), dim=1, stable=True).indices  # (B, T)
+    mask = inp.mask.gather(1, order)  # (B, T) a prefix of ones per row
+    kl = None if inp.kl is None else inp.kl.gather(1, order)
+    rewards = kl_rewards(inp.rewards, kl, mask, inp.kl_coef)  # (B,) or (B, T)
+    values = inp.values.gather(1, order)  # (B, T)
+    advantages, returns = gae(rewards.to(values.device), values, mask, gamma=inp.gamma, lam=inp.lam)  # (B, T)
+    if inp.whiten:
+        advantages = masked_whiten(advantages, mask, all_sum=inp.all_sum)
+    return tuple(torch.zeros_like(x).scatter(1, order, x) for x in (advantages, returns))  # back in place

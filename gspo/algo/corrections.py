@@ -61,7 +61,8 @@ def _check(level: str, mode: str, low: float, high: float, shapes: list) -> None
     if not 0 <= low <= 1 <= high:
         raise ValueError(f"rollout_is_weights: needs 0 <= low <= 1 <= high, got low={low}, high={high}")
     if len(set(shapes)) != 1 or len(shapes[0]) != 2:
-        raise ValueError(f"rollout_is_weights: old_logp, rollout_logp and mask must share one (B, T) shape, got {shapes}")
+        raise ValueError("rollout_is_weights: old_logp, rollout_logp and mask must share one (B, T) shape, "
+                         f"got {shapes}")
 
 
 def _response_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -131,4 +132,5 @@ def apply_opsm(per_token: Tensor, *, logp: Tensor, rollout_logp: Tensor, advanta
     keep = opsm_keep(logp, rollout_logp, advantages, mask, delta)  # (B,)
     responses = mask.sum(-1) > 0  # (B,)
     n = float(responses.sum())
-    return per_token * keep.unsqueeze(-1), {"opsm/masked_frac": Mean(float((keep[responses] == 0).sum()) / max(n, 1.0), n)}
+    return (per_token * keep.unsqueeze(-1),
+            {"opsm/masked_frac": Mean(float((keep[responses] == 0).sum()) / max(n, 1.0), n)})

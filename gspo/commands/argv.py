@@ -70,7 +70,8 @@ def first_error_line(text: str) -> str:
         elif line:
             sections[-1].append(line)
     sections = [" ".join(sec) for sec in sections if sec]
-    sections = [sec for sec in sections if not sec.lower().startswith(("argument helptext", "for full helptext", "usage:"))]
+    sections = [sec for sec in sections
+                if not sec.lower().startswith(("argument helptext", "for full helptext", "usage:"))]
     if not sections:
         return "invalid arguments"
     title, detail = sections[0], (sections[1] if len(sections) > 1 else "")

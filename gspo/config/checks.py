@@ -113,7 +113,8 @@ def arguments_error(cls, args: list[str], prog: str) -> str | None:
     marks = {name: getattr(hint, "__metadata__", ()) for name, hint in hints.items()}
     names = [next((m.metavar for m in ms if getattr(m, "metavar", None)), name.upper())
              for name, ms in marks.items() if tyro.conf.Positional in ms]
-    flags = {"--" + name.replace("_", "-"): hint for name, hint in hints.items() if tyro.conf.Positional not in marks[name]}
+    flags = {"--" + name.replace("_", "-"): hint for name, hint in hints.items()
+             if tyro.conf.Positional not in marks[name]}
     flags.update({"--no-" + f[2:]: bool for f, hint in flags.items() if hint is bool})
     usage = f"(usage: {prog} {' '.join(names)} [options]; {prog} --help)"
     given, i = [], 0

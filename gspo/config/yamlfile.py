@@ -23,6 +23,7 @@ from gspo.config.checks import yaml_value
 from gspo.config.trl import did_you_mean as trl_did_you_mean
 from gspo.config.trl import is_trl, to_gspo
 from gspo.io.words import did_you_mean
+from gspo.config import TrainConfig
 
 
 def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:
@@ -101,7 +102,7 @@ def _expected(hint) -> str | None:
     return {int: "an integer", float: "a number"}.get(kinds[0]) if len(kinds) == 1 else None
 
 
-def in_memory(cfg) -> dict[str, str]:
+def in_memory(cfg: TrainConfig) -> dict[str, str]:
     """The options of a run trained from Python that held objects, not names: config.yaml keeps
     a placeholder for each (`dataset: <train_dataset>`, `reward: [<exact>]`). Option -> placeholders."""
     def held(v):
@@ -113,7 +114,7 @@ def in_memory(cfg) -> dict[str, str]:
     return out
 
 
-def eval_names(run: str, cfg, given: dict) -> dict:
+def eval_names(run: str, cfg: TrainConfig, given: dict) -> dict:
     """For `gspo eval` of a run trained from Python with objects: the changes that replace its
     placeholders (its data, when --dataset or --task replaces it), or a one-line ConfigError
     saying what to pass. `given`: the options given on the command line."""

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+from gspo.config import TrainConfig
 
 Tensor = torch.Tensor
 
@@ -267,7 +268,7 @@ def rollout_rank(rollout_ranks: int) -> int | None:
     return rank - (world - rollout_ranks) if world > 1 and rollout_ranks and rank >= world - rollout_ranks else None
 
 
-def worker_devices(cfg, dist: Dist) -> list[str]:
+def worker_devices(cfg: TrainConfig, dist: Dist) -> list[str]:
     """This trainer process's workers' devices: --rollout-devices as given (N entries, the same for
     every process) or N per process in rank order (N x processes entries); default its own device."""
     n, given = cfg.async_rl.rollout_workers, list(cfg.async_rl.rollout_devices)

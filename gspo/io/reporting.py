@@ -45,7 +45,8 @@ class Reporter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ValueError("--report-to tensorboard needs the tensorboard package: pip install 'gspo[logging]'") from None
+                raise ValueError("--report-to tensorboard needs the tensorboard package: "
+                                 "pip install 'gspo[logging]'") from None
             self.tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         if "wandb" in report_to:
             try:

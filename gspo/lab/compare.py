@@ -50,14 +50,15 @@ from pathlib import Path
 
 from gspo.config import SECTION_OF, ConfigError, TrainConfig
 from gspo.config.checks import check_value, yaml_value
+from gspo.io.files import atomic_write_text, json_clean, read_jsonl
 from gspo.io.reporting import flushing, labelled, line_on_stdout
 from gspo.io.words import plural
 from gspo.lab.jobs import for_job, in_processes, plan_jobs, resumed, saved_config, set_aside
 from gspo.lab.report import COLLAPSE_POINTS, aggregate, write_report
 from gspo.lab.studies import Study
 from gspo.train import checkpoint as ckpt
-from gspo.io.files import atomic_write_text, json_clean, read_jsonl
 from gspo.train.resolve import resolve
+from gspo.config import TrainConfig
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},
@@ -296,7 +297,7 @@ def _train_all(cfgs: dict, log, jobs: int = 1) -> dict[str, dict]:
     return results
 
 
-def _to_train(label: str, cfg, log) -> tuple | None:
+def _to_train(label: str, cfg: TrainConfig, log) -> tuple | None:
     """What a run directory needs: None (finished with the configuration asked for: reused), or
     (label, configuration, the directory to resume or None). A run started (a config.yaml) and
     not finished resumes with its saved configuration and threads; one whose saved configuration
@@ -351,7 +352,7 @@ def ratio_variances(cfgs: list, responses: int, jobs: int, threads: int, log=pri
                                         for cfg in cfgs], jobs, log, done=said)]
 
 
-def _train_one(label: str, cfg, resume, log=None) -> float:
+def _train_one(label: str, cfg: TrainConfig, resume, log=None) -> float:
     """A run; its wall seconds. Its lines (its progress among them: lines, never a bar) carry its
     label, the one announcing it excepted. log None: a job's (in its own process), printed."""
     from gspo.io.reporting import progress_as_lines
@@ -367,7 +368,7 @@ def _train_one(label: str, cfg, resume, log=None) -> float:
     return time.time() - t0
 
 
-def _variance_one(cfg, responses: int, log=None) -> tuple[dict, float]:
+def _variance_one(cfg: TrainConfig, responses: int, log=None) -> tuple[dict, float]:
     """A ratio-variance measurement (gspo.lab.variance) and its wall seconds; its line names its model
     (`[variance] MODEL: ...`). log None: a job's (in its own process), printed."""
     from gspo.lab.variance import ratio_variance

@@ -39,11 +39,12 @@ from gspo.config import ConfigError, options
 from gspo.config.yamlfile import load_yaml
 from gspo.train.lifecycle import check_no_writer
 from gspo.train.resolve import absolute_paths, resolve
+from gspo.config import TrainConfig
 
 MAX_AUTO_JOBS = 4  # a tiny run holds ~1 GiB; more processes than this rarely pay on a laptop
 
 
-def plan_jobs(cfg, pending: int, jobs: int = 0, cores: int | None = None) -> tuple[int, int]:
+def plan_jobs(cfg: TrainConfig, pending: int, jobs: int = 0, cores: int | None = None) -> tuple[int, int]:
     """(jobs, torch threads per job; 0: torch's default) for `pending` runs of `cfg`. jobs 0 (auto):
     one on a GPU (runs would share it), else one per core up to MAX_AUTO_JOBS (one per
     `cfg.run.threads` cores when the configuration sets its threads). Several jobs share the cores
@@ -80,7 +81,7 @@ def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print, d
         return [f.result() for f in futures]
 
 
-def for_job(cfg, threads: int | None):
+def for_job(cfg: TrainConfig, threads: int | None):
     """The run as one job of several: its thread count set (it shapes the arithmetic, so the
     run's config.yaml keeps it; None: the configuration's own, as a resumed run keeps the count it
     began with); its progress as the configuration asks (gspo.lab.compare's jobs log it as lines, a bar

@@ -21,8 +21,8 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from gspo.lab.stats import FAMILY_LEVEL, ci95, eval_noise, holm, paired_test
 from gspo.io.files import atomic_write_text, json_clean, read_jsonl
+from gspo.lab.stats import FAMILY_LEVEL, ci95, eval_noise, holm, paired_test
 
 COLLAPSE_POINTS = 0.10  # "diverged": the final held-out accuracy this far below the run's best
 # the held-out accuracies: measured on the same eval_n problems by every seed, so their intervals
@@ -325,7 +325,8 @@ def _report_md(w: _Written, judged: dict) -> None:
         "# gspo compare",
         "",
         f"Model `{base.policy.model or 'the task default'}`, task `{base.data.dataset or base.data.task}`, "
-        f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, {base.loss.num_minibatches} minibatches per rollout, seeds "
+        f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, "
+        f"{base.loss.num_minibatches} minibatches per rollout, seeds "
         f"{', '.join(map(str, seeds))}; {runs} runs trained in {minutes:.1f} minutes (their wall times"
         f"{evaluating}), {invocation}.",
         "",

@@ -81,7 +81,8 @@ FIGURES = {
     "is_truncated_mean": ("mean is/truncated_frac (the correction's truncated tokens)", False),
     "staleness_mean": ("mean async/staleness_mean", False),
 }
-PLOTTED = ("accuracy", "accuracy_curve_mean", "clip_frac_mean", "seq_log_abs_mean", "mismatch_mean", "mismatch_seq_mean")
+PLOTTED = ("accuracy", "accuracy_curve_mean", "clip_frac_mean", "seq_log_abs_mean", "mismatch_mean",
+           "mismatch_seq_mean")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ of each quantity is reported (w_{i,t} pooled over every token of the bin's respo
 If the log-ratios of a response's tokens were independent with variance σ², Var log Π w would
 grow as |y| σ² and Var log s_i shrink as σ² / |y|; the table says what this model does.
 
-One process (no torchrun); devices as the configuration says. MoE models: π_new's forward routes by its own router ("router free": expert volatility
+One process (no torchrun); devices as the configuration says. MoE models: π_new's forward routes by its own router
+("router free": expert volatility
 included, what GRPO sees) and, again, with the experts π_old used replayed ("routing
 replayed", what Routing Replay sees); the table shows both.
 """
@@ -35,15 +36,15 @@ import torch
 
 from gspo.algo.aggregation import agg_count
 from gspo.config import TrainConfig
+from gspo.io.files import atomic_write_text, json_clean
 from gspo.lab.plot import plot_panels
 from gspo.models.logprobs import Split, forward_logprobs, token_logprobs
 from gspo.models.moe import drift
 from gspo.sampling.produce import rollout, score, step_generator
 from gspo.tasks.scoring import Scored
-from gspo.io.files import atomic_write_text, json_clean
 from gspo.train.batch import prepare
 from gspo.train.run import Run, build_run
-from gspo.train.trainer import accumulate, optimizer_step
+from gspo.train.trainer import Totals, accumulate, optimizer_step
 
 Tensor = torch.Tensor
 QUANTITIES = ("w_token", "log_product", "s_seq")
@@ -62,8 +63,9 @@ def ratio_variance(cfg: TrainConfig, *, responses: int = 512, n_bins: int = 5, l
         f"minibatch of {n} responses, {cfg.loss.algorithm}, lr {cfg.optim.lr:g}")
     settings, drift_mean = measure(run, chunks, n_bins)
     first = next(iter(settings.values()))
-    return {"model": cfg.policy.model, "task": cfg.data.dataset or cfg.data.task, "algorithm": cfg.loss.algorithm, "lr": cfg.optim.lr,
-            "responses": int(sum(b["n"] for b in first)), "minibatch": n, "drift": drift_mean, "settings": settings}
+    return {"model": cfg.policy.model, "task": cfg.data.dataset or cfg.data.task, "algorithm": cfg.loss.algorithm,
+            "lr": cfg.optim.lr, "responses": int(sum(b["n"] for b in first)), "minibatch": n, "drift": drift_mean,
+            "settings": settings}
 
 
 def sample_old(run: Run, responses: int) -> list[tuple]:
@@ -93,7 +95,7 @@ def one_minibatch_update(run: Run) -> int:
     order = torch.randperm(B, generator=step_generator(cfg.run.seed, FIRST_STEP, "minibatches"))
     idx = order[: B // cfg.loss.num_minibatches]
     run.train_model.train()
-    accumulate(run, batch, idx, [float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())])
+    accumulate(run, batch, idx, Totals(float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())))
     optimizer_step(run)
     return len(idx)
 
@@ -128,7 +130,8 @@ def _replayed(run: Run, ro, experts: Tensor) -> Tensor:
     """log π_new of the sampled tokens with π_old's experts forced (Routing Replay), float64."""
     run.policy.eval()
     out = []
-    for idx in torch.arange(ro.prompt_ids.shape[0]).split(max(1, ro.prompt_ids.shape[0] // run.cfg.loss.num_minibatches)):
+    for idx in torch.arange(ro.prompt_ids.shape[0]).split(max(1, ro.prompt_ids.shape[0]
+                                                              // run.cfg.loss.num_minibatches)):
         with run.routing.capture(experts[idx]), run.autocast():
             out.append(forward_logprobs(run.policy, ro.select(idx), temperature=run.cfg.sampling.temperature).logp)
     return torch.cat(out).double()

@@ -61,7 +61,8 @@ def gguf_source(path: Path, name: str | None = None) -> Path | None:
     files = sorted(p for p in path.iterdir() if p.name.lower().endswith(GGUF) and p.is_file())
     if len(files) > 1:
         shown = ", ".join(p.name for p in files[:4]) + (", ..." if len(files) > 4 else "")
-        raise GGUFError(f"model {name}: {len(files)} GGUF files ({shown}); name one of them: --model {path / files[0].name}")
+        raise GGUFError(f"model {name}: {len(files)} GGUF files ({shown}); "
+                        f"name one of them: --model {path / files[0].name}")
     return files[0] if files else None
 
 
@@ -91,7 +92,8 @@ def _reader(path: Path):
         return GGUFReader(path)
     except Exception as e:  # bad magic, a file cut short (numpy's memmap or struct errors), a bad version
         detail = " ".join(str(e).split())[:160]
-        raise GGUFError(f"model {path}: not a readable GGUF file ({type(e).__name__}: {detail}); is it complete?") from None
+        raise GGUFError(f"model {path}: not a readable GGUF file ({type(e).__name__}: {detail}); "
+                        "is it complete?") from None
 
 
 def _field(reader, key: str):
@@ -113,8 +115,8 @@ def check_architecture(path: Path, arch: str) -> None:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     if arch in ENCODERS:
-        raise GGUFError(f"model {path}: GGUF architecture {arch!r} is an encoder or encoder-decoder model, not a causal "
-                        "(decoder) language model")
+        raise GGUFError(f"model {path}: GGUF architecture {arch!r} is an encoder or encoder-decoder model, "
+                        "not a causal (decoder) language model")
     readable = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer") and a not in ENCODERS]
     aliases = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
     if arch not in readable and aliases.get(arch) not in readable:
@@ -242,4 +244,5 @@ def describe(info: dict) -> str:
     """'GGUF llama Q4_1 (134.5M parameters), dequantised to float32 once'."""
     n = info.get("parameters", 0)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    return f"GGUF {info.get('architecture')} {info.get('quantization')} ({size} parameters), dequantised to float32 once"
+    return (f"GGUF {info.get('architecture')} {info.get('quantization')} ({size} parameters), "
+            "dequantised to float32 once")

@@ -163,7 +163,8 @@ def check_causal_lm(path: Path, name: str | None = None) -> None:
     try:
         AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelError(f"model {name}: cannot read its config ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise ModelError(f"model {name}: cannot read its config "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
 # any of these makes a directory's tokenizer loadable (fast, BPE, WordPiece, SentencePiece, tiktoken)
@@ -182,7 +183,8 @@ def load_tokenizer(path: Path, name: str | None = None):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
-        raise ModelError(f"model {name}: cannot load its tokenizer ({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+        raise ModelError(f"model {name}: cannot load its tokenizer "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
     return prepare_tokenizer(tokenizer, f"model {name}")
 
 

@@ -3,7 +3,8 @@
     critic = Critic.from_pretrained("tiny")               # policy architecture + a scalar head
     values = critic(rollout)                              # (B, T) V(s_t) for each completion token
     loss, metrics = value_loss(values, old_values, returns, mask, clip_range=0.2)
-    adv, ret = ppo_advantages(kl_rewards(r, kl, mask, 0.05), values, mask, gamma=1.0, lam=0.95)
+
+Its GAE advantages are gspo.algo.advantages' (the estimator `gae`).
 
 How the trainer holds it (no critic, a shared head, a separate critic) is gspo.train.critic's.
 
@@ -12,7 +13,8 @@ Two layouts (`--critic`):
   initialised from the policy's weights (its transformer trunk, without the LM head), plus a
   linear value head on the final hidden state of each position. Its own optimizer and
   learning rate; with LoRA (`--lora-r`) the critic is the base model's trunk, trained in
-  full weights while the policy trains its adapters (as TRL's PPOTrainer with a PEFT policy). About twice the policy's memory for weights, gradients and Adam state:
+  full weights while the policy trains its adapters (as TRL's PPOTrainer with a PEFT policy).
+  About twice the policy's memory for weights, gradients and Adam state:
   the cost GRPO and GSPO remove.
 - `shared`: a value head on the policy's own trunk (`ValueHead`), trained through the same
   backward pass with `vf_coef` weighting; cheaper, but policy and value gradients interfere.
@@ -32,7 +34,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from gspo.algo.advantages import at_last_token, gae, masked_whiten
 from gspo.algo.metrics import Mean
 from gspo.models.loading import resolve_model_path
 from gspo.models.logprobs import completion_hidden
@@ -164,24 +165,3 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     if r.numel() == 0 or var_r == 0:
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
-
-
-def kl_rewards(rewards: Tensor, kl: Tensor | None, mask: Tensor, kl_coef: float) -> Tensor:
-    """Token rewards (B, T) with the RLHF penalty: the sequence reward (B,) at the last completion
-    token, minus kl_coef · kl on every token (kl: (B, T) log π_old - log π_ref); kl_coef <= 0:
-    the sequence rewards as they are (gae places them at the last token)."""
-    if kl_coef <= 0:
-        return rewards
-    return -kl_coef * kl * mask + at_last_token(rewards.to(kl.device), mask)  # (B, T)
-
-
-def ppo_advantages(rewards: Tensor, old_values: Tensor, mask: Tensor, *, gamma: float, lam: float,
-                   whiten: bool = True) -> tuple[Tensor, Tensor]:
-    """GAE advantages and returns (B, T) from the sequence reward (B,) at the last completion
-    token, or from token rewards (B, T) (`kl_rewards`); `whiten`: over these rows (the trainer
-    whitens over the global batch, gspo.train.critic)."""
-    token_rewards = rewards.to(old_values.device)  # (B,) placed at the last token by gae(), or (B, T)
-    adv, returns = gae(token_rewards, old_values, mask, gamma=gamma, lam=lam)  # (B, T)
-    if whiten:
-        adv = masked_whiten(adv, mask)
-    return adv, returns

@@ -216,7 +216,8 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
             try:
                 import math_verify as _  # noqa: F401
             except ImportError:
-                raise RewardError("reward 'math_verify' needs the math-verify package: pip install 'gspo[rewards]'") from None
+                raise RewardError("reward 'math_verify' needs the math-verify package: "
+                                  "pip install 'gspo[rewards]'") from None
         return Reward(spec, fn)
     if ":" not in spec:
         path = reward_model_path(spec)

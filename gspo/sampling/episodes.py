@@ -50,6 +50,7 @@ import torch
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams, cut_at_stop_strings, encode_prompts
 from gspo.tasks.env import EnvError, Step, observation_text, tool_schemas
+from gspo.config import TrainConfig
 
 Tensor = torch.Tensor
 
@@ -71,7 +72,7 @@ class EpisodeSpec:
     max_prompt_length: int = 0
 
     @classmethod
-    def from_config(cls, cfg, env, max_turns: int) -> EpisodeSpec:
+    def from_config(cls, cfg: TrainConfig, env, max_turns: int) -> EpisodeSpec:
         """A run's spec: `env` and `max_turns` as resolved (gspo.train.run.episode_env), the limits from
         the config's sections (episodes.max_episode_tokens, sampling.stop_string, data.max_prompt_length)."""
         return cls(env, max_turns, cfg.episodes.max_episode_tokens, cfg.sampling.stop_string,
@@ -244,7 +245,8 @@ def _step(env, text: str, source: str) -> Step:
         step = env.step(text)
     except Exception as e:
         raise EnvError(f"env {name}: step on {source or 'a row'} raised {type(e).__name__}: {e} "
-                       f"(a tool's error should become an observation: gspo.tasks.env.ToolEnvironment does that)") from None
+                       f"(a tool's error should become an observation: "
+                       f"gspo.tasks.env.ToolEnvironment does that)") from None
     if not isinstance(step, Step):
         raise EnvError(f"env {name}: step returned {type(step).__name__}, expected a gspo.tasks.env.Step")
     bad = [m for m in step.messages if not (isinstance(m, dict) and "role" in m and "content" in m)]

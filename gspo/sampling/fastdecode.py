@@ -241,8 +241,9 @@ class FastDecoder(HFDecoder):
             q, k, v = _spread(q, real), _spread(k, real), _spread(v, real)  # (B, heads, S, hd)
             self.k[i, :, :, t:t + S] = k
             self.v[i, :, :, t:t + S] = v
+            # (B, nh, S, hd)
             att = F.scaled_dot_product_attention(q, self.k[i, :, :, : t + S], self.v[i, :, :, : t + S], attn_mask=mask,
-                                                 scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)  # (B, nh, S, hd)
+                                                 scale=self.scaling, enable_gqa=self.n_heads != self.n_kv)
             att = att[:, :, 0] if real is None else att.transpose(1, 2)[real]  # (N, nh, hd)
             x = x + F.linear(att.reshape(x.shape[0], -1), a.o_proj.weight, a.o_proj.bias)  # (N, H)
             h = _rms(x, layer.post_attention_layernorm)
@@ -292,7 +293,8 @@ def unsupported(model, max_len: int) -> str | None:
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attention implementation {cfg._attn_implementation}"
     window = getattr(cfg, "sliding_window", None)
-    uses_window = getattr(cfg, "use_sliding_window", True) or "sliding_attention" in (getattr(cfg, "layer_types", None) or [])
+    uses_window = (getattr(cfg, "use_sliding_window", True)
+                   or "sliding_attention" in (getattr(cfg, "layer_types", None) or []))
     if window is not None and uses_window and max_len > window:
         return f"rollouts of {max_len} tokens pass its sliding window of {window}"
     return None

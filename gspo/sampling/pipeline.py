@@ -65,6 +65,7 @@ from gspo.sampling.rollout import stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
 from gspo.tasks.base import for_tokenizer
 from gspo.tasks.env import episode_env
+from gspo.config import TrainConfig
 
 Tensor = torch.Tensor
 
@@ -184,7 +185,7 @@ class Side:
     stop_ids: tuple
 
 
-def sampling_side(cfg, device: torch.device) -> Side:
+def sampling_side(cfg: TrainConfig, device: torch.device) -> Side:
     """A worker's copy of the run's sampling side, from the trainer's resolved configuration.
     gspo's sampler without LoRA: the worker's policy is held in the sampling dtype and samples
     itself (the trainer's process keeps float32 master weights and a copy in that dtype: the same
@@ -210,7 +211,7 @@ def sampling_side(cfg, device: torch.device) -> Side:
                 stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))
 
 
-def worker_main(index: int, cfg, device: str, threads: int, shares: list[tuple[int, int, int | None]], end) -> None:
+def worker_main(index: int, cfg: TrainConfig, device: str, threads: int, shares: list[tuple[int, int, int | None]], end) -> None:
     """A rollout worker: build the sampling side, then serve requests until told to stop.
     shares: (rank, world, destination) of each trainer process it samples for; end: its link's end."""
     end.start()  # SIGINT is the trainer's (it checkpoints, then stops us); we die with the trainer

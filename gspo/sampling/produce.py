@@ -85,7 +85,8 @@ def _round(side, step: int, r: int) -> tuple[Rollout, Scored]:
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
 
-def rollout(run, examples: list, step: int, purpose: str = "") -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
+def rollout(run, examples: list, step: int,
+            purpose: str = "") -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
     """Sample cfg.sampling.group_size completions per example with the run's sampler, from the current
     policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
     an environment) the episodes (gspo.sampling.episodes: the texts are then each episode's final model
@@ -107,7 +108,8 @@ def rollout(run, examples: list, step: int, purpose: str = "") -> tuple[Rollout,
             run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep
     prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.data.max_prompt_length)
-    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample" + purpose), rows=rows)
+    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample" + purpose),
+                            rows=rows)
     run.sampler.end_rollout()  # vLLM: sleeps after the last sample
     ro = cut_at_stop_strings(ro, run.tokenizer, cfg.sampling.stop_string)
     texts, ids = decode_completions(run.tokenizer, ro)

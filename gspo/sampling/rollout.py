@@ -130,7 +130,8 @@ class PolicySampler:
 
     def sample(self, prompts, params, *, generator=None, rows=None) -> Rollout:
         turns = self.turns.begin(self.model) if self.turns is not None else None  # (FSDP: the sharded weights)
-        with parallel.gathered(self.root or self.model, self.dist) if self.dist is not None else contextlib.nullcontext():
+        with (parallel.gathered(self.root or self.model, self.dist) if self.dist is not None
+              else contextlib.nullcontext()):
             return _sample(self.model, prompts, params, (generator, rows), self.routing, turns)
 
 

@@ -75,7 +75,8 @@ def rewards_for(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Rew
     return load_rewards(list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards),
                         list(cfg.rewards.reward_weights) or None, format_pattern=cfg.rewards.format_pattern,
                         max_new_tokens=cfg.sampling.max_new_tokens, device=device or cfg.run.device,
-                        reward_model_device=cfg.rewards.reward_model_device, batch_size=cfg.rewards.reward_model_batch_size)
+                        reward_model_device=cfg.rewards.reward_model_device,
+                        batch_size=cfg.rewards.reward_model_batch_size)
 
 
 @quiet_peft()  # peft's deprecation warning when it wraps a model is not the user's
@@ -111,7 +112,8 @@ def sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) ->
     """The sampler (the policy, or a copy in the sampling precision made before any hook is
     installed: --rollout-dtype, else the compute --dtype; under FSDP always the policy, sampling
     in --dtype) and, for MoE models, the routing hooks (drift is always measured)."""
-    rollout_dtype = DTYPES[cfg.policy.dtype] if cfg.sampling.rollout_dtype == "same" else DTYPES[cfg.sampling.rollout_dtype]
+    rollout_dtype = (DTYPES[cfg.policy.dtype] if cfg.sampling.rollout_dtype == "same"
+                     else DTYPES[cfg.sampling.rollout_dtype])
     if cfg.sampling.rollout_engine == "vllm":
         if inputs.model_object is not None:
             raise ConfigError("rollout_engine: vllm loads the model from its directory; pass model= as a path "
@@ -121,7 +123,8 @@ def sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) ->
     # FSDP: the policy itself (sharded next), gathered for each rollout in the compute dtype (its
     # MixedPrecisionPolicy's param dtype), never a full copy per process; rollout_dtype == dtype there
     fsdp = dist.enabled and dist.parallel == "fsdp"
-    model = policy if fsdp or rollout_dtype == DTYPES[cfg.policy.param_dtype] else low_precision_copy(policy, rollout_dtype)
+    model = (policy if fsdp or rollout_dtype == DTYPES[cfg.policy.param_dtype]
+             else low_precision_copy(policy, rollout_dtype))
     sampler = PolicySampler(model, dist=dist)
     if not is_moe(policy):
         if cfg.moe.routing_replay or cfg.moe.router_aux_loss_coef > 0:

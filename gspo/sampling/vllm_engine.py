@@ -89,12 +89,14 @@ def check_version(installed: str) -> None:
 def import_vllm():
     """The vllm module, or EngineError naming the install command."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: weights sync in place
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not three INFO lines per weight sync (VLLM_LOGGING_LEVEL=INFO brings them back)
+    # not three INFO lines per weight sync (VLLM_LOGGING_LEVEL=INFO brings them back)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm
         from vllm import LLM, SamplingParams  # noqa: F401  (a broken install fails here)
     except ImportError as e:
-        raise EngineError(f"--rollout-engine vllm: vLLM is not installed or does not import ({e}); {INSTALL_HINT}") from None
+        raise EngineError(f"--rollout-engine vllm: vLLM is not installed or does not import ({e}); "
+                          f"{INSTALL_HINT}") from None
     except Exception as e:  # a mismatched build raises all sorts at import
         raise EngineError(f"--rollout-engine vllm: vLLM fails to import ({type(e).__name__}: "
                           f"{' '.join(str(e).split())[:200]}); {INSTALL_HINT}") from None

@@ -6,7 +6,8 @@ A task class sets `STREAM` (the name its random streams are seeded by), has `spl
 for every run) and `train_batch(step, n, seed)` (a function of (seed, step) alone, never a
 test problem), so that a resumed run sees exactly the prompts an uninterrupted one would.
 
-Also here: `SystemPrompt(task, text)`, any task with a system message before every prompt
+`Task` is what every task is to the rest of gspo (built-in, reasoning-gym's, a dataset's, a
+user's own). Also here: `SystemPrompt(task, text)`, any task with a system message before every prompt
 (`--system-prompt`).
 """
 
@@ -15,9 +16,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from gspo.tasks.data import Example
+
+
+class Task(Protocol):
+    """A source of prompts: what a run reads of its task."""
+
+    name: str
+    default_rewards: tuple[str, ...]  # the rewards a run uses when --reward is not given
+    default_max_new_tokens: int
+
+    def train_batch(self, step: int, n: int, seed: int = 0) -> list[Example]:
+        """`n` rows for training step `step` (1-based): a function of (seed, step) alone."""
+        ...
+
+    def test_set(self, n: int | None = None) -> list[Example]:
+        """The first `n` held-out rows (all of them for None): the same for every run."""
+        ...
 
 
 class DrawnSplits:
@@ -110,7 +127,8 @@ def for_tokenizer(task, tokenizer):
     """`task` as `tokenizer` can read it: a task's own system prompt (not --system-prompt) on a
     tokenizer without a chat template becomes plain text before each prompt (the instructions, a
     blank line, the question, a newline); the run says so (`prompt_note`). Anything else as it is."""
-    if isinstance(task, SystemPrompt) and task.default and not task.plain and not getattr(tokenizer, "chat_template", None):
+    if (isinstance(task, SystemPrompt) and task.default and not task.plain
+            and not getattr(tokenizer, "chat_template", None)):
         return SystemPrompt(task.task, task.text, default=True, plain=True)
     return task
 

@@ -9,12 +9,14 @@ Formats, chosen by the path:
 
 | path | read with |
 | --- | --- |
-| `ORG/NAME`, a Hub dataset id (not a local path) | `datasets.load_dataset(id, config)` (gspo.io.hub; `--dataset-config`, `--dataset-split`, `--eval-split`) |
+| `ORG/NAME`, a Hub dataset id (not a local path) | `datasets.load_dataset(id, config)` (gspo.io.hub;
+  `--dataset-config`, `--dataset-split`, `--eval-split`) |
 | `*.jsonl`, `*.ndjson` | one JSON object per line |
 | `*.json` | a JSON list of objects |
 | `*.csv`, `*.tsv` | a header row, then one row per example |
 | `*.parquet` | pyarrow |
-| a directory written by `datasets`' `save_to_disk` | `datasets.load_from_disk` (pick a split of a DatasetDict with `--dataset-split`) |
+| a directory written by `datasets`' `save_to_disk` | `datasets.load_from_disk` (pick a split of a DatasetDict with
+  `--dataset-split`) |
 | any other directory | `datasets.load_dataset(dir, split=...)` (data files in the folder) |
 
 Each row needs the prompt column: a non-empty string, or a non-empty list of chat messages
@@ -121,13 +123,15 @@ def _read_hf_dir(path: Path, split: str | None):
     try:
         import datasets
     except ImportError:
-        raise DataError(f"{path}: reading a dataset directory needs the datasets library: pip install 'gspo[data]'") from None
+        raise DataError(f"{path}: reading a dataset directory needs the datasets library: "
+                        "pip install 'gspo[data]'") from None
     datasets.disable_progress_bars()
     saved = (path / "dataset_dict.json").exists() or (path / "state.json").exists()
     try:
         ds = datasets.load_from_disk(str(path)) if saved else datasets.load_dataset(str(path))
     except Exception as e:
-        raise DataError(f"{path}: not a readable dataset directory ({type(e).__name__}: {' '.join(str(e).split())})") from None
+        raise DataError(f"{path}: not a readable dataset directory "
+                        f"({type(e).__name__}: {' '.join(str(e).split())})") from None
     if isinstance(ds, (datasets.DatasetDict, dict)):
         ds = _split_of(ds, split, str(path))
     for n, row in enumerate(ds, 1):
@@ -205,7 +209,8 @@ def read_records(path: str | Path, split: str | None = None, config: str | None 
 def _check_prompt(value, source: str, column: str):
     if isinstance(value, str):
         if not value.strip():
-            raise DataError(f"{source}: field {column!r} is empty; expected a non-empty string or a list of chat messages")
+            raise DataError(f"{source}: field {column!r} is empty; "
+                            "expected a non-empty string or a list of chat messages")
         return value
     if isinstance(value, list) and value:
         for m in value:
@@ -298,7 +303,8 @@ def rows_of(data, name: str) -> list[tuple[str, dict]]:
     elif isinstance(data, (list, tuple)):
         rows = list(data)
     else:
-        raise DataError(f"{name}: expected a list of dicts, a datasets.Dataset or DatasetDict, got {type(data).__name__}")
+        raise DataError(f"{name}: expected a list of dicts, a datasets.Dataset or DatasetDict, "
+                        f"got {type(data).__name__}")
     for n, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             raise DataError(f"{name} row {n}: expected a dict, got {type(row).__name__}")
@@ -360,11 +366,13 @@ def load_dataset_task(path, data: Data | None = None, *, eval_path=None, eval_si
         evals = to_examples(_records(path, eval_split, config, name), name, **kw)
     else:
         if len(train) < 2:
-            raise DataError(f"{name}: only {len(train)} row; need at least 2 to hold one out for evaluation, or give --eval-dataset")
+            raise DataError(f"{name}: only {len(train)} row; need at least 2 to hold one out for evaluation, "
+                            "or give --eval-dataset")
         held = min(eval_size, max(1, len(train) // 10))  # 0 with --eval-size 0: nothing held out
         if 0 < held < 10:
             notes.append(f"{name}: evaluating on {held} held-out row(s) of {len(train)} (a tenth of the data): the "
-                         f"accuracy moves in steps of {100 / held:.0f} points; give --eval-dataset for a real evaluation")
+                         f"accuracy moves in steps of {100 / held:.0f} points; "
+                         "give --eval-dataset for a real evaluation")
         order = list(range(len(train)))
         random.Random("gspo-holdout").shuffle(order)
         evals = [train[i] for i in sorted(order[:held])]

@@ -206,8 +206,8 @@ def episode_env(spec, task, max_turns: int | None, tokenizer) -> tuple[type | No
             raise EnvError(f"max_turns: {max_turns} turns need an environment to answer between them (--env)")
         return None, 1
     if not getattr(tokenizer, "chat_template", None):
-        raise EnvError(f"env {getattr(spec, '__name__', spec)}: multi-turn episodes need a tokenizer with a chat template (the environment's "
-                       f"messages are rendered by it); this model's has none")
+        raise EnvError(f"env {getattr(spec, '__name__', spec)}: multi-turn episodes need a tokenizer "
+                       f"with a chat template (the environment's messages are rendered by it); this model's has none")
     cls = load_env(spec) if isinstance(spec, str) else spec
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise EnvError(f"env: expected an environment class with a step(text) method, got {cls!r}")

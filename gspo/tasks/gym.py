@@ -185,7 +185,8 @@ class GymTask:
     default_system_prompt: str = SYSTEM_PROMPT
     answer_from: str = "tag"  # what the verifier scores (extract_answer): tag, tag_only, last_line or last_number
     notes: list[str] = field(default_factory=list)
-    _blocks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # (seed, block, reserve) -> problems
+    # (seed, block, reserve) -> problems
+    _blocks: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, spec: str, options: dict | None = None, *, test_size: int = 500, split_seed: int = 0,
@@ -212,8 +213,10 @@ class GymTask:
             return CompositeDataset(CompositeConfig(size=size, seed=seed, datasets=specs))
         except (TypeError, ValueError, AssertionError, KeyError) as e:
             single = len(self.mix) == 1
-            given = ", ".join(f"{k if single else n + '.' + k}={v!r}" for n, o in self.options.items() for k, v in o.items())
-            raise TaskError(f"--task {self.name}: {'options ' + given if given else 'the default options'} refused by reasoning-gym "
+            given = ", ".join(f"{k if single else n + '.' + k}={v!r}"
+                              for n, o in self.options.items() for k, v in o.items())
+            raise TaskError(f"--task {self.name}: {'options ' + given if given else 'the default options'} "
+                            "refused by reasoning-gym "
                             f"({type(e).__name__}: {' '.join(str(e).split())[:160] or 'a check failed'})") from None
 
     def _draw_test(self) -> list[Example]:

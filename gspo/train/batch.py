@@ -4,7 +4,7 @@
     cols = batch.rows(idx, ps, ts)   # the per-row tensors of rows idx, cut to a trimmed micro-batch's columns
 
 `prepare` adds to a scored rollout the old policy's log-probs, the reference's and the
-advantages (the run's critic's: gspo.train.critic); the batch is read by gspo.train.trainer's `minibatch_loss`, the metrics of the step and
+advantages (by the run's estimator, gspo.algo.advantages.ESTIMATORS); the batch is read by gspo.train.trainer's `minibatch_loss`, the metrics of the step and
 samples.jsonl. `expert_load` counts, for an MoE balance loss split over micro-batches, the
 experts' load over the whole minibatch (a no-grad pass before the minibatch's updates).
 """
@@ -12,9 +12,11 @@ experts' load over the whole minibatch (a no-grad pass before the minibatch's up
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from gspo.algo.advantages import ESTIMATORS, AdvantageInputs
 from gspo.algo.corrections import rollout_is_weights
 from gspo.algo.metrics import reduce_across
 from gspo.dist import parallel
@@ -23,8 +25,27 @@ from gspo.models.moe import expert_counts
 from gspo.models.sequences import Rollout
 from gspo.sampling.episodes import Episodes
 from gspo.tasks.scoring import Scored
+from gspo.train.critic import estimator_name
+
+if TYPE_CHECKING:
+    from gspo.train.run import Run
 
 Tensor = torch.Tensor
+
+
+@dataclass
+class Rows:
+    """A micro-batch's part of a Batch (`Batch.rows`): its rows, cut to its columns; None where
+    the run computes none (no reference, no critic, no correction, a dense model)."""
+
+    old_logp: Tensor | None  # (b, t)
+    advantages: Tensor | None  # (b,) or (b, t)
+    ref_logp: Tensor | None  # (b, t)
+    old_values: Tensor | None  # (b, t)
+    returns: Tensor | None  # (b, t)
+    routing: Tensor | None  # (b, p+t, L, k) the experts each token used while sampling (MoE)
+    is_weights: Tensor | None  # (b, t)
+    rollout_logp: Tensor | None  # (b, t) the sampler's own log-probs
 
 
 @dataclass
@@ -47,7 +68,7 @@ class Batch:
     is_metrics: dict | None = None  # their statistics over the global batch (gspo.algo.corrections)
     episodes: Episodes | None = None  # multi-turn: turns, tool calls, the environment's rewards
 
-    def rows(self, idx: Tensor, ps: slice, ts: slice) -> dict[str, Tensor | None]:
+    def rows(self, idx: Tensor, ps: slice, ts: slice) -> Rows:
         """The per-row tensors of rows `idx`, cut to prompt columns `ps` and completion columns
         `ts` (a trimmed micro-batch's)."""
         P = self.rollout.prompt_ids.shape[1]
@@ -59,16 +80,15 @@ class Batch:
         if self.routing is not None:  # (B, P+T, L, k): prompt and completion columns cut alike
             r = self.routing[idx]
             routing = torch.cat([r[:, :P][:, ps], r[:, P:][:, ts]], 1)
-        return {"old_logp": cut(self.old_logp), "advantages": cut(self.advantages), "ref_logp": cut(self.ref_logp),
-                "old_values": cut(self.old_values), "returns": cut(self.returns), "routing": routing,
-                "is_weights": cut(self.is_weights), "rollout_logp": cut(self.rollout.logp)}
+        return Rows(old_logp=cut(self.old_logp), advantages=cut(self.advantages), ref_logp=cut(self.ref_logp),
+                    old_values=cut(self.old_values), returns=cut(self.returns), routing=routing,
+                    is_weights=cut(self.is_weights), rollout_logp=cut(self.rollout.logp))
 
 
-def prepare(run, ro: Rollout, scored: Scored) -> Batch:
+def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
     """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
-    reference's, and the advantages (`run.critic.advantages`: group-relative over the global
-    batch, per turn with --turn-advantages; or PPO's GAE over the model's tokens of an
-    episode). run: a gspo.train.run.Run; scored: the rewards and rows. The no-grad passes run in
+    reference's, and the advantages (`advantages`: group-relative over the global batch, per
+    turn with --turn-advantages; or PPO's GAE over the model's tokens of an episode). run: a gspo.train.run.Run; scored: the rewards and rows. The no-grad passes run in
     micro-batches of the token budget, under mixed precision when on, with FSDP's parameters
     gathered (each process runs its own number of passes)."""
     cfg, dist = run.cfg, run.dist
@@ -80,7 +100,7 @@ def prepare(run, ro: Rollout, scored: Scored) -> Batch:
                   examples=scored.examples, completions=scored.completions, episodes=scored.episodes)
     batch.old_logp, batch.routing = _old_logprobs(run, batch, split)  # (B, T), (B, P+T, L, k)
     batch.ref_logp = _ref_logprobs(run, ro, split)  # (B, T)
-    batch.advantages, batch.old_values, batch.returns = run.critic.advantages(run, batch, split)
+    batch.advantages, batch.old_values, batch.returns = advantages(run, batch, split)
     if cfg.corrections.rollout_is != "off":  # π_old/π_rollout per token or response: fixed for the step's updates
         batch.is_weights, metrics = rollout_is_weights(batch.old_logp, ro.logp, ro.completion_mask,
                                                        cfg.corrections)
@@ -88,7 +108,34 @@ def prepare(run, ro: Rollout, scored: Scored) -> Batch:
     return batch
 
 
-def _old_logprobs(run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:
+def advantages(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The step's advantages by the run's estimator (gspo.train.critic.estimator_name), this
+    process's rows: group-relative ones over the global batch, (B,) or with --turn-advantages
+    (B, T), each model turn's tokens its turn's; GAE's (B, T) over the critic's values. Returns
+    (advantages, the critic's old values, returns), the last two None without a critic."""
+    cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    estimator = ESTIMATORS[estimator_name(cfg)]
+    if estimator.needs_values:
+        old_values = run.critic.old_values(run, ro, split)  # (B, T)
+        kl = batch.old_logp - batch.ref_logp if cfg.ppo.reward_kl_coef > 0 else None  # (B, T)
+        adv, returns = estimator.fn(AdvantageInputs(
+            batch.rewards, values=old_values, mask=ro.completion_mask, kl=kl, kl_coef=cfg.ppo.reward_kl_coef,
+            gamma=cfg.ppo.gamma, lam=cfg.ppo.gae_lambda, whiten=cfg.ppo.whiten_advantages, all_sum=dist.all_sum))
+        return adv, old_values, returns
+    B, episodes = batch.rewards.shape[0], batch.episodes
+    mine = slice(dist.rank * B, (dist.rank + 1) * B)  # this process's rows
+    if episodes is None or not cfg.episodes.turn_advantages:
+        adv, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size))
+        return adv[mine].to(ro.logp.device), None, None  # (B,)
+    final = (batch.rewards - episodes.env_reward).to(torch.float64)  # (B,) the task's rewards, at the episode's end
+    to_go = final[:, None] + episodes.rewards_to_go(run.max_turns)  # (B, K) R_{i,k}
+    per_turn, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size,
+                                               to_go=dist.gather(to_go)))
+    index = episodes.turn_index.cpu()  # (B, T)
+    return (per_turn[mine].gather(1, index.clamp(min=0)) * (index >= 0)).float().to(ro.logp.device), None, None
+
+
+def _old_logprobs(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:
     """log π_old (B, T) and the experts it used (MoE; else None): recorded while sampling, or
     recomputed. Multi-turn episodes record no experts while sampling: Routing Replay takes the
     recomputation's."""
@@ -99,7 +146,7 @@ def _old_logprobs(run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | Non
         return token_logprobs(run.policy, ro, temperature=cfg.sampling.temperature, split=split, routing=run.routing)
 
 
-def _ref_logprobs(run, ro: Rollout, split: Split) -> Tensor | None:
+def _ref_logprobs(run: Run, ro: Rollout, split: Split) -> Tensor | None:
     """log π_ref (B, T) when beta > 0 or reward_kl_coef > 0: a frozen copy, or (LoRA) the base
     model with the adapters switched off; under FSDP its parameters gathered (LoRA: through the
     policy's root, which holds the embeddings)."""
@@ -113,7 +160,7 @@ def _ref_logprobs(run, ro: Rollout, split: Split) -> Tensor | None:
 
 
 @torch.no_grad()
-def expert_load(run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
+def expert_load(run: Run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
     """Global-batch load balancing (arXiv 2501.11873): the routing slots each expert gets over
     the global minibatch, (L, E), and its real tokens, from a no-grad pass over its micro-batches
     (the same forwards, routing replay included), so that each micro-batch's part of the balance
@@ -122,7 +169,7 @@ def expert_load(run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
     counts = torch.zeros(routing.n_layers, routing.num_experts, dtype=torch.float64)  # (L, E)
     tokens = 0.0
     for m in passes(batch.rollout, parts, cfg.policy.micro_batch_tokens):  # stand-ins too: FSDP's forwards are collective
-        forced = batch.rows(m.idx, m.ps, m.ts)["routing"] if cfg.moe.routing_replay else None
+        forced = batch.rows(m.idx, m.ps, m.ts).routing if cfg.moe.routing_replay else None
         with routing.capture(forced, keep_logits=True) as cap, run.autocast():
             run.train_model(m.rollout, temperature=cfg.sampling.temperature, packed=False)
         tokens_mask = m.rollout.attention_mask * m.live  # (b, P+T)

@@ -30,14 +30,20 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import yaml
 
-from gspo.config import to_dict
+from gspo.config import TrainConfig, to_dict
 from gspo.dist import parallel
 from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo.train.run import Run
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK = ".lock"
@@ -100,8 +106,8 @@ class Content:
     and its tokenizer, the trainer state, the configuration, the optimizer states, and extra
     models in sub-directories (name -> (module, full state dict or None))."""
 
-    model: object
-    tokenizer: object
+    model: torch.nn.Module  # a transformers model, or a PEFT model of one (LoRA)
+    tokenizer: PreTrainedTokenizerBase
     state: dict  # trainer_state.pt
     config_yaml: str
     optimizers: dict | None = None  # optimizer.pt
@@ -224,11 +230,11 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def config_yaml(cfg) -> str:
+def config_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def save_run(run, step: int) -> None:
+def save_run(run: Run, step: int) -> None:
     """Checkpoint `step` of a gspo.train.run.Run: weights (and the critic's: gspo.train.critic), each
     trainable's optimizer and scheduler states, loss-scaler and RNG states, and where the run
     stands. Under FSDP the gathers are collectives: every process takes part, rank 0 writes."""
@@ -237,7 +243,7 @@ def save_run(run, step: int) -> None:
     pending = [p.on("cpu") for p in run.pipeline.drain()] if run.pipeline is not None else []
     state = {"step": step, "rng": rngs[dist.rank], "rng_per_rank": rngs, "world_size": dist.world,
              "policy_version": step, "pending_per_rank": dist.gather_objects(pending),  # batches sampled, not trained
-             "eval_before": run.eval_before, "evals": run.evals, "wall_seconds": time.time() - run.t_start}
+             "eval_before": run.progress.eval_before, "evals": run.progress.evals, "wall_seconds": time.time() - run.progress.t_start}
     optimizers = {}
     for t in run.trainables:  # "optimizer"/"scheduler", and a separate critic's "critic_optimizer"/...
         optimizers[t.keys[0]] = parallel.optimizer_state(t.model, t.optimizer, dist)
@@ -253,7 +259,7 @@ def save_run(run, step: int) -> None:
     dist.barrier()
 
 
-def start_run(run) -> None:
+def start_run(run: Run) -> None:
     """A run's first write: its configuration. A restart (resumed, but killed before its first
     checkpoint) drops what it had logged, so the run appends what an uninterrupted one would."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -263,7 +269,7 @@ def start_run(run) -> None:
     atomic_write_text(run.run_dir / "config.yaml", config_yaml(run.cfg))
 
 
-def restore_run(run) -> None:
+def restore_run(run: Run) -> None:
     """Continue a gspo.train.run.Run from `run.resume_from` (its weights are loaded already): the
     optimizer, scheduler, loss-scaler and RNG states, and where the run stood; the logs are
     trimmed back to the checkpoint's step so the resumed run appends what an uninterrupted one
@@ -281,15 +287,15 @@ def restore_run(run) -> None:
         run.scaler.load_state_dict(state["scaler"])
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
-    run.start_step, run.eval_before, run.evals = state["step"], state["eval_before"], state.get("evals", [])
+    run.progress.start_step, run.progress.eval_before, run.progress.evals = state["step"], state["eval_before"], state.get("evals", [])
     pending = state.get("pending_per_rank") or [[]]
-    run.pending = [p.on(dist.device) for p in pending[dist.rank]] if len(pending) == dist.world else []
-    run.pending_dropped = 0 if len(pending) == dist.world else sum(map(len, pending))  # another process count
-    done = is_complete(run.run_dir, run.start_step)  # the final evaluation ran after this checkpoint was written
-    if done is not None and done.get("steps") == run.start_step:
-        run.evals = [e for e in done.get("evals", []) if e["step"] <= run.start_step]
-    run.steps_done = run.start_step
-    run.t_start -= state["wall_seconds"]
+    run.progress.pending = [p.on(dist.device) for p in pending[dist.rank]] if len(pending) == dist.world else []
+    run.progress.pending_dropped = 0 if len(pending) == dist.world else sum(map(len, pending))  # another process count
+    done = is_complete(run.run_dir, run.progress.start_step)  # the final evaluation ran after this checkpoint was written
+    if done is not None and done.get("steps") == run.progress.start_step:
+        run.progress.evals = [e for e in done.get("evals", []) if e["step"] <= run.progress.start_step]
+    run.progress.steps_done = run.progress.start_step
+    run.progress.t_start -= state["wall_seconds"]
     if dist.is_main:
-        trim_jsonl(run.run_dir / "metrics.jsonl", run.start_step)
-        trim_jsonl(run.run_dir / "samples.jsonl", run.start_step)
+        trim_jsonl(run.run_dir / "metrics.jsonl", run.progress.start_step)
+        trim_jsonl(run.run_dir / "samples.jsonl", run.progress.start_step)

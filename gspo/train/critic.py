@@ -4,7 +4,8 @@
     optimizer, scheduler = make_optimizers(cfg, policy, critic)   # + critic.param_groups
     run.trainables = [policy's, *critic.trainables(cfg, dist, mixed, scaler)]
 
-- `NoCritic` (every algorithm but PPO): group-relative advantages, no value term, nothing saved.
+- `NoCritic` (a run whose advantage estimator reads no values: every algorithm but PPO): no
+  value term, nothing saved.
 - `SharedCritic` (`--critic shared`): a value head on the policy's trunk, a second parameter
   group of the policy's optimizer, its loss added to the policy's (`vf_coef`), one backward.
 - `SeparateCritic` (`--critic separate`): a second model with its own optimizer and schedule
@@ -13,31 +14,45 @@
 Each answers what the trainer asks, so the loop has no PPO branch: `param_groups` and
 `trainables` (what it adds to the optimizers), `needs_hidden` and `forward` (its values in
 an update's forward), `loss` (its loss term), `before_step` (gradients no wrapper reduces),
-`advantages` (the step's advantages in gspo.train.batch.prepare: group-relative without a critic,
-GAE over its values with one), `saved` (what a checkpoint writes of it, under the keys and
+`old_values` (the values the step's advantage estimator reads, gspo.train.batch.advantages: none
+without a critic), `saved` (what a checkpoint writes of it, under the keys and
 directories gspo has always used) and `step_metrics` (its row of metrics.jsonl).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from gspo.algo.advantages import group_advantages, masked_whiten, turn_advantages
+from gspo.algo.advantages import ESTIMATORS
+from gspo.algo.losses import LOSSES
+from gspo.config import TrainConfig
 from gspo.dist import parallel
 from gspo.models.loading import DTYPES, disable_dropout, unwrap
 from gspo.models.logprobs import Split, forward_logprobs, passes
-from gspo.models.value import Critic, ValueHead, explained_variance, kl_rewards, ppo_advantages, value_loss
+from gspo.models.value import Critic, ValueHead, explained_variance, value_loss
 from gspo.train.optim import Trainable, adamw, schedule
+
+if TYPE_CHECKING:
+    from gspo.train.batch import Rows
+    from gspo.train.run import Run
 
 Tensor = torch.Tensor
 
 
-def make_critic(cfg, policy, resume_from: Path | None, device: torch.device, from_object: bool = False):
-    """The run's critic: none unless PPO; a separate one initialised from the policy's weights (or
-    the API's model object's), or a shared head (zero-initialised); restored from the checkpoint."""
-    if cfg.loss.algorithm != "ppo":
+def estimator_name(cfg: TrainConfig) -> str:
+    """The run's advantage estimator (gspo.algo.advantages.ESTIMATORS): GAE for a loss whose
+    advantages are not a group's (PPO's: LossInfo.group_advantages), else --adv-scale's."""
+    return cfg.loss.adv_scale if LOSSES[cfg.loss.algorithm].group_advantages else "gae"
+
+
+def make_critic(cfg: TrainConfig, policy, resume_from: Path | None, device: torch.device, from_object: bool = False):
+    """The run's critic: none unless its estimator reads values (PPO's GAE); a separate one
+    initialised from the policy's weights (or the API's model object's), or a shared head
+    (zero-initialised); restored from the checkpoint."""
+    if not ESTIMATORS[estimator_name(cfg)].needs_values:
         return NoCritic()
     if cfg.ppo.critic == "separate" and resume_from is None and from_object:  # the critic copies the object's trunk
         critic = Critic.from_model(unwrap(policy)).to(device)
@@ -67,7 +82,7 @@ class NoCritic:
         """The modules whose parameters the policy optimizer holds (FSDP names its state by them)."""
         return policy
 
-    def trainables(self, cfg, dist, mixed, scaler) -> list[Trainable]:
+    def trainables(self, cfg: TrainConfig, dist, mixed, scaler) -> list[Trainable]:
         return []
 
     def before_step(self, dist) -> None:
@@ -76,13 +91,12 @@ class NoCritic:
     def forward(self, mb, hidden: Tensor | None, packed: bool = False) -> Tensor | None:
         return None
 
-    def loss(self, loss: Tensor, values, rows: dict, mask: Tensor, tok_scale: float) -> tuple[Tensor, None, dict]:
+    def loss(self, loss: Tensor, values, rows: Rows, mask: Tensor, tok_scale: float) -> tuple[Tensor, None, dict]:
         return loss, None, {}
 
-    def advantages(self, run, batch, split: Split) -> tuple[Tensor, None, None]:
-        """Group-relative advantages over the global batch: (B,), or (B, T) with --turn-advantages."""
-        return _group_advantages(run, batch.rewards, batch.all_rewards, batch.episodes).to(batch.rollout.logp.device), \
-            None, None
+    def old_values(self, run: Run, ro, split: Split) -> None:
+        """No value model: no values (the run's estimator needs none)."""
+        return None
 
     def saved(self, dist) -> dict:
         return {}
@@ -94,18 +108,18 @@ class NoCritic:
 class _ValueCritic(NoCritic):
     """What both value models share: GAE advantages over their values, the clipped value loss."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: TrainConfig):
         self.clip_range, self.vf_coef = cfg.ppo.value_clip, cfg.ppo.vf_coef
 
-    def _values(self, run, mb, split: Split) -> Tensor:
+    def _values(self, run: Run, mb, split: Split) -> Tensor:
         raise NotImplementedError
 
-    def _root(self, run):
+    def _root(self, run: Run):
         """What FSDP gathers for the no-grad value pass."""
         return run.train_model
 
     @torch.no_grad()
-    def values(self, run, ro, split: Split) -> Tensor:
+    def values(self, run: Run, ro, split: Split) -> Tensor:
         """V(s_t) of every completion token, without gradient, in the micro-batches of `split`. (B, T)"""
         B, T = ro.completion_mask.shape
         out = None
@@ -115,27 +129,14 @@ class _ValueCritic(NoCritic):
             out[m.idx, m.ts] = values
         return out * ro.completion_mask
 
-    def advantages(self, run, batch, split: Split) -> tuple[Tensor, Tensor, Tensor]:
-        """GAE over the critic's values (B, T), over the model's tokens of an episode; whitened over
-        the global batch. Returns (advantages, old values, returns)."""
-        cfg, dist, ro = run.cfg, run.dist, batch.rollout
-        with run.autocast(), parallel.gathered(self._root(run), dist):
-            old_values = self.values(run, ro, split)  # (B, T)
-        kl = batch.old_logp - batch.ref_logp if cfg.ppo.reward_kl_coef > 0 else None  # (B, T)
-        # GAE runs over the model's tokens alone: an episode's are moved to the front, in order
-        order = torch.sort((ro.completion_mask == 0).to(torch.uint8), dim=1, stable=True).indices  # (B, T)
-        front = lambda x: None if x is None else x.gather(1, order)  # noqa: E731
-        mask = front(ro.completion_mask)
-        rewards = kl_rewards(batch.rewards, front(kl), mask, cfg.ppo.reward_kl_coef)
-        advantages, returns = ppo_advantages(rewards, front(old_values), mask, gamma=cfg.ppo.gamma, lam=cfg.ppo.gae_lambda,
-                                             whiten=False)
-        if cfg.ppo.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, all_sum=dist.all_sum)
-        advantages, returns = (torch.zeros_like(x).scatter(1, order, x) for x in (advantages, returns))  # back
-        return advantages, old_values, returns
+    def old_values(self, run: Run, ro, split: Split) -> Tensor:
+        """V(s_t) (B, T) of the batch's tokens before the step's updates: the values its estimator
+        reads (GAE) and the value loss's clipping anchor; FSDP's parameters gathered."""
+        with run.autocast(), parallel.gathered(self._root(run), run.dist):
+            return self.values(run, ro, split)  # (B, T)
 
-    def _value_loss(self, values: Tensor, rows: dict, mask: Tensor) -> tuple[Tensor, dict]:
-        return value_loss(values, rows["old_values"], rows["returns"], mask, clip_range=self.clip_range)
+    def _value_loss(self, values: Tensor, rows: Rows, mask: Tensor) -> tuple[Tensor, dict]:
+        return value_loss(values, rows.old_values, rows.returns, mask, clip_range=self.clip_range)
 
     def step_metrics(self, batch, dist) -> dict:
         """The value model's mean and explained variance over the global batch's completion tokens."""
@@ -150,7 +151,7 @@ class SharedCritic(_ValueCritic):
 
     needs_hidden = True
 
-    def __init__(self, head: ValueHead, cfg):
+    def __init__(self, head: ValueHead, cfg: TrainConfig):
         super().__init__(cfg)
         self.head = head
 
@@ -166,11 +167,11 @@ class SharedCritic(_ValueCritic):
     def forward(self, mb, hidden: Tensor | None, packed: bool = False) -> Tensor:
         return self.head(hidden)  # (b, T) from the policy's hidden states
 
-    def loss(self, loss: Tensor, values: Tensor, rows: dict, mask: Tensor, tok_scale: float):
+    def loss(self, loss: Tensor, values: Tensor, rows: Rows, mask: Tensor, tok_scale: float):
         vloss, metrics = self._value_loss(values, rows, mask)
         return loss + self.vf_coef * (vloss * tok_scale), None, metrics  # one backward through the shared trunk
 
-    def _values(self, run, mb, split: Split) -> Tensor:
+    def _values(self, run: Run, mb, split: Split) -> Tensor:
         hidden = forward_logprobs(run.policy, mb, temperature=run.cfg.sampling.temperature, packed=split.packed,
                                   hidden=True).hidden
         return self.head(hidden)  # (b, t)
@@ -182,12 +183,12 @@ class SharedCritic(_ValueCritic):
 class SeparateCritic(_ValueCritic):
     """A second model (trunk + head) with its own optimizer and schedule: a second Trainable."""
 
-    def __init__(self, critic: Critic, cfg):
+    def __init__(self, critic: Critic, cfg: TrainConfig):
         super().__init__(cfg)
         self.critic = critic
         self.train = critic  # what training forwards call: the critic, or its DDP wrapper
 
-    def trainables(self, cfg, dist, mixed, scaler) -> list[Trainable]:
+    def trainables(self, cfg: TrainConfig, dist, mixed, scaler) -> list[Trainable]:
         self.train = parallel.wrap(self.critic, dist, mixed=mixed)
         optimizer = adamw(self.critic.parameters(), cfg.ppo.critic_lr, cfg)
         return [Trainable(self.critic, optimizer, schedule(optimizer, cfg), scaler, train=self.train,
@@ -196,29 +197,16 @@ class SeparateCritic(_ValueCritic):
     def forward(self, mb, hidden: Tensor | None, packed: bool = False) -> Tensor:
         return self.train(mb, packed=packed)  # (b, T)
 
-    def loss(self, loss: Tensor, values: Tensor, rows: dict, mask: Tensor, tok_scale: float):
+    def loss(self, loss: Tensor, values: Tensor, rows: Rows, mask: Tensor, tok_scale: float):
         vloss, metrics = self._value_loss(values, rows, mask)
         return loss, vloss * tok_scale, metrics
 
-    def _root(self, run):
+    def _root(self, run: Run):
         return self.train
 
-    def _values(self, run, mb, split: Split) -> Tensor:
+    def _values(self, run: Run, mb, split: Split) -> Tensor:
         return self.critic(mb, packed=split.packed)  # (b, t)
 
     def saved(self, dist) -> dict:
         return {"critic": (self.critic, parallel.full_state_dict(self.critic, dist))}
 
-
-def _group_advantages(run, rewards: Tensor, all_rewards: Tensor, episodes) -> Tensor:
-    """This process's rows of the group-relative advantages over the global batch: (B,) one
-    per response, or with --turn-advantages (B, T), each model turn's tokens its turn's."""
-    cfg, dist, B = run.cfg, run.dist, rewards.shape[0]
-    mine = slice(dist.rank * B, (dist.rank + 1) * B)  # this process's rows
-    if episodes is None or not cfg.episodes.turn_advantages:
-        return group_advantages(all_rewards, cfg.sampling.group_size, scale=cfg.loss.adv_scale)[mine]  # (B,)
-    final = (rewards - episodes.env_reward).to(torch.float64)  # (B,) the task's rewards, at the episode's end
-    to_go = final[:, None] + episodes.rewards_to_go(run.max_turns)  # (B, K) R_{i,k}
-    per_turn = turn_advantages(dist.gather(to_go), cfg.sampling.group_size, scale=cfg.loss.adv_scale)[mine]  # (B, K)
-    index = episodes.turn_index.cpu()  # (B, T)
-    return (per_turn.gather(1, index.clamp(min=0)) * (index >= 0)).float()  # (B, T)

@@ -30,9 +30,13 @@ import shutil
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gspo.train import checkpoint as ckpt
 from gspo.io.files import read_jsonl
+from gspo.train import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from gspo.train.run import Run
 
 
 class Interrupted(Exception):
@@ -86,12 +90,12 @@ def check_no_writer(run_dir: Path) -> None:
 class Guard:
     """The lock, the signal handlers and the clean-up of one run (see the module docstring)."""
 
-    def __init__(self, run):
+    def __init__(self, run: Run):
         self.run, self.lock, self.signum, self.saved = run, None, 0, {}
         self.created = not run.run_dir.exists()
         if run.dist.is_main:
             self.lock = RunLock(run.run_dir)
-            if run.resume_from is None and run.start_step == 0 and not run.restart and \
+            if run.resume_from is None and run.progress.start_step == 0 and not run.progress.restart and \
                     not ckpt.is_empty_run_dir(run.run_dir):  # someone wrote here between the check and the lock
                 self.lock.release()
                 raise FileExistsError(f"{run.run_dir}: output directory exists and is not empty "

@@ -29,11 +29,11 @@ from gspo.dist import parallel
 class Trainable:
     """A model the loop trains, with its optimizer, LR schedule and loss scaler (float16; else None)."""
 
-    model: object  # the modules the optimizer holds (FSDP names its state by them)
+    model: torch.nn.Module  # the modules the optimizer holds (FSDP names its state by them)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None = None
-    train: object = None  # what training forwards call (its DDP wrapper): no_sync acts on it
+    train: torch.nn.Module | None = None  # what training forwards call (its DDP wrapper): no_sync acts on it
     metric: str = "grad_norm"  # its gradient norm's metric
     keys: tuple[str, str] = ("optimizer", "scheduler")  # its states' keys in a checkpoint
 

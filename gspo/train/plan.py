@@ -50,6 +50,7 @@ fall back to Hugging Face's forward; that is said in its own warning when it hap
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,8 +61,11 @@ from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.sampling import fastdecode
 from gspo.sampling.rollout import PolicySampler
 
+if TYPE_CHECKING:
+    from gspo.train.run import Run
 
-def plan(run) -> dict:
+
+def plan(run: Run) -> dict:
     """The resolved plan of a built run (gspo.train.run.Run) as plain JSON values; see the module docstring."""
     cfg, dist = run.cfg, run.dist
     fsdp = dist.enabled and dist.parallel == "fsdp"
@@ -159,7 +163,7 @@ def describe(p: dict, warnings: bool = True) -> str:
     return "\n".join(lines)
 
 
-def _model(run) -> dict:
+def _model(run: Run) -> dict:
     """The policy's name and, for a GGUF file, where it came from (gspo.models.gguf)."""
     name = run.cfg.policy.model
     if not isinstance(name, str) or not Path(name).expanduser().exists():  # an object, a built-in, a Hub id
@@ -175,7 +179,7 @@ def _dtype(model) -> str | None:
     return None if param is None else str(param.dtype).removeprefix("torch.")
 
 
-def _sampler(run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
+def _sampler(run: Run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
     """Who samples, in words, and in which dtype."""
     cfg = run.cfg
     if engine != "hf":
@@ -190,7 +194,7 @@ def _sampler(run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
     return f"a {dtype} copy of the policy (synced before every rollout)", dtype
 
 
-def _packing_why(run) -> str:
+def _packing_why(run: Run) -> str:
     """Why training forwards pack or not: gspo.train.run._packing's decision, in words."""
     if not run.cfg.policy.packing:
         return "not asked"
@@ -202,7 +206,7 @@ def _packing_why(run) -> str:
             "or its LM head is not a plain linear map)")
 
 
-def _decode(run, engine: str, fsdp: bool) -> tuple[str, str | None]:
+def _decode(run: Run, engine: str, fsdp: bool) -> tuple[str, str | None]:
     """The decode path of gspo's sampler: fastdecode's answer. Under FSDP it was decided before
     sharding (a shard's head is no plain tensor) and said in gspo.sampling.rollout.fsdp_sampling_note."""
     if engine != "hf":

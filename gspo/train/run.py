@@ -24,6 +24,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,9 +39,11 @@ from gspo.models.loading import BUILTIN_MODELS, DTYPES, disable_dropout, enable_
 from gspo.models.logprobs import TokenLogprobs, supports_packing
 from gspo.models.moe import NO_ROUTING, NoRouting, Routing
 from gspo.rewards.builtin import BUILTIN_REWARDS, Reward
+from gspo.sampling.pipeline import Pipeline
+from gspo.sampling.produce import Produced
 from gspo.sampling.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
-from gspo.tasks.base import for_tokenizer, prompt_note
+from gspo.tasks.base import Task, for_tokenizer, prompt_note
 from gspo.tasks.data import DataError
 from gspo.tasks.env import episode_env, tool_schemas
 from gspo.train import checkpoint as ckpt
@@ -49,44 +52,55 @@ from gspo.train.lifecycle import check_no_writer
 from gspo.train.optim import Trainable, make_optimizers
 from gspo.train.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 FIT_SAMPLE = 256  # prompts whose lengths _fit_lengths checks
 
 
 @dataclass
+class Progress:
+    """Where a run stands: restored from its checkpoint, advanced step by step, saved in every
+    checkpoint (gspo.train.checkpoint)."""
+
+    start_step: int = 0  # the step this process started after (0, or the checkpoint's)
+    steps_done: int = 0
+    restart: bool = False  # resumed, but killed before its first checkpoint: started over from step 0
+    eval_before: dict | None = None  # the held-out evaluation before step 1
+    evals: list[dict] = field(default_factory=list)  # {"step": s, ...} each evaluation so far
+    t_start: float = field(default_factory=time.time)  # less the checkpoint's wall time, resumed
+    eval_seconds: float = 0.0  # spent evaluating in this process (summary.json's eval_seconds)
+    pending: list[Produced] = field(default_factory=list)  # sampled batches not yet trained, restored
+    pending_dropped: int = 0  # ... saved by another number of processes: sampled again
+
+
+@dataclass
 class Run:
-    """A run: its configuration, models, optimizers, data and where it stands. Built by keyword."""
+    """A run: what `build_run` makes once (its configuration, models, optimizers, data), the
+    pipeline the loop starts, and where it stands (`progress`). Built by keyword."""
 
     cfg: TrainConfig
     run_dir: Path
     dist: Dist
-    task: object = None  # train_batch(step, n, seed), test_set(n)
-    rewards: list[Reward] = field(default_factory=list)
-    policy: object = None  # the model being trained (PEFT-wrapped with LoRA); what checkpoints save
-    tokenizer: object = None
+    task: Task
+    rewards: list[Reward]
+    policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA); what checkpoints save
+    tokenizer: PreTrainedTokenizerBase
     sampler: Sampler | None = None  # who samples rollouts
-    train_model: object = None  # what training forwards call: the policy's log-prob forward, or its DDP wrapper
+    train_model: torch.nn.Module | None = None  # what training forwards call: the log-prob forward, or its wrapper
     trainables: list[Trainable] = field(default_factory=list)  # the policy's, then a separate critic's
-    reference: object | None = None  # the frozen initial policy, for the KL terms (not with LoRA)
+    reference: torch.nn.Module | None = None  # the frozen initial policy, for the KL terms (not with LoRA)
     critic: NoCritic = field(default_factory=NoCritic)  # PPO's value model (gspo.train.critic); NoCritic otherwise
     routing: Routing | NoRouting = NO_ROUTING  # MoE models: hooks on every router; NO_ROUTING for dense ones
     resume_from: Path | None = None  # the checkpoint to continue from
     stop_ids: tuple[int, ...] = ()  # tokens that end a completion (gspo.sampling.rollout.stop_token_ids)
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
-    restart: bool = False  # resumed, but killed before its first checkpoint: start over from step 0
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
     env: type | None = None  # multi-turn: the environment class (gspo.tasks.env), one instance per episode
     max_turns: int = 1  # model turns per episode at most
     threads: str = ""  # why torch has the CPU threads it has (gspo.dist.threads.choose_threads)
-    # where the run stands; saved in every checkpoint
-    start_step: int = 0
-    steps_done: int = 0
-    eval_before: dict | None = None
-    evals: list[dict] = field(default_factory=list)
-    t_start: float = field(default_factory=time.time)
-    eval_seconds: float = 0.0  # spent evaluating in this process (summary.json's eval_seconds)
-    pending: list = field(default_factory=list)  # sampled batches not yet trained (gspo.sampling.produce.Produced), restored
-    pending_dropped: int = 0  # ... saved by another number of processes: sampled again
-    pipeline: object = None  # where each step's batch comes from (gspo.sampling.pipeline, gspo.workers)
+    progress: Progress = field(default_factory=Progress)
+    pipeline: Pipeline | None = None  # where each step's batch comes from (gspo.sampling.pipeline), once the loop starts
 
     def autocast(self):
         """Mixed precision: forwards compute in --dtype over float32 master weights."""
@@ -147,7 +161,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     if cfg.policy.gradient_checkpointing:
         enable_checkpointing(unwrap(policy))
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
-              tokenizer=tokenizer, reference=reference, resume_from=resume_from, restart=restart,
+              tokenizer=tokenizer, reference=reference, resume_from=resume_from, progress=Progress(restart=restart),
               notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env, max_turns=max_turns,
               stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
     _training_side(run, inputs)

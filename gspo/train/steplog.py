@@ -11,14 +11,19 @@ the learning rate and the critic's own (gspo.train.critic: none without one).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from gspo.algo.metrics import step_means
 
+if TYPE_CHECKING:
+    from gspo.train.run import Run
+
 Tensor = torch.Tensor
 
 
-def step_row(run, step: int, batch, history: list[dict]) -> dict:
+def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
     """The step's row of metrics.jsonl (without timings), over the global batch: batch-level
     values gathered from every process, then the step's means of the updates' `history`.
     run: a gspo.train.run.Run; batch: a gspo.train.batch.Batch."""

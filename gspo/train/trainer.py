@@ -34,6 +34,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,7 @@ from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
 from gspo.dist import distributed, parallel
 from gspo.dist.threads import restored
+from gspo.io.files import append_jsonl, atomic_write_text, json_clean
 from gspo.io.reporting import Progress, Reporter, samples_rows, warn
 from gspo.io.words import plural
 from gspo.models.logprobs import MicroBatch, Split, passes
@@ -53,7 +55,6 @@ from gspo.sampling.pipeline import Pipeline, make_pipeline, serve_rank
 from gspo.sampling.produce import step_generator
 from gspo.tasks.scoring import RewardError
 from gspo.train import checkpoint as ckpt
-from gspo.io.files import append_jsonl, atomic_write_text, json_clean
 from gspo.train.batch import Batch, expert_load, prepare
 from gspo.train.evaluation import EvalOptions, evaluate
 from gspo.train.lifecycle import Guard, Interrupted
@@ -64,12 +65,20 @@ from gspo.train.steplog import step_row
 Tensor = torch.Tensor
 
 
+class Totals(NamedTuple):
+    """What a global minibatch's loss averages over: its aggregation count (gspo.algo.aggregation.
+    agg_count) and its completion tokens, summed over processes."""
+
+    agg: float
+    tokens: float
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------
 
 
-def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=None) -> dict:
+def train(cfg: TrainConfig=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=None) -> dict:
     """Train a policy; returns the summary (also written to summary.json in the run directory).
 
     resume: a run directory to continue from its newest checkpoint (or from step 0, if it was
@@ -86,7 +95,7 @@ def train(cfg=None, *, resume=None, log=print, inputs=None, callbacks=(), keep=N
         return _train_in_process(cfg, resume, log, inputs, callbacks, keep)
 
 
-def _train_in_process(cfg, resume, log, inputs, callbacks, keep) -> dict:
+def _train_in_process(cfg: TrainConfig, resume, log, inputs, callbacks, keep) -> dict:
     t_start = time.time()
     if distributed.world_size_from_env() > 1:  # under torchrun the world's last --rollout-workers ranks sample
         saved = Path(resume or ".") / "config.yaml"
@@ -99,7 +108,7 @@ def _train_in_process(cfg, resume, log, inputs, callbacks, keep) -> dict:
         log(f"{Path(resume).absolute()}: the run is complete ({plural(done.summary['steps'], 'step')}); nothing to do "
             f"(for more steps: gspo train --resume {resume} --steps N)")
         return done.summary
-    run.t_start = t_start
+    run.progress.t_start = t_start
     guard = Guard(run)  # one writer per run directory; signals stop at the next step's end
     try:
         summary = _train(run, guard, log if run.dist.is_main else (lambda *a, **k: None), callbacks)
@@ -129,31 +138,31 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     dist.barrier()  # every process has checked the run directory before rank 0 writes to it
     if run.resume_from is not None:
         ckpt.restore_run(run)
-        log(f"resuming {run.run_dir} from step {run.start_step}")
-        if run.pending_dropped and main:
-            warn(f"--resume: the checkpoint's {run.pending_dropped} sampled batches were split over another number of "
+        log(f"resuming {run.run_dir} from step {run.progress.start_step}")
+        if run.progress.pending_dropped and main:
+            warn(f"--resume: the checkpoint's {run.progress.pending_dropped} sampled batches were split over another number of "
                  "processes; they are sampled again from its weights (less stale, within --max-staleness)")
     else:
         if main:
             ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
-        run.eval_before = run_eval(run, log, "eval before")  # its progress logged off a terminal
-        run.evals = [{"step": 0, **run.eval_before}]
-    run.pipeline = make_pipeline(run, run.pending)  # rollout workers start here (the weights are the restored ones)
-    reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.start_step,
+        run.progress.eval_before = run_eval(run, log, "eval before")  # its progress logged off a terminal
+        run.progress.evals = [{"step": 0, **run.progress.eval_before}]
+    run.pipeline = make_pipeline(run, run.progress.pending)  # rollout workers start here (the weights are the restored ones)
+    reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.progress.start_step,
                         wandb_project=cfg.run.wandb_project) if main else None
-    bar = Progress(cfg, run.start_step, log) if main else None
+    bar = Progress(cfg, run.progress.start_step, log) if main else None
     try:
-        for step in range(run.start_step + 1, cfg.run.steps + 1):
+        for step in range(run.progress.start_step + 1, cfg.run.steps + 1):
             metrics, batch = train_step(run, step)
-            run.steps_done = step
+            run.progress.steps_done = step
             for trainable in run.trainables:  # the policy's LR schedule, and a separate critic's
                 trainable.scheduler.step()
             if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
-                spent = run.eval_seconds
+                spent = run.progress.eval_seconds
                 ev = run_eval(run)
                 metrics["eval/accuracy"] = ev["accuracy"]
-                metrics["time/eval_seconds"] = run.eval_seconds - spent  # run_eval adds its wall time
-                run.evals.append({"step": step, **ev})
+                metrics["time/eval_seconds"] = run.progress.eval_seconds - spent  # run_eval adds its wall time
+                run.progress.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)
                 append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
@@ -178,7 +187,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
 
 def run_eval(run: Run, log=None, label: str = "eval") -> dict:
     """Held-out greedy accuracy of the current policy (sharded over processes); --eval-size 0: none.
-    Its wall time adds to run.eval_seconds. log: where its progress goes off a terminal, as
+    Its wall time adds to run.progress.eval_seconds. log: where its progress goes off a terminal, as
     `LABEL 256/500 problems (51%)  2 s` (gspo.train.evaluation; None: a bar on a terminal only, as for
     the evaluations within the run, whose accuracy the step's progress line shows)."""
     cfg = run.cfg
@@ -188,7 +197,7 @@ def run_eval(run: Run, log=None, label: str = "eval") -> dict:
     try:
         return _evaluate(run, log, label)
     finally:
-        run.eval_seconds += time.time() - t0
+        run.progress.eval_seconds += time.time() - t0
 
 
 def _evaluate(run: Run, log, label: str) -> dict:
@@ -198,16 +207,16 @@ def _evaluate(run: Run, log, label: str) -> dict:
             n=cfg.eval.eval_size, max_new_tokens=cfg.sampling.max_new_tokens, stop=run.stop_ids,
             progress=cfg.run.progress and run.dist.is_main, log=log, label=label,
             episode=EpisodeSpec.from_config(cfg, run.env, run.max_turns),
-            trainer_state=TrainerState(run.steps_done, cfg.run.steps)), dist=run.dist)
+            trainer_state=TrainerState(run.progress.steps_done, cfg.run.steps)), dist=run.dist)
 
 
 def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
     """The final evaluation (its progress through `log`) and the run's summary (summary.json)."""
     cfg, dist = run.cfg, run.dist
     eval_after = run_eval(run, log, "eval after")
-    done = run.steps_done
-    if not run.evals or run.evals[-1]["step"] != done:
-        run.evals.append({"step": done, **eval_after})
+    done = run.progress.steps_done
+    if not run.progress.evals or run.progress.evals[-1]["step"] != done:
+        run.progress.evals.append({"step": done, **eval_after})
     last = ckpt.latest_checkpoint(run.run_dir)
     summary = {
         "algorithm": cfg.loss.algorithm,
@@ -215,11 +224,11 @@ def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
         "task": cfg.data.dataset or cfg.data.task,
         "steps": done,
         **({"stopped_early": True} if done < cfg.run.steps else {}),
-        "eval_before": run.eval_before,
+        "eval_before": run.progress.eval_before,
         "eval_after": eval_after,
-        "evals": run.evals,
-        "wall_seconds": time.time() - run.t_start,
-        "eval_seconds": run.eval_seconds,  # of wall_seconds: the held-out evaluations (before, during, after)
+        "evals": run.progress.evals,
+        "wall_seconds": time.time() - run.progress.t_start,
+        "eval_seconds": run.progress.eval_seconds,  # of wall_seconds: the held-out evaluations (before, during, after)
         "final_checkpoint": str(last) if last else None,
         **({"world_size": dist.world, "parallel": dist.parallel} if dist.enabled else {}),
         "plan": plan(run),
@@ -227,7 +236,7 @@ def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
     if dist.is_main:
         atomic_write_text(run.run_dir / "summary.json", json.dumps(json_clean(summary), indent=2) + "\n")
         if eval_after["n"]:
-            reporter.summary({"eval_before/accuracy": run.eval_before["accuracy"],
+            reporter.summary({"eval_before/accuracy": run.progress.eval_before["accuracy"],
                               "eval_after/accuracy": eval_after["accuracy"]})
         reporter.close()
     return summary
@@ -298,7 +307,7 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
         minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(B_all // cfg.loss.num_minibatches)]
         counts = torch.tensor([[float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())]
                                for idx in minibatches], dtype=torch.float64)  # (M, 2) what the losses average over
-        totals = dist.all_sum(counts).clamp(min=1).tolist()  # (M, 2) the global minibatches' counts
+        totals = [Totals(*t) for t in dist.all_sum(counts).clamp(min=1).tolist()]  # the global minibatches' counts
         for idx, total in zip(minibatches, totals):
             metrics = accumulate(run, batch, idx, total)
             metrics.update(optimizer_step(run))
@@ -306,7 +315,7 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
     return reduce_across(history, dist)
 
 
-def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
+def accumulate(run: Run, batch: Batch, idx: Tensor, total: Totals) -> dict:
     """Forward and backward of rows `idx` (this process's part of a minibatch) in micro-batches;
     gradients accumulate (and are reduced across processes once, with the last). Every
     process runs as many passes (stand-ins of zero weight fill in): under FSDP each is collective."""
@@ -329,16 +338,16 @@ def accumulate(run: Run, batch: Batch, idx: Tensor, total: list[float]) -> dict:
     return combine(metrics)
 
 
-def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: list[float],
+def minibatch_loss(run: Run, batch: Batch, idx: Tensor, total: Totals,
                    load: tuple[Tensor, float] | None = None) -> tuple[Tensor, Tensor | None, dict]:
     """The loss of rows `idx` of the batch (one micro-batch), scaled to its part of the global
-    minibatch's loss (total: the global minibatch's (aggregation count, token count)):
+    minibatch's loss (total: the global minibatch's aggregation and token counts):
     (policy loss, separate critic's loss or None, metrics). An empty `idx` runs one row with
     zero weight (every process must join every gradient reduction)."""
     return _loss(run, batch, next(passes(batch.rollout, [idx], run.cfg.policy.micro_batch_tokens)), total, load)
 
 
-def _loss(run: Run, batch: Batch, m: MicroBatch, total: list[float],
+def _loss(run: Run, batch: Batch, m: MicroBatch, total: Totals,
           load: tuple[Tensor, float] | None) -> tuple[Tensor, Tensor | None, dict]:
     """`minibatch_loss` of micro-batch `m`. MoE: the forward records the experts the current
     router picks (`moe/drift`); with --routing-replay the old experts are forced for the ratio;
@@ -347,22 +356,22 @@ def _loss(run: Run, batch: Batch, m: MicroBatch, total: list[float],
     cfg, critic = run.cfg, run.critic
     rows = batch.rows(m.idx, m.ps, m.ts)  # old_logp, advantages, ... of these rows and columns
     mask = m.rollout.completion_mask * m.live  # (b, T)
-    agg_scale = float(agg_count(mask, cfg.loss.loss_agg)) * run.dist.world / total[0]  # its share of the global loss
-    tok_scale = float(mask.sum()) * run.dist.world / total[1]
-    with run.routing.capture(rows["routing"] if cfg.moe.routing_replay else None,
+    agg_scale = float(agg_count(mask, cfg.loss.loss_agg)) * run.dist.world / total.agg  # its share of the global loss
+    tok_scale = float(mask.sum()) * run.dist.world / total.tokens
+    with run.routing.capture(rows.routing if cfg.moe.routing_replay else None,
                              keep_logits=cfg.moe.router_aux_loss_coef > 0) as cap, run.autocast():
         logp, hidden, entropy = run.train_model(dataclasses.replace(m.rollout, completion_mask=mask),
                                                 temperature=cfg.sampling.temperature, packed=run.packed,
                                                 hidden=critic.needs_hidden, entropy=True)  # (b, T), (b, T, H), (b, T)
         values = critic.forward(m.rollout, hidden, packed=run.packed)  # (b, T); None without a critic
     loss, metrics = policy_loss(
-        logp, rows["old_logp"], rows["advantages"], mask, cfg.loss, ref_logp=rows["ref_logp"],
-        is_weights=rows["is_weights"], rollout_logp=rows["rollout_logp"],
+        logp, rows.old_logp, rows.advantages, mask, cfg.loss, ref_logp=rows.ref_logp,
+        is_weights=rows.is_weights, rollout_logp=rows.rollout_logp,
         opsm_delta=cfg.corrections.opsm_delta, max_len=cfg.sampling.max_new_tokens,
     )
     metrics["policy/entropy"] = Mean(entropy.sum() / mask.sum().clamp(min=1), mask.sum())
     loss = loss * agg_scale
-    aux, moe_metrics = run.routing.terms(cap, rows["routing"], m.rollout.attention_mask * m.live,
+    aux, moe_metrics = run.routing.terms(cap, rows.routing, m.rollout.attention_mask * m.live,
                                          cfg.moe.router_aux_loss_coef, load=load, dist=run.dist)
     metrics.update(moe_metrics)
     loss, critic_loss, value_metrics = critic.loss(loss + aux * m.live, values, rows, mask, tok_scale)
