@@ -37,6 +37,7 @@ import torch
 import tyro
 import yaml
 
+from gspo.algo.losses import LOSSES
 from gspo.commands.train_command import NOT_IN_COMMAND, train_command
 from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
@@ -67,7 +68,10 @@ class ExportArgs:
     step: int | None = None
     """Export the checkpoint of this step instead of the newest."""
     base_model: str | None = None
-    """Base model (directory, built-in name or hub id) of a LoRA run: default, the one its adapter records; required for a run trained from a model object."""
+    (
+        "Base model (directory, built-in name or hub id) of a LoRA run: default, the one its adapter records; "
+        "required for a run trained from a model object."
+    )
     push_to_hub: str | None = None
     """Upload OUT to this Hugging Face Hub repository (ORG/NAME), created if missing."""
     private: bool = False
@@ -109,9 +113,11 @@ def from_run(run: Run) -> Trained | None:
     the policy is sharded (FSDP): the run's final checkpoint holds its gathered weights."""
     if run.dist.enabled and run.dist.parallel == "fsdp":
         return None
-    base = getattr(unwrap(run.policy).config, "name_or_path", None) if str(run.cfg.policy.model).startswith("<") else None
-    return Trained(run.policy, run.tokenizer, run.cfg, run.progress.steps_done, run.stop_ids, list(run.progress.evals), run.run_dir,
-                   base or None)
+    base = (
+        getattr(unwrap(run.policy).config, "name_or_path", None) if str(run.cfg.policy.model).startswith("<") else None
+    )
+    return Trained(run.policy, run.tokenizer, run.cfg, run.progress.steps_done, run.stop_ids, list(run.progress.evals),
+                   run.run_dir, base or None)
 
 
 def find_checkpoint(path: Path, step: int | None = None) -> Path:
@@ -248,10 +254,6 @@ def _stamp_dtype(path: Path, name: str) -> None:
 # The model card
 # ----------------------------------------------------------------------------------------------
 
-ALGORITHMS = {"gspo": "GSPO (Group Sequence Policy Optimization)", "grpo": "GRPO (Group Relative Policy Optimization)",
-              "gspo_token": "GSPO-token"}  # the others: their name in capitals
-
-
 def hub_id(name: str | None) -> str | None:
     """The hub id a model or dataset name stands for, if any: the id itself, or the id of a
     hub cache snapshot directory (`.../models--ORG--NAME/snapshots/<hash>`)."""
@@ -281,7 +283,7 @@ def model_card(t: Trained, *, dtype: str, merged: bool, where: str) -> str:
     what = "merged LoRA" if merged and cfg.lora.lora_r else "LoRA adapter" if not merged else "full"
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).strip(), "---", "",
              f"# {where.rstrip('/').split('/')[-1]}", "",
-             f"`{base}` fine-tuned with {ALGORITHMS.get(cfg.loss.algorithm, cfg.loss.algorithm.upper())} by gspo "
+             f"`{base}` fine-tuned with {LOSSES[cfg.loss.algorithm].display} by gspo "
              f"for {plural(t.step, 'step')} on {data} "
              f"(rewards: {', '.join(cfg.rewards.reward) or 'the task default'}); {what} weights in {dtype}.", "",
              *_results(t.evals, t.step), *_training(cfg), *_load_it(t, where, merged)]
@@ -299,7 +301,8 @@ def _results(evals: list[dict], step: int) -> list[str]:
         (lambda v: "n/a" if v is None else f"{v:.4g}")  # None: the reward scored no completion
     what = "accuracy" if binary else f"mean {after.get('metric', 'reward')}"
     return ["## Held-out results", "",
-            f"Greedy decoding on {after['n']} held-out problems, scored by `{after.get('metric', 'the first reward')}`:",
+            f"Greedy decoding on {after['n']} held-out problems, "
+            f"scored by `{after.get('metric', 'the first reward')}`:",
             "", f"| | before (step 0) | after (step {step}) |", "| --- | --- | --- |",
             f"| {what} | {fmt(before['accuracy'])} | {fmt(after['accuracy'])} |", ""]
 
@@ -309,7 +312,8 @@ def _training(cfg: TrainConfig) -> list[str]:
     key = {"algorithm": loss.algorithm, "learning rate": cfg.optim.lr, "prompts per step x group size":
            f"{smp.prompts_per_step} x {smp.group_size}", "clip range": f"({loss.clip_low}, {loss.clip_high})",
            "loss aggregation": loss.loss_agg, "max new tokens": smp.max_new_tokens, "temperature": smp.temperature,
-           "dtype": cfg.policy.dtype, **({"LoRA r / alpha": f"{lora.lora_r} / {lora.lora_alpha}"} if lora.lora_r else {})}
+           "dtype": cfg.policy.dtype,
+           **({"LoRA r / alpha": f"{lora.lora_r} / {lora.lora_alpha}"} if lora.lora_r else {})}
     config = {k: v for k, v in to_dict(cfg).items() if k not in NOT_IN_COMMAND}
     return ["## Training", "", "| | |", "| --- | --- |", *(f"| {k} | {v} |" for k, v in key.items()), "",
             "The equivalent command (the options that differ from the defaults):", "", "```bash", train_command(cfg),

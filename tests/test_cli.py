@@ -108,7 +108,8 @@ def test_train_help_is_grouped_with_presets_and_kl():
         assert f"  {algorithm} " in out
     assert "clip [1 - 0.0003, 1 + 0.0004]" in out and "k1 = -log ρ has an expected gradient of" in out
     # the successors' presets say what they bound: CISPO's IS weight, GMPO's log-ratio, SAPO's gate
-    assert "clip [1 - 1, 1 + 0.28]" in out and "log-ratio clip [-0.4, 0.4]" in out and "gate τ 1 / 1.05" in out
+    assert "clip [1 - 1, 1 + 0.28]" in out and "log-ratio clip [-0.4, 0.4]" in out
+    assert "gate --sapo-tau-pos 1, --sapo-tau-neg 1.05" in out  # SAPO's own options, from its registration
     assert "tiny-moe" in out
 
 

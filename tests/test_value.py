@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from gspo.config import TrainConfig
 from gspo.algo.advantages import ESTIMATORS, AdvantageInputs, kl_rewards
+from gspo.config import TrainConfig
 from gspo.models.value import Critic, ValueHead, explained_variance, value_loss
 from gspo.train.trainer import train
 

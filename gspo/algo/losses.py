@@ -3,8 +3,8 @@ their aggregation, KL estimators, and the sampler/trainer mismatch weights (gspo
 
 Every loss is a pure function of `(B, T)` tensors and its options, `LossOptions` (the loss's
 name, its clip range, aggregation, KL and SAPO's temperatures; the section
-gspo.config.sections.Loss, `cfg.loss` of a resolved TrainConfig, has them). The formulas follow the GSPO paper (Qwen team, arXiv 2507.18071); the equation
-numbers in the comments are the paper's.
+gspo.config.sections.Loss, `cfg.loss` of a resolved TrainConfig, has them). The formulas follow the GSPO paper
+(Qwen team, arXiv 2507.18071); the equation numbers in the comments are the paper's.
 
     from gspo.algo.losses import policy_loss
     from gspo.config import Loss
@@ -91,7 +91,9 @@ def _token_advantages(advantages: Tensor, mask: Tensor, name: str) -> Tensor:
     if advantages.dim() == 1:
         return advantages.unsqueeze(-1).expand_as(mask)  # (B,) -> (B, T)
     if advantages.shape != mask.shape:
-        raise ValueError(f"{name}: advantages must be (B,) or (B, T)={tuple(mask.shape)}, got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"{name}: advantages must be (B,) or (B, T)={tuple(mask.shape)}, got {tuple(advantages.shape)}"
+        )
     return advantages
 
 
@@ -100,14 +102,25 @@ class LossInfo:
     """What gspo knows about a registered loss (`register_loss`)."""
 
     name: str
-    fn: Callable[..., TokenLoss]  # (logp, old_logp, advantages, mask, loss: gspo.config.sections.Loss)
-    summary: str  # one line for `gspo train --help`
+    fn: Callable[..., TokenLoss]  # (logp, old_logp, advantages, mask, loss: LossOptions)
+    summary: str  # one line for `gspo train --help` and the plan
     clip_low: float  # the preset clip range (--clip-low / --clip-high when not given)
     clip_high: float
     log_space_clip: bool = False  # the clip range bounds log-ratios, not ratios (--clip-low may exceed 1)
     turn_advantages: bool = False  # takes per-token advantages (B, T) (--turn-advantages)
     group_advantages: bool = True  # advantages are relative to a group: --group-size >= 2 (PPO: a critic's)
-    gate: bool = False  # a soft gate, not a clip: the clip range is unused (SAPO's --sapo-tau-pos/--sapo-tau-neg)
+    gate: bool = False  # a soft gate, not a clip: the clip range is unused
+    options: tuple[str, ...] = ()  # the options only this loss reads (SAPO's gate temperatures): unused by the others
+    title: str = ""  # its name in a model card ("GSPO (Group Sequence Policy Optimization)"); "" : the name in capitals
+
+    @property
+    def display(self) -> str:
+        return self.title or self.name.upper()
+
+
+def own_options() -> dict[str, str]:
+    """Option -> the loss that owns it: the options some registered loss reads and the others do not."""
+    return {option: info.name for info in LOSSES.values() for option in info.options}
 
 
 LOSSES: dict[str, LossInfo] = {}  # registered losses, by name, in registration order
@@ -131,7 +144,8 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return ((logp - old_logp) * mask).sum(-1) / length  # (B,)
 
 
-@register_loss("gspo", preset=(3e-4, 4e-4), summary="sequence ratio s_i, one clipped term per response (paper Eq. 5)")
+@register_loss("gspo", preset=(3e-4, 4e-4), summary="sequence ratio s_i, one clipped term per response (paper Eq. 5)",
+               title="GSPO (Group Sequence Policy Optimization)")
 def gspo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
 ) -> TokenLoss:
@@ -166,7 +180,7 @@ def gspo_loss(
 @register_loss("ppo", preset=(0.2, 0.2), summary="token ratios with GAE advantages from a learned value model (Eq. 1)",
                group_advantages=False)
 @register_loss("grpo", preset=(0.2, 0.27), summary="token ratios, each token clipped on its own (Eq. 2)",
-               turn_advantages=True)
+               turn_advantages=True, title="GRPO (Group Relative Policy Optimization)")
 def token_level_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
 ) -> TokenLoss:
@@ -181,7 +195,7 @@ def token_level_loss(
 
 
 @register_loss("gspo_token", preset=(3e-4, 4e-4), summary="GSPO's ratio per token, for per-token advantages (Eq. 13)",
-               turn_advantages=True)
+               turn_advantages=True, title="GSPO-token")
 def gspo_token_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
 ) -> TokenLoss:
@@ -218,7 +232,7 @@ def cispo_loss(
     return TokenLoss(-weight * adv * logp, ratio, clipped_low, clipped_high)
 
 
-@register_loss("sapo", preset=(0.0, 0.0), turn_advantages=True, gate=True,
+@register_loss("sapo", preset=(0.0, 0.0), turn_advantages=True, gate=True, options=("sapo_tau_pos", "sapo_tau_neg"),
                summary="token ratios through a soft sigmoid gate instead of a clip (Qwen SAPO)")
 def sapo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
@@ -290,7 +304,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:
 
 
 def policy_loss(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions, *, ref_logp: Tensor | None = None,
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions, *,
+    ref_logp: Tensor | None = None,
     is_weights: Tensor | None = None, rollout_logp: Tensor | None = None, opsm_delta: float | None = None,
     max_len: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -399,5 +414,5 @@ def _ratio_metrics(out: TokenLoss, logp: Tensor, old_logp: Tensor, mask: Tensor)
     }
 
 
-__all__ = ["KL_ESTIMATORS", "LOSSES", "LossInfo", "LossOptions", "TokenLoss", "kl_penalty", "policy_loss", "register_loss",
-           "sequence_log_ratio"]
+__all__ = ["KL_ESTIMATORS", "LOSSES", "LossInfo", "LossOptions", "TokenLoss", "kl_penalty", "own_options",
+           "policy_loss", "register_loss", "sequence_log_ratio"]

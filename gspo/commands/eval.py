@@ -25,9 +25,17 @@ class EvalArgs:
     """gspo eval: greedy accuracy (and pass@k) of a model on a task's evaluation rows."""
 
     model: str
-    """A model directory, a .gguf file, a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct), a built-in name (tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; the options below change them."""
+    (
+        "A model directory, a .gguf file, a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct), a built-in name "
+        "(tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest "
+        "checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; "
+        "the options below change them."
+    )
     revision: str | None = None
-    """Hub revision of --model (a branch, tag or commit hash; default: the run's, else main); for a LoRA checkpoint, of its base model."""
+    (
+        "Hub revision of --model (a branch, tag or commit hash; default: the run's, else main); "
+        "for a LoRA checkpoint, of its base model."
+    )
     k: int = 8
     """Samples per problem for pass@k at --temperature (0 = greedy accuracy only)."""
     eval_size: int | None = None
@@ -37,7 +45,10 @@ class EvalArgs:
     task_options: tuple[str, ...] | None = None
     """A reasoning_gym task's generator options, KEY=VALUE; repeat --task-option (default: the run's)."""
     answer_from: Literal["tag", "tag_only", "last_line", "last_number"] | None = None
-    """What a reasoning_gym task's verifier scores: tag, tag_only, last_line or last_number (default: the run's, else tag)."""
+    (
+        "What a reasoning_gym task's verifier scores: tag, tag_only, last_line or last_number "
+        "(default: the run's, else tag)."
+    )
     system_prompt: str | None = None
     """A system message before every prompt (default: the run's, else the task's)."""
     dataset: str | None = None

@@ -17,7 +17,7 @@ from gspo.config import SECTIONS, Loss, option_types
 
 INTRO = """usage: gspo train [--config FILE] [--resume RUN_DIR] [OPTIONS]
 
-Train a policy with GSPO (the default), GSPO-token, GRPO, PPO, CISPO, SAPO or GMPO: sample a
+Train a policy with GSPO (the default) or another registered loss (below): sample a
 group of completions per prompt, score them, turn rewards into advantages, and update with a
 clipped (or gated) objective.
 Every option is also a key of a YAML file given with --config (underscores for dashes);
@@ -55,8 +55,8 @@ def _flag(name: str, hint) -> str:
 
 def _clip_range(info) -> str:
     low, high = info.clip_low, info.clip_high
-    if info.gate:
-        return f"gate τ {Loss.sapo_tau_pos:g} / {Loss.sapo_tau_neg:g}"
+    if info.gate:  # no clip range: its own options say how it gates
+        return "gate " + ", ".join(f"--{o.replace('_', '-')} {getattr(Loss, o):g}" for o in info.options)
     if info.log_space_clip:
         return f"log-ratio clip [-{low:g}, {high:g}]"
     return f"clip [1 - {low:g}, 1 + {high:g}]"

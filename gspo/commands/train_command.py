@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import shlex
 
-from gspo.algo.losses import LOSSES
+from gspo.algo.losses import LOSSES, own_options
 from gspo.config import SECTION_OF, ConfigError, TrainConfig, options
 from gspo.train.resolve import checked, resolve
 
@@ -28,11 +28,13 @@ NOT_IN_COMMAND = ("output_dir", "progress", "threads")  # where the run wrote, h
 def applies(name: str, cfg: TrainConfig) -> bool:
     """Whether the run's algorithm reads option `name`."""
     info = LOSSES.get(cfg.loss.algorithm)
-    if SECTION_OF[name] == "ppo":  # the value model and GAE: only PPO has them (gspo.train.critic)
-        return cfg.loss.algorithm == "ppo"
-    if name in ("sapo_tau_pos", "sapo_tau_neg", "clip_low", "clip_high") and info is not None:
-        return info.gate == name.startswith("sapo_")  # a gate (SAPO) has temperatures and no clip range
-    return True
+    if info is None:
+        return True
+    if SECTION_OF[name] == "ppo":  # the value model and GAE: a loss whose advantages are a critic's (PPO)
+        return not info.group_advantages
+    if name in ("clip_low", "clip_high"):
+        return not info.gate  # a gate (SAPO) has no clip range
+    return name in info.options or name not in own_options()  # another loss's own option: not this one's
 
 
 def needed(cfg: TrainConfig) -> dict:

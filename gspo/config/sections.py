@@ -166,17 +166,16 @@ class Loss:
     """The policy loss and its update: clip ranges, aggregation, advantages, KL, the old policy."""
 
     algorithm: str = opt("gspo",
-        "Policy loss: gspo (sequence ratio, paper Eq. 5), grpo (token ratios, Eq. 2), gspo_token (Eq. 13), "
-        "ppo (token ratios with GAE advantages from a learned value model, Eq. 1), or the successors cispo "
-        "(clipped IS weights, MiniMax-M1), sapo (soft gate, Qwen) and gmpo (geometric mean, log-space clip). "
-        "Sets the preset clip range.")
+        "Policy loss, by its registered name: gspo (sequence ratio, paper Eq. 5) or another of the losses "
+        "`gspo train --help` lists with their summaries and presets (gspo.algo.losses.LOSSES). Sets the preset "
+        "clip range.")
     num_minibatches: int = opt(4,
         "Minibatches per rollout batch; the paper uses 4, so all but the first update are off-policy.", ge=1)
     epochs: int = opt(1, "Passes over the rollout batch.", ge=1)
     clip_low: float | None = opt(None,
-        "Ratio clipped below at 1 - clip_low (None: the algorithm's preset, 3e-4 for gspo, 0.2 for grpo).", ge=0)
+        "Ratio clipped below at 1 - clip_low (None: the algorithm's preset; `gspo train --help` lists them).", ge=0)
     clip_high: float | None = opt(None,
-        "Ratio clipped above at 1 + clip_high (None: the algorithm's preset, 4e-4 for gspo, 0.27 for grpo).", ge=0)
+        "Ratio clipped above at 1 + clip_high (None: the algorithm's preset; `gspo train --help` lists them).", ge=0)
     loss_agg: str = opt("seq-mean-token-mean",
         "Loss aggregation: seq-mean-token-mean (each response once, the paper's), token-mean, "
         "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO).")
@@ -285,7 +284,8 @@ class VLLM:
     vllm_max_model_len: int = opt(0,
         "vLLM: the longest prompt + completion the engine accepts (0 = the model's max_position_embeddings).", ge=0)
     vllm_sleep: bool = opt(True,
-        "vLLM on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during the update phase.", resume=True)
+        "vLLM on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during the update phase.",
+        resume=True)
 
 
 @dataclass
@@ -380,7 +380,8 @@ class RunOptions:
     samples_per_step: int = opt(4, "Completions per step written to samples.jsonl.", ge=0, resume=True)
     progress: bool = opt(True, "Show a progress bar.", resume=True)
     report_to: tuple[Literal["tensorboard", "wandb"], ...] = opt((),
-        "Also log metrics to tensorboard (run_dir/tensorboard) and/or wandb; metrics.jsonl is always written.", resume=True)
+        "Also log metrics to tensorboard (run_dir/tensorboard) and/or wandb; metrics.jsonl is always written.",
+        resume=True)
     wandb_project: str = opt("gspo",
         "Weights & Biases project (set WANDB_MODE=offline to log without a network).", resume=True)
     device: str = opt("cpu", "Device for the policy: cpu, cuda, cuda:N, or auto (cuda when available).", resume=True)

@@ -23,7 +23,6 @@ from gspo.config.checks import yaml_value
 from gspo.config.trl import did_you_mean as trl_did_you_mean
 from gspo.config.trl import is_trl, to_gspo
 from gspo.io.words import did_you_mean
-from gspo.config import TrainConfig
 
 
 def load_yaml(path: str | Path, base: TrainConfig | None = None) -> TrainConfig:

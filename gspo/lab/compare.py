@@ -58,7 +58,6 @@ from gspo.lab.report import COLLAPSE_POINTS, aggregate, write_report
 from gspo.lab.studies import Study
 from gspo.train import checkpoint as ckpt
 from gspo.train.resolve import resolve
-from gspo.config import TrainConfig
 
 PRESETS: dict[str, dict] = {
     "gspo": {"algorithm": "gspo"},

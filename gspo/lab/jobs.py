@@ -35,11 +35,10 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from gspo.config import ConfigError, options
+from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.yamlfile import load_yaml
 from gspo.train.lifecycle import check_no_writer
 from gspo.train.resolve import absolute_paths, resolve
-from gspo.config import TrainConfig
 
 MAX_AUTO_JOBS = 4  # a tiny run holds ~1 GiB; more processes than this rarely pay on a laptop
 

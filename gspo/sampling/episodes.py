@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gspo.config import TrainConfig
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams, cut_at_stop_strings, encode_prompts
 from gspo.tasks.env import EnvError, Step, observation_text, tool_schemas
-from gspo.config import TrainConfig
 
 Tensor = torch.Tensor
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo.config import TrainConfig
 from gspo.dist import distributed
 from gspo.dist.distributed import Dist
 from gspo.dist.links import LocalLink, RankEnd, RankLink, WorkerDied
@@ -65,7 +66,6 @@ from gspo.sampling.rollout import stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
 from gspo.tasks.base import for_tokenizer
 from gspo.tasks.env import episode_env
-from gspo.config import TrainConfig
 
 Tensor = torch.Tensor
 
@@ -211,7 +211,8 @@ def sampling_side(cfg: TrainConfig, device: torch.device) -> Side:
                 stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))
 
 
-def worker_main(index: int, cfg: TrainConfig, device: str, threads: int, shares: list[tuple[int, int, int | None]], end) -> None:
+def worker_main(index: int, cfg: TrainConfig, device: str, threads: int, shares: list[tuple[int, int, int | None]],
+                end) -> None:
     """A rollout worker: build the sampling side, then serve requests until told to stop.
     shares: (rank, world, destination) of each trainer process it samples for; end: its link's end."""
     end.start()  # SIGINT is the trainer's (it checkpoints, then stops us); we die with the trainer

@@ -4,9 +4,10 @@
     cols = batch.rows(idx, ps, ts)   # the per-row tensors of rows idx, cut to a trimmed micro-batch's columns
 
 `prepare` adds to a scored rollout the old policy's log-probs, the reference's and the
-advantages (by the run's estimator, gspo.algo.advantages.ESTIMATORS); the batch is read by gspo.train.trainer's `minibatch_loss`, the metrics of the step and
-samples.jsonl. `expert_load` counts, for an MoE balance loss split over micro-batches, the
-experts' load over the whole minibatch (a no-grad pass before the minibatch's updates).
+advantages (by the run's estimator, gspo.algo.advantages.ESTIMATORS); the batch is read by
+gspo.train.trainer's `minibatch_loss`, the metrics of the step and samples.jsonl. `expert_load` counts, for an
+MoE balance loss split over micro-batches, the experts' load over the whole minibatch (a no-grad pass before the
+minibatch's updates).
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class Batch:
 def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
     """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
     reference's, and the advantages (`advantages`: group-relative over the global batch, per
-    turn with --turn-advantages; or PPO's GAE over the model's tokens of an episode). run: a gspo.train.run.Run; scored: the rewards and rows. The no-grad passes run in
+    turn with --turn-advantages; or PPO's GAE over the model's tokens of an episode). run: a
+    gspo.train.run.Run; scored: the rewards and rows. The no-grad passes run in
     micro-batches of the token budget, under mixed precision when on, with FSDP's parameters
     gathered (each process runs its own number of passes)."""
     cfg, dist = run.cfg, run.dist
@@ -168,7 +170,8 @@ def expert_load(run: Run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, fl
     cfg, routing = run.cfg, run.routing
     counts = torch.zeros(routing.n_layers, routing.num_experts, dtype=torch.float64)  # (L, E)
     tokens = 0.0
-    for m in passes(batch.rollout, parts, cfg.policy.micro_batch_tokens):  # stand-ins too: FSDP's forwards are collective
+    # stand-ins too: FSDP's forwards are collective
+    for m in passes(batch.rollout, parts, cfg.policy.micro_batch_tokens):
         forced = batch.rows(m.idx, m.ps, m.ts).routing if cfg.moe.routing_replay else None
         with routing.capture(forced, keep_logits=True) as cap, run.autocast():
             run.train_model(m.rollout, temperature=cfg.sampling.temperature, packed=False)

@@ -242,8 +242,11 @@ def save_run(run: Run, step: int) -> None:
     rngs = dist.gather_objects(rng_state())  # every process's, in rank order
     pending = [p.on("cpu") for p in run.pipeline.drain()] if run.pipeline is not None else []
     state = {"step": step, "rng": rngs[dist.rank], "rng_per_rank": rngs, "world_size": dist.world,
-             "policy_version": step, "pending_per_rank": dist.gather_objects(pending),  # batches sampled, not trained
-             "eval_before": run.progress.eval_before, "evals": run.progress.evals, "wall_seconds": time.time() - run.progress.t_start}
+             "policy_version": step,
+             # batches sampled, not trained
+             "pending_per_rank": dist.gather_objects(pending),
+             "eval_before": run.progress.eval_before, "evals": run.progress.evals,
+             "wall_seconds": time.time() - run.progress.t_start}
     optimizers = {}
     for t in run.trainables:  # "optimizer"/"scheduler", and a separate critic's "critic_optimizer"/...
         optimizers[t.keys[0]] = parallel.optimizer_state(t.model, t.optimizer, dist)
@@ -287,11 +290,15 @@ def restore_run(run: Run) -> None:
         run.scaler.load_state_dict(state["scaler"])
     per_rank = state.get("rng_per_rank") or [state["rng"]]
     set_rng_state(per_rank[dist.rank] if len(per_rank) == dist.world else state["rng"])
-    run.progress.start_step, run.progress.eval_before, run.progress.evals = state["step"], state["eval_before"], state.get("evals", [])
+    run.progress.start_step, run.progress.eval_before, run.progress.evals = (
+        state["step"], state["eval_before"], state.get("evals", [])
+    )
     pending = state.get("pending_per_rank") or [[]]
     run.progress.pending = [p.on(dist.device) for p in pending[dist.rank]] if len(pending) == dist.world else []
-    run.progress.pending_dropped = 0 if len(pending) == dist.world else sum(map(len, pending))  # another process count
-    done = is_complete(run.run_dir, run.progress.start_step)  # the final evaluation ran after this checkpoint was written
+    # another process count
+    run.progress.pending_dropped = 0 if len(pending) == dist.world else sum(map(len, pending))
+    # the final evaluation ran after this checkpoint was written
+    done = is_complete(run.run_dir, run.progress.start_step)
     if done is not None and done.get("steps") == run.progress.start_step:
         run.progress.evals = [e for e in done.get("evals", []) if e["step"] <= run.progress.start_step]
     run.progress.steps_done = run.progress.start_step

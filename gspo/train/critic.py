@@ -60,7 +60,8 @@ def make_critic(cfg: TrainConfig, policy, resume_from: Path | None, device: torc
         return SeparateCritic(critic, cfg)
     if cfg.ppo.critic == "separate":
         src = resume_from / "critic" if resume_from is not None else cfg.policy.model
-        critic = Critic.from_pretrained(src, dtype=DTYPES[cfg.policy.param_dtype], device=device, revision=cfg.policy.revision,
+        critic = Critic.from_pretrained(src, dtype=DTYPES[cfg.policy.param_dtype], device=device,
+                                        revision=cfg.policy.revision,
                                         head_from=resume_from / "critic" if resume_from else None)
         disable_dropout(critic)
         return SeparateCritic(critic, cfg)

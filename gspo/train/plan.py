@@ -16,6 +16,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 
 | key | value |
 | --- | --- |
+| `objective` | `{"loss", "summary", "clip", "options", "advantages", "advantages_summary"}`: the registered loss (gspo.algo.losses.LOSSES) with its clip range (`[low, high]`; None for a gate) and its own options' values, and the advantage estimator (gspo.algo.advantages.ESTIMATORS) |
 | `model` | `{"name", "gguf", "path"}`: the policy as named; for a .gguf file what its conversion records (gspo.models.gguf: source, architecture, quantization, parameters) and the converted directory |
 | `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
@@ -45,7 +46,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 
 Left out: facts decided during the run (the compact decode step's first-step check can still
 fall back to Hugging Face's forward; that is said in its own warning when it happens).
-"""
+"""  # noqa: E501 (the keys table above: a row is as long as its key needs)
 
 from __future__ import annotations
 
@@ -54,12 +55,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gspo.algo.advantages import ESTIMATORS
+from gspo.algo.losses import LOSSES
+from gspo.config import TrainConfig
 from gspo.dist import distributed
 from gspo.io.words import plural
 from gspo.models import gguf as gguf_models
 from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.sampling import fastdecode
 from gspo.sampling.rollout import PolicySampler
+from gspo.train.critic import estimator_name
 
 if TYPE_CHECKING:
     from gspo.train.run import Run
@@ -93,6 +98,7 @@ def plan(run: Run) -> dict:
         warnings.append("old_logp: sampling, but multi-turn episodes record no experts while sampling: Routing "
                         "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
     return {
+        "objective": _objective(cfg),
         "model": _model(run),
         "engine": engine,
         "rollouts": {"max_staleness": cfg.async_rl.max_staleness, "workers": workers, "devices": devices,
@@ -124,6 +130,15 @@ def plan(run: Run) -> dict:
     }
 
 
+def _objective(cfg: TrainConfig) -> dict:
+    """The loss and the advantage estimator, as their registrations describe them."""
+    info, estimator = LOSSES[cfg.loss.algorithm], ESTIMATORS[estimator_name(cfg)]
+    return {"loss": info.name, "summary": info.summary,
+            "clip": None if info.gate else [cfg.loss.clip_low, cfg.loss.clip_high],
+            "options": {o: getattr(cfg, o) for o in info.options},
+            "advantages": estimator.name, "advantages_summary": estimator.summary}
+
+
 def describe(p: dict, warnings: bool = True) -> str:
     """The plan in a few lines (what `gspo train` prints once at the start; `warnings=False`
     leaves out the warnings, which the trainer says on stderr)."""
@@ -144,15 +159,20 @@ def describe(p: dict, warnings: bool = True) -> str:
             else "LoRA off (all weights train)")
     moe = ("MoE, Routing Replay " + ("on" if p["routing_replay"] else "off")) if p["moe"] else "dense"
     env = f"env {p['env']} (up to {p['max_turns']} turns)" if p["env"] else "single-turn"
+    o = p["objective"]
+    clip = f"clip [1 - {o['clip'][0]:g}, 1 + {o['clip'][1]:g}]" if o["clip"] else \
+        ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in o["options"].items())
     lines = [
         f"plan: engine {p['engine']}, {layout}; weights {p['weights_dtype']}, {compute}; sampler: {p['sampler']}",
+        f"  objective: {o['loss']} ({clip}); advantages: {o['advantages']} ({o['advantages_summary']})",
         f"  decode: {decode}; pi_old ({p['old_logp']}): {old[p['old_logp']]}",
         f"  packing: {packing}; micro-batches: {micro}; LM head: {head}"
         + ("; gradient checkpointing" if p["gradient_checkpointing"] else ""),
         f"  {lora}; {moe}; {env}",
     ]
     if (m := p.get("model") or {}).get("gguf"):
-        lines.insert(1, f"  model: {m['gguf']['source']} ({gguf_models.describe(m['gguf'])}; converted copy {m['path']})")
+        lines.insert(1, f"  model: {m['gguf']['source']} ({gguf_models.describe(m['gguf'])}; "
+                        f"converted copy {m['path']})")
     r = p["rollouts"]
     if r["max_staleness"] or r["workers"]:
         by = {"ranks": f"the torchrun world's last {r['workers']} rank(s)",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo.algo.aggregation import AGG_MODES
-from gspo.algo.losses import LOSSES
+from gspo.algo.losses import LOSSES, own_options
 from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, bounds_error, options
 from gspo.config.checks import check_value
 from gspo.io.words import plural
@@ -163,12 +163,15 @@ def unused(cfg: TrainConfig, facts: Facts) -> list[tuple[str, str]]:
     leave without effect; gspo.train.run refuses those the user gave (`given`)."""
     alg, info, c = cfg.loss.algorithm, LOSSES[cfg.loss.algorithm], cfg.corrections
     table = [  # (the options cannot act, which, why)
-        (alg != "ppo", PPO_OPTIONS, f"sets PPO's value model; --algorithm {alg} has none"),
-        (alg == "ppo", ("adv_scale",), "PPO's advantages are GAE's over its value model, not a group's"),
-        (alg == "ppo" and cfg.ppo.critic == "separate", ("vf_coef",),
+        (info.group_advantages, PPO_OPTIONS, f"sets PPO's value model; --algorithm {alg} has none"),
+        (not info.group_advantages, ("adv_scale",),
+         f"{info.display}'s advantages are GAE's over its value model, not a group's"),
+        (not info.group_advantages and cfg.ppo.critic == "separate", ("vf_coef",),
          "weighs the value loss of --critic shared; --critic separate has its own optimizer"),
-        (info.gate, ("clip_low", "clip_high"), f"--algorithm {alg} gates instead of clipping (--sapo-tau-pos/-neg)"),
-        (not info.gate, ("sapo_tau_pos", "sapo_tau_neg"), f"is SAPO's gate temperature; --algorithm {alg} has none"),
+        (info.gate, ("clip_low", "clip_high"), f"--algorithm {alg} gates instead of clipping"
+         f"{' (' + ', '.join('--' + o.replace('_', '-') for o in info.options) + ')' if info.options else ''}"),
+        *((True, (option,), f"is {LOSSES[owner].display}'s option (--algorithm {owner}); --algorithm {alg} has none")
+          for option, owner in own_options().items() if option not in info.options),
         (cfg.lora.lora_r == 0, ("lora_alpha", "lora_dropout", "lora_target_modules"),
          "shapes LoRA adapters, and --lora-r is 0 (all weights train): give --lora-r N"),
         (c.rollout_is == "off", ("rollout_is_mode", "rollout_is_low", "rollout_is_high"),
@@ -181,13 +184,16 @@ def unused(cfg: TrainConfig, facts: Facts) -> list[tuple[str, str]]:
         ("wandb" not in cfg.run.report_to, ("wandb_project",), "applies with --report-to wandb"),
         (cfg.eval.eval_size == 0, ("eval_every",), "--eval-size is 0: nothing is evaluated"),
         (not facts.dataset, ("dataset_config", "dataset_split", "eval_dataset", "eval_split", "prompt_column",
-                             "answer_column"), f"applies to a --dataset; the built-in task {cfg.data.task} brings its own rows"),
-        (facts.dataset or not is_gym(cfg.data.task), ("task_options", "answer_from"), "applies to a reasoning_gym:NAME task"),
+                             "answer_column"),
+         f"applies to a --dataset; the built-in task {cfg.data.task} brings its own rows"),
+        (facts.dataset or not is_gym(cfg.data.task), ("task_options", "answer_from"),
+         "applies to a reasoning_gym:NAME task"),
         (not facts.env, ("turn_advantages", "max_episode_tokens"),
          "applies to multi-turn episodes, and this run's are single-turn (no --env)"),
         (not facts.reward_model, ("reward_model_device", "reward_model_batch_size"),
          "applies to learned reward models, and no --reward is one"),
-        (facts.local_model, ("revision",), f"picks a Hugging Face Hub revision, and --model {cfg.policy.model} is local"),
+        (facts.local_model, ("revision",),
+         f"picks a Hugging Face Hub revision, and --model {cfg.policy.model} is local"),
     ]
     return [(name, why) for idle, names, why in table if idle for name in names]
 
@@ -213,7 +219,9 @@ def flag(name: str, value) -> str:
     f = "--" + name.replace("_", "-")
     if isinstance(value, bool):
         return f if value else "--no-" + f[2:]
-    shown = " ".join(map(str, value)) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else value
+    shown = (
+        " ".join(map(str, value)) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else value
+    )
     return f"{f} {shown}"
 
 
@@ -300,11 +308,14 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
         return absolute(r) if not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
 
     rewards = tuple(reward(r) for r in cfg.rewards.reward)
-    out = str(Path(cfg.run.output_dir).expanduser().absolute()) if cfg.run.output_dir not in (None, "-") else cfg.run.output_dir
+    out = (
+        str(Path(cfg.run.output_dir).expanduser().absolute()) if cfg.run.output_dir not in (None, "-")
+        else cfg.run.output_dir
+    )
     model = cfg.policy.model if cfg.policy.model in BUILTIN_MODELS else absolute(cfg.policy.model)
     return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.data.dataset),
                                eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards, output_dir=out)
 
 
-__all__ = ["DERIVED", "Facts", "absolute_paths", "checked", "corrects_mismatch", "flag", "given", "resolve", "resume_config",
-           "unused", "validate"]
+__all__ = ["DERIVED", "Facts", "absolute_paths", "checked", "corrects_mismatch", "flag", "given", "resolve",
+           "resume_config", "unused", "validate"]

@@ -100,7 +100,8 @@ class Run:
     max_turns: int = 1  # model turns per episode at most
     threads: str = ""  # why torch has the CPU threads it has (gspo.dist.threads.choose_threads)
     progress: Progress = field(default_factory=Progress)
-    pipeline: Pipeline | None = None  # where each step's batch comes from (gspo.sampling.pipeline), once the loop starts
+    # where each step's batch comes from (gspo.sampling.pipeline), once the loop starts
+    pipeline: Pipeline | None = None
 
     def autocast(self):
         """Mixed precision: forwards compute in --dtype over float32 master weights."""
@@ -144,7 +145,8 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     if resume is not None:
         cfg, resume_from, changed = _resume_target(Path(resume).absolute(), cfg)
         restart = resume_from is None
-    default_length = resume is None and cfg.sampling.max_new_tokens is None  # the task's default: may be capped to the model
+    # the task's default: may be capped to the model
+    default_length = resume is None and cfg.sampling.max_new_tokens is None
     cfg, dist, threads = _start(cfg, fresh=resume is None)
     inputs = inputs or Inputs()
     _check_workers(cfg, inputs, dist)
@@ -162,7 +164,8 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
         enable_checkpointing(unwrap(policy))
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
               tokenizer=tokenizer, reference=reference, resume_from=resume_from, progress=Progress(restart=restart),
-              notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env, max_turns=max_turns,
+              notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env,
+              max_turns=max_turns,
               stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
     _training_side(run, inputs)
     return run
@@ -204,7 +207,8 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist, str]:
 def check_processes(parallel: str) -> None:
     """--parallel replicates or shards over the processes torchrun starts: refused in one process."""
     if distributed.world_size_from_env() == 1:
-        raise ConfigError(f"--parallel {parallel}: needs several processes started by torchrun (torchrun --nproc-per-node "
+        raise ConfigError(f"--parallel {parallel}: needs several processes started by torchrun "
+                          "(torchrun --nproc-per-node "
                           f"N -m gspo train --parallel {parallel} ...); this is one process")
 
 
@@ -239,7 +243,8 @@ def _check_unused(cfg: TrainConfig, inputs: Inputs, task, only=None) -> list[str
         if name not in DERIVED:
             raise ConfigError(f"{flag(name, getattr(cfg, name))}: {why}")
     notes = [f"{flag(name, getattr(cfg, name))}: not used: {why}" for name, why in idle]
-    vllm = [flag(n, getattr(cfg, n)) for n in mine if n.startswith("vllm_")] if cfg.sampling.rollout_engine != "vllm" else []
+    vllm = ([flag(n, getattr(cfg, n)) for n in mine if n.startswith("vllm_")]
+            if cfg.sampling.rollout_engine != "vllm" else [])
     notes += [f"{', '.join(vllm)}: not used: they set the vLLM engine, and this run samples with --rollout-engine "
               f"{cfg.sampling.rollout_engine}"] if vllm else []
     if "task" in mine and facts.dataset:
@@ -254,8 +259,10 @@ def _check_workers(cfg: TrainConfig, inputs: Inputs, dist: Dist) -> None:
             if getattr(inputs, name) is not None and not (name == "model" and inputs.model_object is None)]
     count, n = len(cfg.async_rl.rollout_devices), cfg.async_rl.rollout_workers
     if count and count not in (n, n * dist.world):
-        each = "" if dist.world == 1 else f" (the same for every process) or {n * dist.world} (the {n} of each of the " \
+        each = "" if dist.world == 1 else (
+            f" (the same for every process) or {n * dist.world} (the {n} of each of the "
             f"{plural(dist.world, 'process', 'processes')}, in rank order)"
+        )
         raise ConfigError(f"rollout_devices: needs {plural(n, 'device')}, one per rollout worker{each} (got {count})")
     if cfg.async_rl.rollout_workers and held:
         raise ConfigError(f"rollout_workers: the workers build the model, data, rewards and environment from names and "
@@ -273,9 +280,11 @@ def _training_side(run: Run, inputs: Inputs) -> None:
         if cfg.async_rl.rollout_workers else cfg
     run.sampler, run.routing = sampler_and_routing(own, policy, dist, inputs)
     run.critic = make_critic(cfg, policy, run.resume_from, dist.device, from_object=inputs.model_object is not None)
-    mixed = DTYPES[cfg.policy.dtype] if cfg.policy.param_dtype != cfg.policy.dtype else None  # FSDP gathers parameters in it
+    # FSDP gathers parameters in it
+    mixed = DTYPES[cfg.policy.dtype] if cfg.policy.param_dtype != cfg.policy.dtype else None
     if isinstance(run.sampler, PolicySampler) and dist.enabled and dist.parallel == "fsdp":  # read before sharding
-        run.notes.append(fsdp_sampling_note(policy, DTYPES[cfg.policy.dtype], cfg.data.max_prompt_length + cfg.sampling.max_new_tokens))
+        run.notes.append(fsdp_sampling_note(policy, DTYPES[cfg.policy.dtype],
+                                            cfg.data.max_prompt_length + cfg.sampling.max_new_tokens))
     run.packed = _packing(cfg, policy, run.routing, run.notes)  # before sharding: an FSDP model has DTensor weights
     # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
     run.train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=run.routing.moe, mixed=mixed)
@@ -298,7 +307,8 @@ def _packing(cfg: TrainConfig, policy, routing: Routing | NoRouting, notes: list
                      "micro-batches are padded")
         return False
     if not supports_packing(policy):
-        notes.append(f"--packing: off for {cfg.policy.model} (a packed forward does not give the padded forward's hidden "
+        notes.append(f"--packing: off for {cfg.policy.model} "
+                     "(a packed forward does not give the padded forward's hidden "
                      "states, or the model has no plain linear LM head); micro-batches are padded")
         return False
     return True
@@ -306,9 +316,12 @@ def _packing(cfg: TrainConfig, policy, routing: Routing | NoRouting, notes: list
 
 def _check_chat_template(cfg: TrainConfig, task, tokenizer) -> None:
     """Chat prompts (or --system-prompt) need the tokenizer's chat template: one line if it has none."""
-    if any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.run.seed)) and not tokenizer.chat_template:
-        why = "--system-prompt makes prompts chat messages" if cfg.data.system_prompt is not None else "prompts are chat messages"
-        raise DataError(f"{cfg.data.dataset or 'task ' + cfg.data.task}: {why} but the tokenizer of {cfg.policy.model} has no chat template")
+    if (any(ex.is_chat for ex in task.test_set()[:1] + task.train_batch(1, 1, cfg.run.seed))
+            and not tokenizer.chat_template):
+        why = ("--system-prompt makes prompts chat messages" if cfg.data.system_prompt is not None
+               else "prompts are chat messages")
+        raise DataError(f"{cfg.data.dataset or 'task ' + cfg.data.task}: {why} "
+                        f"but the tokenizer of {cfg.policy.model} has no chat template")
 
 
 def _resume_target(run_dir: Path, changed: TrainConfig | None) -> tuple[TrainConfig, Path | None, set[str]]:
@@ -334,14 +347,17 @@ def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: b
     --max-episode-tokens is an error). Checked on the first FIT_SAMPLE training and evaluation
     prompts. Returns the config and the warnings."""
     notes, sample = [], FIT_SAMPLE
-    examples = task.train_batch(1, min(sample, cfg.sampling.prompts_per_step * 8), cfg.run.seed) + task.test_set()[:sample]
+    examples = (
+        task.train_batch(1, min(sample, cfg.sampling.prompts_per_step * 8), cfg.run.seed) + task.test_set()[:sample]
+    )
     tools = tool_schemas(list(getattr(env, "tools", None) or []))
     lengths = [len(ids) for ids in encode_prompts(tokenizer, [ex.prompt for ex in examples], tools=tools)]
     longest = max(lengths)
     if cfg.data.max_prompt_length and longest > cfg.data.max_prompt_length:
         cut = sum(n > cfg.data.max_prompt_length for n in lengths)
         one = cut == 1
-        notes.append(f"max_prompt_length: {cut} of the {plural(len(lengths), 'prompt')} checked {'is' if one else 'are'} "
+        notes.append(f"max_prompt_length: {cut} of the {plural(len(lengths), 'prompt')} "
+                     f"checked {'is' if one else 'are'} "
                      f"longer than {plural(cfg.data.max_prompt_length, 'token')} (up to {longest}); "
                      f"{'it keeps its' if one else 'they keep their'} last {cfg.data.max_prompt_length}")
         longest = cfg.data.max_prompt_length
@@ -352,13 +368,16 @@ def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: b
                               f"{plural(cfg.sampling.max_new_tokens, 'new token')} "
                               f"exceed the model's max_position_embeddings ({limit}); lower --max-new-tokens or set "
                               "--max-prompt-length")
-        whose = f"the default for a dataset ({cfg.data.dataset})" if cfg.data.dataset else f"task {cfg.data.task}'s default"
+        whose = (
+            f"the default for a dataset ({cfg.data.dataset})" if cfg.data.dataset else f"task {cfg.data.task}'s default"
+        )
         notes.append(f"max_new_tokens: {whose}, {cfg.sampling.max_new_tokens}, capped to {limit - longest}, so that "
                      f"prompts of up to {plural(longest, 'token')} fit the model's {limit} positions")
         cfg = dataclasses.replace(cfg, max_new_tokens=limit - longest)
     if env is not None and limit:
         if longest + cfg.episodes.max_episode_tokens > limit:
-            raise ConfigError(f"max_episode_tokens: prompts of up to {plural(longest, 'token')} + {cfg.episodes.max_episode_tokens} "
+            raise ConfigError(f"max_episode_tokens: prompts of up to {plural(longest, 'token')} "
+                              f"+ {cfg.episodes.max_episode_tokens} "
                               f"exceed the model's max_position_embeddings ({limit})")
         cfg = dataclasses.replace(cfg, max_episode_tokens=cfg.episodes.max_episode_tokens or limit - longest)
     return cfg, notes
@@ -372,6 +391,6 @@ def _reference(cfg: TrainConfig, inputs: Inputs, device: torch.device):
     if inputs.model_object is not None:
         reference = copy.deepcopy(inputs.model_object).to(device=device, dtype=DTYPES[cfg.policy.dtype])
     else:
-        reference, _ = load_policy(cfg.policy.model, dtype=DTYPES[cfg.policy.dtype], device=device, revision=cfg.policy.revision,
-                                   with_tokenizer=False)
+        reference, _ = load_policy(cfg.policy.model, dtype=DTYPES[cfg.policy.dtype], device=device,
+                                   revision=cfg.policy.revision, with_tokenizer=False)
     return reference.eval().requires_grad_(False)

@@ -140,14 +140,16 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
         ckpt.restore_run(run)
         log(f"resuming {run.run_dir} from step {run.progress.start_step}")
         if run.progress.pending_dropped and main:
-            warn(f"--resume: the checkpoint's {run.progress.pending_dropped} sampled batches were split over another number of "
+            warn(f"--resume: the checkpoint's {run.progress.pending_dropped} sampled batches "
+                 "were split over another number of "
                  "processes; they are sampled again from its weights (less stale, within --max-staleness)")
     else:
         if main:
             ckpt.start_run(run)  # config.yaml; a restart (killed before its first checkpoint) drops its logs
         run.progress.eval_before = run_eval(run, log, "eval before")  # its progress logged off a terminal
         run.progress.evals = [{"step": 0, **run.progress.eval_before}]
-    run.pipeline = make_pipeline(run, run.progress.pending)  # rollout workers start here (the weights are the restored ones)
+    # rollout workers start here (the weights are the restored ones)
+    run.pipeline = make_pipeline(run, run.progress.pending)
     reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.progress.start_step,
                         wandb_project=cfg.run.wandb_project) if main else None
     bar = Progress(cfg, run.progress.start_step, log) if main else None
@@ -165,7 +167,8 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
                 run.progress.evals.append({"step": step, **ev})
             if main:
                 reporter.log(metrics)
-                append_jsonl(run.run_dir / "samples.jsonl", samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
+                append_jsonl(run.run_dir / "samples.jsonl",
+                             samples_rows(step, batch, cfg.run.samples_per_step, run.tokenizer))
             saved = (cfg.run.save_every and step % cfg.run.save_every == 0) or step == cfg.run.steps
             if saved:
                 ckpt.save_run(run, step)
