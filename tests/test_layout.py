@@ -163,3 +163,32 @@ def test_the_checker_sees_a_circle_an_arrow_up_and_a_function_level_import(tmp_p
             raise AssertionError("the arrow back up was not found")
     finally:
         module_imports.cache_clear()
+
+
+def test_an_annotation_import_is_no_circle_but_still_an_arrow(tmp_path, monkeypatch):
+    # `if TYPE_CHECKING:` imports never run: gspo.train.a <-> gspo.train.b through one is no
+    # circle at run time; from a lower room to a higher one it is still an arrow up
+    pkg = tmp_path / "gspo"
+    for room in ("io", "train"):
+        (pkg / room).mkdir(parents=True)
+        (pkg / room / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train" / "a.py").write_text("from gspo.train.b import f\n")
+    (pkg / "train" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                        "    from gspo.train.a import A\ndef f(): pass\n")
+    (pkg / "io" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                     "    from gspo.train.a import A\n")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    module_imports.cache_clear()
+    try:
+        assert module_imports()["gspo.train.b"] == {"gspo.train.a"}
+        assert module_imports(runtime=True)["gspo.train.b"] == set()
+        test_no_import_circle_between_modules()  # no circle at run time
+        try:
+            test_every_room_imports_only_rooms_below_it()
+        except AssertionError as e:
+            assert "gspo.io -> gspo.train" in str(e)
+        else:
+            raise AssertionError("the annotation's arrow back up was not found")
+    finally:
+        module_imports.cache_clear()

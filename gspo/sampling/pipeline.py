@@ -53,6 +53,7 @@ import gc
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -62,10 +63,15 @@ from gspo.dist.distributed import Dist
 from gspo.dist.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.models.loading import DTYPES, cast_parameters, disable_dropout, resolve_device
 from gspo.sampling.produce import Produced, produce
-from gspo.sampling.rollout import stop_token_ids
+from gspo.sampling.rollout import Sampler, stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
-from gspo.tasks.base import for_tokenizer
+from gspo.tasks.base import Task, for_tokenizer
 from gspo.tasks.env import episode_env
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo.rewards.builtin import Reward
 
 Tensor = torch.Tensor
 
@@ -173,16 +179,16 @@ class Share(Dist):
 class Side:
     """What sampling and scoring a batch reads (the attributes gspo.sampling.produce takes from a Run)."""
 
-    cfg: object
+    cfg: TrainConfig
     dist: Dist
-    task: object
-    tokenizer: object
-    policy: object
-    sampler: object
-    rewards: list
-    env: type | None
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    policy: torch.nn.Module
+    sampler: Sampler
+    rewards: list[Reward]
+    env: type | None  # multi-turn: the environment class (gspo.tasks.env)
     max_turns: int
-    stop_ids: tuple
+    stop_ids: tuple[int, ...]
 
 
 def sampling_side(cfg: TrainConfig, device: torch.device) -> Side:
