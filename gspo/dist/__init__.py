@@ -1,0 +1,5 @@
+"""Processes: the torchrun world (Dist), DDP and FSDP2 wrapping and gathers, the transports between a
+trainer and its rollout workers (pipes and a spool, or gloo ranks), and CPU threads.
+
+May import: gspo.models, gspo.io.
+"""
