@@ -72,7 +72,7 @@ def make_critic(cfg: TrainConfig, policy, resume_from: Path | None, device: torc
 
 
 class NoCritic:
-    """No value model (GRPO, GSPO, ...): group-relative advantages; nothing to train, save or log."""
+    """No value model (GRPO, GSPO, ...: their estimators read no values); nothing to train, save or log."""
 
     needs_hidden = False  # the update's forward returns the policy's hidden states for it
 
@@ -107,7 +107,7 @@ class NoCritic:
 
 
 class _ValueCritic(NoCritic):
-    """What both value models share: GAE advantages over their values, the clipped value loss."""
+    """What both value models share: the values GAE reads (`old_values`), the clipped value loss."""
 
     def __init__(self, cfg: TrainConfig):
         self.clip_range, self.vf_coef = cfg.ppo.value_clip, cfg.ppo.vf_coef
