@@ -99,3 +99,33 @@ def test_train_logs_its_evaluations_before_and_after_once(tmp_path):
     lines = r.stdout.splitlines()
     assert [line.split("  ")[0] for line in lines if line.startswith(("eval ", "step "))] == \
         ["eval before 8/8 problems (100%)", "step 1/2 (50%)", "step 2/2 (100%)", "eval after 8/8 problems (100%)"]
+
+
+@pytest.mark.slow
+def test_on_a_terminal_gspo_train_shows_a_bar_named_by_its_algorithm(tmp_path):
+    # stderr a terminal (a pseudo-terminal here): a tqdm bar titled "gspo train (ALGORITHM)" that
+    # reaches the run's steps, and no per-10% log lines
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    main_fd, sub_fd = pty.openpty()
+    fcntl.ioctl(sub_fd, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 x 100: a bar has room
+    p = subprocess.Popen([sys.executable, "-m", "gspo", "train", *TINY, "--steps", "2", "--algorithm", "grpo",
+                          "--output-dir", str(tmp_path / "run")], stdout=subprocess.DEVNULL, stderr=sub_fd,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(sub_fd)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 4096)
+        except OSError:  # the child closed the terminal: it ended
+            break
+        if not chunk:
+            break
+        out += chunk
+    assert p.wait(timeout=300) == 0, out[-2000:]
+    text = out.decode(errors="replace")
+    assert "gspo train (grpo)" in text and "2/2" in text, text[-2000:]
+    assert "step 1/2 (50%)" not in text  # the log lines are for pipes

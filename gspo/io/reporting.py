@@ -9,7 +9,7 @@ logs to project `wandb_project` under the run directory's name; offline mode
 (`WANDB_MODE=offline`) needs no network and no account. On resume, TensorBoard purges the
 steps after the checkpoint and W&B continues the same run id (stored in `run_dir/wandb_id`),
 so neither shows a step twice. Also here: samples.jsonl's rows (`samples_rows`) and the
-progress of a run (`Progress`: a bar on a terminal, else a line per 10% of the steps;
+progress of a run (`ProgressBar`: a bar on a terminal, else a line per 10% of the steps;
 `progress_as_lines` for lines even on a terminal).
 """
 
@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from gspo.io import files
@@ -149,19 +150,21 @@ def bar_wanted() -> bool:
     return sys.stderr.isatty() and not _LINES.get()
 
 
-class Progress:
+class ProgressBar:
     """A tqdm bar on a terminal; otherwise (or within progress_as_lines) a log line every ~10% of the run:
     `step 8/80 (10%)  reward 0.410  clip/frac 0.33  eval 0.452  12 s` (eval: the latest held-out
     accuracy, with its step when it is not this one; s: since the first step)."""
 
-    def __init__(self, cfg, start: int, log):
-        self.enabled, self.total, self.log = cfg.run.progress, cfg.run.steps, log
+    def __init__(self, enabled: bool, total: int, start: int, log: Callable[[str], None], title: str = "gspo train"):
+        """enabled: --progress; total: the run's steps; start: the step it starts after; log: where
+        a line goes off a terminal; title: the bar's ("gspo train (gspo)")."""
+        self.enabled, self.total, self.log = enabled, total, log
         self.bar, self.eval, self.t0 = None, None, time.time()
-        self.every = max(1, cfg.run.steps // 10)
+        self.every = max(1, total // 10)
         if self.enabled and bar_wanted():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=cfg.run.steps, initial=start, desc=f"gspo train ({cfg.loss.algorithm})", unit="step",
+            self.bar = tqdm(total=total, initial=start, desc=title, unit="step",
                             dynamic_ncols=True)
 
     def update(self, m: dict) -> None:

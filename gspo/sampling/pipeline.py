@@ -53,7 +53,8 @@ import gc
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -62,7 +63,7 @@ from gspo.dist import distributed
 from gspo.dist.distributed import Dist
 from gspo.dist.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.models.loading import DTYPES, cast_parameters, disable_dropout, resolve_device
-from gspo.sampling.produce import Produced, produce
+from gspo.sampling.produce import Produced, SamplingSide, produce
 from gspo.sampling.rollout import Sampler, stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
 from gspo.tasks.base import Task, for_tokenizer
@@ -76,7 +77,14 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-def make_pipeline(run, pending=()) -> Pipeline:
+class PipelineOwner(SamplingSide, Protocol):
+    """What a pipeline reads of its run (gspo.train.run.Run): the sampling side, and where the run
+    writes (a worker's death says how to resume it)."""
+
+    run_dir: Path
+
+
+def make_pipeline(run: PipelineOwner, pending: list[Produced] = ()) -> Pipeline:
     """The run's source of batches: its own process (--rollout-workers 0) or rollout workers."""
     if run.cfg.async_rl.rollout_workers == 0:
         return Pipeline(run, pending)
@@ -87,7 +95,7 @@ class Pipeline:
     """Batches for the steps of a run (gspo.train.run.Run), sampled in the trainer's process with a
     fixed lag of --max-staleness versions. pending: sampled batches a checkpoint saved."""
 
-    def __init__(self, run, pending: list[Produced] = ()):
+    def __init__(self, run: PipelineOwner, pending: list[Produced] = ()):
         self.run, self.lag = run, run.cfg.async_rl.max_staleness
         self.pending: dict[int, Produced] = {p.step: p for p in pending}
         self.requested = max(self.pending, default=0)  # the newest batch asked for
@@ -279,7 +287,7 @@ def serve_rank(cfg_workers: int, device: str) -> dict:
 class WorkerPipeline(Pipeline):
     """Batches sampled by --rollout-workers processes, each batch by weights at most K versions old."""
 
-    def __init__(self, run, pending=()):
+    def __init__(self, run: PipelineOwner, pending: list[Produced] = ()):
         super().__init__(run, pending)
         cfg, dist = run.cfg, run.dist
         n, threads = cfg.async_rl.rollout_workers, torch.get_num_threads()

@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -30,7 +31,31 @@ from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec, run_episodes
 from gspo.sampling.rollout import cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.tasks.scoring import Scored
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from gspo.config import TrainConfig
+    from gspo.dist.distributed import Dist
+    from gspo.sampling.rollout import Sampler
+    from gspo.tasks.base import Task
+
 Tensor = torch.Tensor
+
+
+class SamplingSide(Protocol):
+    """What sampling and scoring a batch read: a gspo.train.run.Run has it all, and so does a
+    rollout worker's gspo.sampling.pipeline.Side."""
+
+    cfg: TrainConfig
+    dist: Dist
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    policy: torch.nn.Module
+    sampler: Sampler
+    rewards: list[Reward]
+    env: type | None  # multi-turn: the environment class (gspo.tasks.env)
+    max_turns: int
+    stop_ids: tuple[int, ...]
 
 
 @dataclass
@@ -59,7 +84,7 @@ def step_generator(seed: int, step: int, purpose: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
-def produce(side, step: int, version: int) -> Produced:
+def produce(side: SamplingSide, step: int, version: int) -> Produced:
     """Batch `step`, sampled with the weights `side` holds now (policy version `version`), scored."""
     cfg = side.cfg
     t0 = time.perf_counter()
@@ -71,7 +96,7 @@ def produce(side, step: int, version: int) -> Produced:
     return Produced(step, version, ro, scored, versions, groups, time.perf_counter() - t0)
 
 
-def _round(side, step: int, r: int) -> tuple[Rollout, Scored]:
+def _round(side: SamplingSide, step: int, r: int) -> tuple[Rollout, Scored]:
     """Sampling round `r` of batch `step`: round 0 is the step's prompts; later rounds (refills
     for uniform groups) draw fresh ones, and fresh uniforms."""
     cfg, dist = side.cfg, side.dist
@@ -85,7 +110,7 @@ def _round(side, step: int, r: int) -> tuple[Rollout, Scored]:
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
 
-def rollout(run, examples: list, step: int,
+def rollout(run: SamplingSide, examples: list, step: int,
             purpose: str = "") -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
     """Sample cfg.sampling.group_size completions per example with the run's sampler, from the current
     policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
@@ -145,7 +170,7 @@ def uniform_groups(rewards: Tensor, group_size: int) -> Tensor:
     return g.amax(1) == g.amin(1)
 
 
-def _drop_uniform(side, step: int, ro: Rollout, scored: Scored) -> tuple[Rollout, Scored, dict]:
+def _drop_uniform(side: SamplingSide, step: int, ro: Rollout, scored: Scored) -> tuple[Rollout, Scored, dict]:
     """Replace uniform groups by groups with signal from further rounds; mask out what remains.
     Every process runs as many rounds (sampling may be collective: FSDP gathers)."""
     cfg, dist, G = side.cfg, side.dist, side.cfg.sampling.group_size

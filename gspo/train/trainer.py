@@ -46,7 +46,7 @@ from gspo.config.yamlfile import load_yaml
 from gspo.dist import distributed, parallel
 from gspo.dist.threads import restored
 from gspo.io.files import append_jsonl, atomic_write_text, json_clean
-from gspo.io.reporting import Progress, Reporter, samples_rows, warn
+from gspo.io.reporting import ProgressBar, Reporter, samples_rows, warn
 from gspo.io.words import plural
 from gspo.models.logprobs import MicroBatch, Split, passes
 from gspo.rewards.builtin import TrainerState
@@ -152,7 +152,8 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
     run.pipeline = make_pipeline(run, run.progress.pending)
     reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.progress.start_step,
                         wandb_project=cfg.run.wandb_project) if main else None
-    bar = Progress(cfg, run.progress.start_step, log) if main else None
+    bar = ProgressBar(cfg.run.progress, cfg.run.steps, run.progress.start_step, log,
+                      f"gspo train ({cfg.loss.algorithm})") if main else None
     try:
         for step in range(run.progress.start_step + 1, cfg.run.steps + 1):
             metrics, batch = train_step(run, step)
