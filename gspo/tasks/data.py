@@ -9,14 +9,12 @@ Formats, chosen by the path:
 
 | path | read with |
 | --- | --- |
-| `ORG/NAME`, a Hub dataset id (not a local path) | `datasets.load_dataset(id, config)` (gspo.io.hub;
-  `--dataset-config`, `--dataset-split`, `--eval-split`) |
+| `ORG/NAME`, a Hub dataset id (not a local path) | `datasets.load_dataset(id, config)` (gspo.io.hub; `--dataset-config`, `--dataset-split`, `--eval-split`) |
 | `*.jsonl`, `*.ndjson` | one JSON object per line |
 | `*.json` | a JSON list of objects |
 | `*.csv`, `*.tsv` | a header row, then one row per example |
 | `*.parquet` | pyarrow |
-| a directory written by `datasets`' `save_to_disk` | `datasets.load_from_disk` (pick a split of a DatasetDict with
-  `--dataset-split`) |
+| a directory written by `datasets`' `save_to_disk` | `datasets.load_from_disk` (pick a split of a DatasetDict with `--dataset-split`) |
 | any other directory | `datasets.load_dataset(dir, split=...)` (data files in the folder) |
 
 Each row needs the prompt column: a non-empty string, or a non-empty list of chat messages
@@ -32,7 +30,7 @@ Evaluation rows: `--eval-dataset`, or `--eval-split` of a dataset directory, Hub
 in-memory `datasets.DatasetDict`, or else a fixed held-out slice of the training data (the
 smaller of `eval_size` and a tenth of it), never trained on. `--dataset-config` applies to
 both Hub ids (`--dataset` and `--eval-dataset`).
-"""
+"""  # noqa: E501 (the formats table above: a row is as long as its path and reader need)
 
 from __future__ import annotations
 
