@@ -3,7 +3,7 @@
     gspo train [--config run.yaml] [--resume RUN_DIR] [--algorithm grpo --steps 100 ...]
     gspo eval --model DIR|CHECKPOINT|RUN_DIR [--k 8] [--dataset ... --reward ...]
     gspo plot RUN_DIR [RUN_DIR ...] --metrics reward/mean,clip/frac --output plot.png
-    gspo compare [--preset paper|length|staleness|precision] [--configs gspo grpo grpo-rr] [--seeds 0 1]
+    gspo compare [--preset paper|length|staleness|precision|objectives] [--configs gspo grpo grpo-rr] [--seeds 0 1]
                  [--lags 0 2 8] [--precisions float32 bfloat16] [--steps 60 ...]
     gspo export RUN_DIR|CHECKPOINT OUT [--dtype bfloat16] [--step N] [--push-to-hub ORG/NAME [--private]]
 
@@ -153,6 +153,7 @@ def cmd_compare(args: list[str]) -> int:
     configs, args = _take_many(args, "--configs")
     lags, args = _take_many(args, "--lags")
     precisions, args = _take_many(args, "--precisions")
+    tasks, args = _take_many(args, "--tasks")
     seeds_arg, args = _take_many(args, "--seeds")
     config_file, args = _take(args, "--config")
     preset_name, args = _take(args, "--preset")
@@ -174,7 +175,7 @@ def cmd_compare(args: list[str]) -> int:
     base = load_yaml(config_file) if config_file else TrainConfig(**preset.base)
     cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo compare", default=base)
     out = cfg.run.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    study = _study(preset, configs, lags, precisions, args)
+    study = _study(preset, configs, {"--lags": lags, "--precisions": precisions, "--tasks": tasks}, args)
     report = compare(dataclasses.replace(cfg, output_dir=None), study or list(configs or preset.configs), seeds=seeds,
                      out_dir=out, options=CompareOptions(preset.variance_models, int(responses or 512),
                                                          int(jobs or 0)))
@@ -189,13 +190,13 @@ def cmd_compare(args: list[str]) -> int:
 COMPARE_SEEDS = (0, 1, 2)
 
 
-def _study(preset, configs: list[str], lags: list[str], precisions: list[str], args: list[str]):
-    """The preset's study along its factor (gspo.lab.studies), its levels from --lags / --precisions
-    (the factor's own flag among the base options is refused: the study sets it)."""
+def _study(preset, configs: list[str], given: dict[str, list[str]], args: list[str]):
+    """The preset's study along its factor (gspo.lab.studies), its levels from --lags / --precisions /
+    --tasks (`given`: flag -> values; the factor's own flag among the base options is refused: the study
+    sets it). An option given for the whole comparison holds at every level, over a level's own."""
     from gspo.lab.compare import parse_config
     from gspo.lab.studies import AXES, Study, levels_arg
 
-    given = {"--lags": lags, "--precisions": precisions}
     for flag, values in given.items():
         if values and (preset.axis is None or AXES[preset.axis].flag != flag):
             wanted = next((n for n, a in AXES.items() if a.flag == flag), "")
@@ -207,7 +208,8 @@ def _study(preset, configs: list[str], lags: list[str], precisions: list[str], a
     if any(a == own or a.startswith(own + "=") for a in args):
         raise UsageError(f"{own}: the {preset.axis} study varies it; choose its values with {axis.flag}")
     levels = levels_arg(axis, given[axis.flag]) if given[axis.flag] else axis.levels
-    return Study(axis, levels, tuple(parse_config(c) for c in configs or preset.configs))
+    flags = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
+    return Study(axis.leaving(flags), levels, tuple(parse_config(c) for c in configs or preset.configs))
 
 
 def cmd_export(args: list[str]) -> int:

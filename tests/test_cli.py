@@ -97,19 +97,23 @@ def test_train_help_is_grouped_with_presets_and_kl():
 
     out = gspo("train", "--help").stdout
     names = [f.name for cls, _ in SECTIONS.values() for f in dataclasses.fields(cls)]
-    assert len(names) == len(set(names)) == 100  # option names are unique across sections (flags carry no prefix)
+    assert len(names) == len(set(names)) == 105  # option names are unique across sections (flags carry no prefix)
     assert set(TrainConfig().policy.__dataclass_fields__) < set(names)
     sections = [title for _, title in SECTIONS.values()]
     assert [out.index(f"\n{t}:\n") for t in sections] == sorted(out.index(f"\n{t}:\n") for t in sections)
     for name in names:
         assert "--" + name.replace("_", "-") in out
     assert out.index("\nmodel:\n") < out.index("--lora-r") < out.index("\ndata:\n")  # options sit in their section
-    for algorithm in ("gspo", "gspo_token", "grpo", "ppo", "cispo", "sapo", "gmpo"):
+    for algorithm in ("gspo", "gspo_token", "grpo", "ppo", "cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "cppo",
+                      "ctpo"):
         assert f"  {algorithm} " in out
     assert "clip [1 - 0.0003, 1 + 0.0004]" in out and "k1 = -log ρ has an expected gradient of" in out
     # the successors' presets say what they bound: CISPO's IS weight, GMPO's log-ratio, SAPO's gate
     assert "clip [1 - 1, 1 + 0.28]" in out and "log-ratio clip [-0.4, 0.4]" in out
     assert "gate --sapo-tau-pos 1, --sapo-tau-neg 1.05" in out  # SAPO's own options, from its registration
+    # the divergence masks and CTPO's band say what their range bounds, with their papers' presets
+    assert "TV mask: π - π_old within [-0.15, 0.15]" in out and "KL(π_old‖π) within 0.05 (falling), 0.05" in out
+    assert "prefix log-ratio clip [-0.025, 0.05]·t^p" in out
     assert "tiny-moe" in out
 
 

@@ -188,3 +188,41 @@ def test_aggregation_keeps_masked_tokens_in_the_denominator():
     # token-mean over 5 tokens with the IcePop weights [[0,0,1],[1,0,0]] and values all 1: 2 / 5
     w, _ = weights("token", "mask", low=0.7, high=1.1)
     close(aggregate(torch.ones_like(MASK) * w, MASK, "token-mean"), 2 / 5)
+
+
+def test_the_spread_of_the_weights_is_their_standard_deviation_over_tokens():
+    # sequence truncate (cap 2.0) on the hand case: weights [0.727838 x3, 1.228096 x2] on the 5 completion tokens
+    from gspo.algo.corrections import spread
+
+    _, m = rollout_is_weights(OLD, ROLLOUT, MASK, Corrections(rollout_is="sequence", rollout_is_high=2.0))
+    m = spread(m)
+    w = [SEQ[0]] * 3 + [SEQ[1]] * 2
+    mean = sum(w) / 5  # 0.928342
+    std = math.sqrt(sum((x - mean) ** 2 for x in w) / 5)  # population: 0.245434
+    assert "is/weight_sq_mean" not in m
+    assert math.isclose(m["is/weight_mean"], mean, rel_tol=1e-12)
+    assert math.isclose(m["is/weight_std"], std, rel_tol=1e-9)
+    assert math.isclose(m["is/weight_min"], SEQ[0], rel_tol=1e-12)
+
+
+def test_the_guard_fires_on_sequence_weights_that_collapse_at_real_length_and_not_on_their_geometric_mean():
+    # 64 responses of 4096 tokens (a long reasoning answer), the sampler a little more confident than the trainer
+    # on average, as a bf16 engine is: d_t ~ N(-0.001, 0.01) per token. Σ_t d_t ≈ -4.1 ± 0.64 per response, so the
+    # product weight is about e^-4.1 ≈ 0.017 (NeMo-RL PR #2269 saw 0.06 at 9k tokens); the geometric mean's
+    # log is -0.001 ± 0.00016: weight 0.999.
+    from gspo.algo.corrections import COLLAPSE_MEAN, spread, weight_collapse
+
+    g = torch.Generator().manual_seed(0)
+    rollout = torch.full((64, 4096), -1.0, dtype=D)
+    old = rollout + (-0.001 + 0.01 * torch.randn(64, 4096, generator=g, dtype=D))
+    mask = torch.ones(64, 4096, dtype=D)
+    seq = spread(rollout_is_weights(old, rollout, mask, Corrections(rollout_is="sequence"))[1])
+    geo = spread(rollout_is_weights(old, rollout, mask, Corrections(rollout_is="geometric"))[1])
+    assert seq["is/weight_mean"] < 0.05 < COLLAPSE_MEAN < 0.99 < geo["is/weight_mean"]
+    warning = weight_collapse(seq, "sequence")
+    assert warning is not None and "--rollout-is geometric" in warning and "\n" not in warning
+    assert weight_collapse(geo, "geometric") is None
+    # a sequence level whose weights stay near 1 (short answers, a faithful sampler) is silent
+    near = spread(rollout_is_weights(rollout[:, :8] + 1e-4, rollout[:, :8], mask[:, :8],
+                                     Corrections(rollout_is="sequence"))[1])
+    assert weight_collapse(near, "sequence") is None

@@ -8,7 +8,7 @@ import pytest
 
 from gspo.cli import main
 from gspo.config import ConfigError
-from gspo.lab.studies import PRECISION, STALENESS, Study, levels_arg
+from gspo.lab.studies import PRECISION, STALENESS, TASKS, Study, levels_arg
 
 TOY = ["--prompts-per-step", "2", "--group-size", "2", "--num-minibatches", "1", "--eval-size", "4",
        "--max-new-tokens", "6", "--no-progress"]
@@ -109,6 +109,36 @@ def test_precision_preset_end_to_end(tmp_path, capsys):
     assert "## Against precision" in md and "| configuration | fp32 | bf16 |" in md
     for png in ("accuracy_vs_precision.png", "mismatch_vs_precision.png", "mismatch_seq_vs_precision.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG" and png in md
+
+
+def test_each_task_brings_its_model_and_sizes_and_the_users_options_hold_over_them():
+    study = Study(TASKS, ("chain", "arithmetic"), (("gspo", {}), ("ctpo", {"algorithm": "ctpo", "steps": 3})))
+    runs = dict(study.expand())
+    assert runs["gspo@chain"] == {"model": "tiny-long-moe", "steps": 10, "prompts_per_step": 8, "eval_every": 5,
+                                  "eval_size": 100, "lr": 2e-4, "samples_per_step": 2, "task": "chain"}
+    assert runs["gspo@arithmetic"] == {"model": "tiny-moe", "steps": 20, "eval_every": 5, "eval_size": 200,
+                                       "task": "arithmetic"}
+    assert runs["ctpo@chain"]["steps"] == 3  # a configuration's own option over the task's
+    mine = Study(TASKS.leaving({"steps", "lr"}), study.levels, study.configs).expand()
+    assert dict(mine)["gspo@chain"]["model"] == "tiny-long-moe" and "steps" not in dict(mine)["gspo@chain"]
+    assert "lr" not in dict(mine)["gspo@chain"]  # given for the whole comparison: the base's value holds
+    # the tasks are not rivals: each configuration against the first, at each task, and nothing else
+    assert study.pairs() == [("ctpo@chain", "gspo@chain"), ("ctpo@arithmetic", "gspo@arithmetic")]
+
+
+def test_objectives_preset_end_to_end(tmp_path, capsys):
+    out = tmp_path / "obj"
+    code = main(["compare", "--preset", "objectives", "--configs", "gspo-target", "dppo_tv", "--tasks", "chain",
+                 "--seeds", "0", "--steps", "2", "--eval-size", "8", "--prompts-per-step", "2",
+                 "--output-dir", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads((out / "compare.json").read_text())
+    assert set(report) == {"gspo-target@chain", "dppo_tv@chain"}
+    cfg = (out / "runs" / "gspo-target@chain-seed0" / "config.yaml").read_text()
+    assert "model: tiny-long-moe" in cfg and "target_clip_frac: 0.15" in cfg and "steps: 2" in cfg
+    md = (out / "report.md").read_text()
+    assert "at task chain: model `tiny-long-moe`, task `chain`, 2 steps of 2 prompts" in md
+    assert "dppo_tv@chain - gspo-target@chain" in md
 
 
 STALENESS_CONFIGS = ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour", "grpo-behaviour")  # the preset's

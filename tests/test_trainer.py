@@ -32,12 +32,14 @@ def deterministic(rows):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["gspo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["gspo", "ppo", "cppo-target"])
 def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path, algorithm):
-    # ppo: the critic's weights, optimizer and scheduler must come back exactly too
+    # ppo: the critic's weights, optimizer and scheduler must come back exactly too; cppo-target: the clip
+    # range --target-clip-frac adapts (clip/eps_low, clip/eps_high in every row, moving from step to step)
     steps = 8
+    target = algorithm.endswith("-target")
     args = ["train", *FAST, "--steps", str(steps), "--save-every", "1", "--keep-checkpoints", "3",
-            "--algorithm", algorithm]
+            "--algorithm", algorithm.removesuffix("-target"), *(["--target-clip-frac", "0.02"] if target else [])]
     full = gspo(*args, "--output-dir", str(tmp_path / "full"))
     out, err = full.communicate(timeout=300)
     assert full.returncode == 0, err
@@ -63,6 +65,8 @@ def test_sigkill_and_resume_matches_uninterrupted_run(tmp_path, algorithm):
     b = deterministic(read_jsonl(metrics))
     assert [row["step"] for row in b] == list(range(1, steps + 1))
     assert a == b
+    if target:  # the range moved (a == b: the resumed run took it up where the checkpoint left it, not at the preset)
+        assert len({row["clip/eps_high"] for row in b}) >= 3 and b[killed_at]["clip/eps_high"] != 0.15
     sa = json.loads((tmp_path / "full" / "summary.json").read_text())
     sb = json.loads((run / "summary.json").read_text())
     assert sa["eval_before"] == sb["eval_before"] and sa["eval_after"] == sb["eval_after"]
@@ -187,6 +191,9 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     (["--algorithm", "cispo"], ()),
     (["--algorithm", "sapo"], ()),
     (["--algorithm", "gmpo"], ()),
+    (["--algorithm", "dppo_tv"], ()),
+    (["--algorithm", "dppo_kl"], ()),
+    (["--algorithm", "ctpo"], ()),
     (["--rollout-dtype", "bfloat16", "--rollout-is", "token"],
      ("is/truncated_frac", "is/weight_mean", "is/weight_max")),
     # a window of ±0.5% per token masks some responses, not all: at ±0.1% (transformers 5.24's bf16 copy) every
@@ -209,3 +216,28 @@ def test_successor_losses_and_corrections_train_end_to_end(tmp_path, extra, expe
     assert any(r["grad_norm"] > 0 for r in rows)  # the weights moved (a step whose kept rows all have Â = 0 does not)
     if "--rollout-is" in extra:  # a bf16 sampler's log-probs differ from the fp32 trainer's: weights are not all 1
         assert any(r.get("is/weight_max", 1.0) != 1.0 or r.get("is/masked_frac", 0.0) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("level,warned", [("sequence", True), ("geometric", False)])
+def test_the_sequence_weight_guard_warns_once_through_a_real_run(tmp_path, monkeypatch, capsys, level, warned):
+    # a constructed collapse: the sampler's log-probs read 0.25 above the trainer's on every token, so that
+    # π_old/π_rollout = e^-0.25 per token; over a response of 8 tokens the product is e^-2 = 0.135 (< 0.5: the
+    # guard), the geometric mean e^-0.25 = 0.78 (silent). Both levels see the same gap; only the sum collapses.
+    import gspo.train.batch as batch_module
+    from gspo.cli import main
+
+    real = batch_module.rollout_is_weights
+    monkeypatch.setattr(batch_module, "rollout_is_weights",
+                        lambda old, rollout, mask, c: real(old, rollout + 0.25, mask, c))
+    out = tmp_path / "run"
+    code = main(["train", *FAST, "--steps", "2", "--max-new-tokens", "8", "--min-new-tokens", "8",
+                 "--output-dir", str(out), "--rollout-is", level])
+    assert code == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert all(("is/weight_std" in r) and ("is/weight_min" in r) for r in rows)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "--rollout-is geometric" in line]
+    if warned:
+        assert all(r["is/weight_mean"] < 0.5 for r in rows)
+        assert len(lines) == 1 and lines[0].startswith("gspo: warning: step 1: --rollout-is sequence")
+    else:
+        assert all(r["is/weight_mean"] > 0.5 for r in rows) and lines == []

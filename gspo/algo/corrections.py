@@ -28,11 +28,12 @@ the aggregation's denominator: the weights scale terms, they do not re-normalise
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 
-from gspo.algo.metrics import Max, Mean
+from gspo.algo.metrics import Max, Mean, Min
 
 Tensor = torch.Tensor
 
@@ -80,8 +81,9 @@ def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
 
     Metrics (each says how it averages, gspo.algo.metrics): `is/truncated_frac` (truncate) or
     `is/masked_frac` (mask), the fraction of tokens (token level) or responses (sequence and
-    geometric levels) the bound changed; `is/weight_mean` over completion tokens and
-    `is/weight_max`, of the weights applied.
+    geometric levels) the bound changed; `is/weight_mean` and `is/weight_sq_mean` over completion
+    tokens (`spread` turns the latter into `is/weight_std` once reduced over processes),
+    `is/weight_min` and `is/weight_max`, of the weights applied.
     """
     level, mode = corrections.rollout_is, corrections.rollout_is_mode
     low, high = corrections.rollout_is_low, corrections.rollout_is_high
@@ -107,11 +109,42 @@ def rollout_is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor,
     tokens = float(mask.sum())
     frac = float((changed & on).sum()) / max(units, 1.0)
     changed_name = "is/truncated_frac" if mode == "truncate" else "is/masked_frac"
+    nan = float("nan")
     return w, {
         changed_name: Mean(frac, units),
-        "is/weight_mean": Mean(float(w.sum()) / max(tokens, 1.0) if tokens else float("nan"), tokens),
-        "is/weight_max": Max(float(w[mask > 0].max()) if tokens else float("nan")),
+        "is/weight_mean": Mean(float(w.sum()) / max(tokens, 1.0) if tokens else nan, tokens),
+        "is/weight_sq_mean": Mean(float(w.square().sum()) / max(tokens, 1.0) if tokens else nan, tokens),
+        "is/weight_min": Min(float(w[mask > 0].min()) if tokens else nan),
+        "is/weight_max": Max(float(w[mask > 0].max()) if tokens else nan),
     }
+
+
+# --rollout-is sequence: below this mean applied weight (over completion tokens), the weights shrink the
+# batch's policy gradient more than two-fold, whatever the advantages: `weight_collapse` says so.
+COLLAPSE_MEAN = 0.5
+
+
+def spread(metrics: dict[str, float]) -> dict[str, float]:
+    """`rollout_is_weights`'s metrics (reduced over processes) with `is/weight_std`, the standard
+    deviation of the applied weights over completion tokens, in place of `is/weight_sq_mean`:
+    sqrt(E[w²] - E[w]²)."""
+    out = dict(metrics)
+    sq, mean = out.pop("is/weight_sq_mean"), out["is/weight_mean"]
+    out["is/weight_std"] = Mean(math.sqrt(max(sq - mean * mean, 0.0)) if sq == sq else float("nan"))
+    return out
+
+
+def weight_collapse(metrics: dict[str, float], level: str) -> str | None:
+    """A one-line warning when --rollout-is sequence weights down-weight the batch: their mean over
+    completion tokens below COLLAPSE_MEAN (the sum of hundreds of per-token log-ratios compounds
+    small gaps into a weight far below 1); None otherwise, and for the other levels."""
+    mean = metrics.get("is/weight_mean", float("nan"))
+    if level != "sequence" or not mean < COLLAPSE_MEAN:
+        return None
+    return (f"--rollout-is sequence: the importance weights average {mean:.3g} over this batch's tokens "
+            f"(spread {metrics.get('is/weight_std', float('nan')):.3g}, below {COLLAPSE_MEAN}): each response's weight "
+            "is the product of its token ratios and the batch's gradient shrinks with it; --rollout-is geometric "
+            "is the length-normalised weight (docs/corrections.md)")
 
 
 @torch.no_grad()

@@ -52,6 +52,10 @@ class LossOptions(Protocol):
     kl_estimator: str  # k1, k2 or k3
     sapo_tau_pos: float  # SAPO's gate temperatures
     sapo_tau_neg: float
+    ctpo_power: float  # CTPO: its clip band grows as t^power
+    ctpo_dual_clip: float | None  # CTPO: the dual clip's c (None: off)
+    cppo_w_min: float  # CPPO: the last token's budget weight
+    cppo_budget: float  # CPPO: δ_b_min, the floor of each response's budget rate
 
 # log-ratios are clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] before exp(): e^20 ≈ 4.9e8 is
 # far outside any clip range, so the objective is unchanged wherever it is finite, and
@@ -112,10 +116,15 @@ class LossInfo:
     gate: bool = False  # a soft gate, not a clip: the clip range is unused
     options: tuple[str, ...] = ()  # the options only this loss reads (SAPO's gate temperatures): unused by the others
     title: str = ""  # its name in a model card ("GSPO (Group Sequence Policy Optimization)"); "" : the name in capitals
+    clip_words: str = "clip [1 - {low:g}, 1 + {high:g}]"  # what its clip range bounds, in the plan's words
 
     @property
     def display(self) -> str:
         return self.title or self.name.upper()
+
+    def clip_text(self, low: float, high: float) -> str:
+        """The clip range (low, high) in words: `clip [1 - 0.0003, 1 + 0.0004]`."""
+        return self.clip_words.format(low=low, high=high)
 
 
 def own_options() -> dict[str, str]:
@@ -252,7 +261,7 @@ def sapo_loss(
     return TokenLoss(-gate * adv, ratio, none, none)
 
 
-@register_loss("gmpo", preset=(0.4, 0.4), log_space_clip=True,
+@register_loss("gmpo", preset=(0.4, 0.4), log_space_clip=True, clip_words="log-ratio clip [-{low:g}, {high:g}]",
                summary="geometric mean of token ratios clipped in log space, one term per response (GMPO)")
 def gmpo_loss(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
@@ -278,6 +287,177 @@ def gmpo_loss(
         clipped_high = (log_w > clip_high) & (sign > 0)
     per_token = (-advantages * ratio).unsqueeze(-1).expand_as(mask)  # (B, T)
     return TokenLoss(per_token, seq_ratio.unsqueeze(-1).expand_as(mask), clipped_low, clipped_high)
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergence masks in place of ratio clipping: DPPO (arXiv 2602.04879) and CPPO (arXiv 2606.10968)
+# ----------------------------------------------------------------------------------------------
+
+
+def _masked_surrogate(logp: Tensor, old_logp: Tensor, adv: Tensor, drop: Tensor) -> TokenLoss:
+    """-M_t · r_t · Â_t with M_t = 1 - drop_t (a stop-gradient mask): the kept tokens' gradient is
+    -Â·r_t·∇log π, GRPO's unclipped one; a dropped token has none. A drop where Â > 0 counts as a
+    high clip, where Â < 0 as a low one (the direction the update was pushing)."""
+    ratio = _safe_exp(logp - old_logp)  # (B, T)  r_t
+    keep = (~drop).to(ratio.dtype)  # (B, T)
+    with torch.no_grad():
+        clipped_low, clipped_high = drop & (adv < 0), drop & (adv > 0)
+    return TokenLoss(-keep * ratio * adv, ratio, clipped_low, clipped_high)
+
+
+def _probs(logp: Tensor, old_logp: Tensor) -> tuple[Tensor, Tensor]:
+    """π_θ(y_t) and π_old(y_t), the sampled tokens' probabilities, in float64 (no gradient)."""
+    return logp.detach().double().exp(), old_logp.double().exp()
+
+
+@register_loss("dppo_tv", preset=(0.15, 0.15), turn_advantages=True, title="DPPO (binary total variation)",
+               clip_words="TV mask: π - π_old within [-{low:g}, {high:g}]",
+               summary="unclipped token ratios; a token whose probability moved past δ is dropped (DPPO)")
+def dppo_tv_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
+) -> TokenLoss:
+    """DPPO with the binary total variation (Qi et al., arXiv 2602.04879; verl's `dppo_tv`).
+
+    D_t = π_θ(y_t) - π_old(y_t), the sampled token's probabilities (its total variation on the
+    two outcomes {y_t, not y_t} is |D_t|). A token is dropped when its probability moved past δ
+    in the direction its advantage pushes: D_t > δ_high where Â > 0, D_t < -δ_low where Â < 0.
+    per-token loss: -M_t · r_t · Â_t (no ratio clipping; the clip range is δ). Preset δ = 0.15 both
+    sides, the paper's dense-model value (verl's recipe; 0.20 for its MoE model).
+    """
+    adv = _token_advantages(advantages, mask, "dppo_tv")  # (B, T)
+    p, q = _probs(logp, old_logp)  # (B, T)
+    with torch.no_grad():
+        d = p - q
+        drop = torch.where(adv > 0, d > loss.clip_high, torch.where(adv < 0, d < -loss.clip_low, False))
+    return _masked_surrogate(logp, old_logp, adv, drop)
+
+
+def binary_kl(p: Tensor, q: Tensor) -> Tensor:
+    """KL(Bern(q) ‖ Bern(p)) = q log(q/p) + (1-q) log((1-q)/(1-p)): the old policy's KL to the new
+    on the two outcomes {y_t, not y_t}; inf where p = 1 > q or p = 0 < q."""
+    head = q * (q.log() - p.log())
+    tail = torch.where(q < 1, (1 - q) * (torch.log1p(-q) - torch.log1p(-p)), torch.zeros_like(q))
+    return head + tail
+
+
+@register_loss("dppo_kl", preset=(0.05, 0.05), turn_advantages=True, title="DPPO (binary KL)",
+               clip_words="binary-KL mask: KL(π_old‖π) within {low:g} (falling), {high:g} (rising)",
+               summary="unclipped token ratios; a token whose binary KL to π_old passed δ is dropped (DPPO)")
+def dppo_kl_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
+) -> TokenLoss:
+    """DPPO with the binary KL (arXiv 2602.04879; verl's `dppo_kl`).
+
+    K_t = KL(Bern(π_old(y_t)) ‖ Bern(π_θ(y_t))) (`binary_kl`). A token is dropped when K_t passed
+    δ and its probability moved the way its advantage pushes: K_t > δ_high and π_θ > π_old where
+    Â > 0, K_t > δ_low and π_θ < π_old where Â < 0. per-token loss: -M_t · r_t · Â_t. Preset
+    δ = 0.05 both sides (verl's recipe for the paper).
+    """
+    adv = _token_advantages(advantages, mask, "dppo_kl")  # (B, T)
+    p, q = _probs(logp, old_logp)  # (B, T)
+    with torch.no_grad():
+        k = binary_kl(p, q)
+        drop = torch.where(adv > 0, (k > loss.clip_high) & (p > q),
+                           torch.where(adv < 0, (k > loss.clip_low) & (p < q), False))
+    return _masked_surrogate(logp, old_logp, adv, drop)
+
+
+CPPO_QUANTILE, CPPO_K = 0.9, 1.0  # δ_b of a response: clamp(k · q-quantile of its D_t, δ_b_min, 2 δ_b_min)
+
+
+def _positions(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(t, T): each token's 1-based position among its response's completion tokens (B, T), and
+    the response's count of them (B, 1). Padding and masked-out (environment) tokens are skipped."""
+    t = mask.cumsum(-1)  # (B, T)
+    return t, mask.sum(-1, keepdim=True)
+
+
+def cppo_keep(d: Tensor, toward: Tensor, mask: Tensor, delta: Tensor, w_min: float, budget: float) -> Tensor:
+    """CPPO's mask (its Eq. 8-10, 22), float64, (B, T) bool: which tokens keep their gradient.
+
+    D_t = |π_θ(y_t) - π_old(y_t)|; w_t = w_min + (1 - w_min)(T - t)/(T - 1) (1 at the first token,
+    w_min at the last; T the response's own length, so padding changes nothing);
+    Z_t = w_t D_t; S_t = Σ_{j<=t} Z_j and W_t = Σ_{j<=t} w_j over the response's tokens, every one
+    (kept or not); δ_b = clamp(CPPO_K · quantile_0.9(D), budget, 2 budget) per response;
+    c_t = min(δ, δ + δ_b W_{t-1} - S_{t-1}); kept iff the update moves π back towards π_old
+    (`toward`: Â (r - 1) <= 0) or Z_t <= c_t. `delta`: δ per token (δ_high where Â > 0, δ_low else).
+    """
+    t, T = _positions(mask)  # (B, T), (B, 1)
+    w = w_min + (1.0 - w_min) * (T - t) / (T - 1).clamp(min=1.0)  # (B, T)
+    w = torch.where(T > 1, w, torch.ones_like(w)) * mask
+    z = w * d * mask  # (B, T)  Z_t
+    s_before, w_before = z.cumsum(-1) - z, w.cumsum(-1) - w  # (B, T)  S_{t-1}, W_{t-1}
+    q = torch.nanquantile(torch.where(mask > 0, d, float("nan")), CPPO_QUANTILE, dim=-1, keepdim=True)  # (B, 1)
+    delta_b = (CPPO_K * q.nan_to_num(0.0)).clamp(budget, 2.0 * budget)  # (B, 1)
+    c = torch.minimum(delta, delta + delta_b * w_before - s_before)  # (B, T)
+    return toward | (z <= c)
+
+
+@register_loss("cppo", preset=(0.15, 0.15), turn_advantages=True, options=("cppo_w_min", "cppo_budget"),
+               title="CPPO (cumulative prefix trust region)",
+               clip_words="TV mask: π - π_old within [-{low:g}, {high:g}] and a prefix budget",
+               summary="DPPO's TV mask, each token's δ also bounded by its prefix's cumulative budget (CPPO)")
+def cppo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
+) -> TokenLoss:
+    """CPPO (Mao et al., arXiv 2606.10968): DPPO's binary-TV mask, each token's threshold also
+    bounded by what its prefix has spent of a budget (`cppo_keep`; --cppo-w-min, --cppo-budget:
+    the paper's 0.8 and 0.02). per-token loss: -M_t · r_t · Â_t. Preset δ = 0.15 both sides (the
+    paper's dense models; 0.20 for its MoE model). The paper's main runs measure D_t as a top-20
+    total variation over the vocabulary; this is its binary-TV form (the sampled token's own
+    probabilities), the one its reference code implements.
+    """
+    adv = _token_advantages(advantages, mask, "cppo")  # (B, T)
+    p, q = _probs(logp, old_logp)  # (B, T)
+    with torch.no_grad():
+        delta = torch.where(adv > 0, loss.clip_high, loss.clip_low).to(p.dtype)  # (B, T)
+        toward = (adv.double() * (p / q - 1.0)) <= 0  # (B, T)  moving π back to π_old
+        keep = cppo_keep((p - q).abs(), toward, mask.double(), delta, loss.cppo_w_min, loss.cppo_budget)
+    return _masked_surrogate(logp, old_logp, adv, ~keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prefix-cumulative ratios: CTPO (arXiv 2605.07331)
+# ----------------------------------------------------------------------------------------------
+
+
+@register_loss("ctpo", preset=(0.025, 0.05), turn_advantages=True, log_space_clip=True,
+               options=("ctpo_power", "ctpo_dual_clip"), title="CTPO (cumulative token ratios)",
+               clip_words="prefix log-ratio clip [-{low:g}, {high:g}]·t^p",
+               summary="token t's ratio is its prefix's product, clipped in log space on a band growing as t^p")
+def ctpo_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, loss: LossOptions
+) -> TokenLoss:
+    """CTPO (Zhang et al., arXiv 2605.07331; its code's `cum-token-cumprod-la`): token t's ratio is
+    the product of its prefix's token ratios, unbiased for the prefix, between GRPO's w_t and
+    the whole sequence's product.
+
+    L_t = Σ_{k<=t} log w_k over the response's tokens (not length-normalised);
+    log ρ_t = sg(L_t) + log π_θ(y_t) - sg(log π_θ(y_t))  (value L_t; gradient through token t only)
+    the clip band grows as the prefix's random walk does: lo_t = ε_low t^p, hi_t = ε_high t^p, t the
+    1-based position among the completion tokens (--ctpo-power p, the paper's 0.5);
+    per-token loss: max(-Â ρ_t, -Â exp(clip(log ρ_t, -lo_t, hi_t))), and where Â < 0 at most
+    -Â exp(c t^p) (dual clip, --ctpo-dual-clip c, the paper's 0.05; None: off).
+    Preset (ε_low, ε_high) = (0.025, 0.05), the paper's: a band of [0.975, 1.05] at t = 1, [0.78, 1.65] at t = 100.
+    """
+    adv = _token_advantages(advantages, mask, "ctpo")  # (B, T)
+    t, _ = _positions(mask)  # (B, T)
+    scale = t.clamp(min=1.0).pow(loss.ctpo_power)  # (B, T)  t^p
+    prefix = ((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * mask).cumsum(-1).detach()  # (B, T)  L_t
+    log_rho = (prefix + (logp - logp.detach())).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # (B, T), value L_t
+    lo, hi = loss.clip_low * scale, loss.clip_high * scale  # (B, T)
+    ratio = torch.exp(log_rho)
+    clipped = torch.exp(torch.maximum(torch.minimum(log_rho, hi), -lo))  # (B, T)
+    per_token = torch.maximum(-adv * ratio, -adv * clipped)  # (B, T)
+    with torch.no_grad():
+        clipped_low = (log_rho < -lo) & (adv < 0)
+        clipped_high = (log_rho > hi) & (adv > 0)
+    if loss.ctpo_dual_clip is not None:
+        cap = -adv * torch.exp(loss.ctpo_dual_clip * scale)  # (B, T)
+        dual = (adv < 0) & (per_token > cap)
+        per_token = torch.where(dual, cap, per_token)
+        clipped_high = clipped_high | dual.detach()
+    return TokenLoss(per_token, ratio, clipped_low, clipped_high)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor:

@@ -57,9 +57,7 @@ def _clip_range(info) -> str:
     low, high = info.clip_low, info.clip_high
     if info.gate:  # no clip range: its own options say how it gates
         return "gate " + ", ".join(f"--{o.replace('_', '-')} {getattr(Loss, o):g}" for o in info.options)
-    if info.log_space_clip:
-        return f"log-ratio clip [-{low:g}, {high:g}]"
-    return f"clip [1 - {low:g}, 1 + {high:g}]"
+    return info.clip_text(low, high)
 
 
 def train_help(width: int | None = None) -> str:

@@ -176,6 +176,10 @@ class Loss:
         "Ratio clipped below at 1 - clip_low (None: the algorithm's preset; `gspo train --help` lists them).", ge=0)
     clip_high: float | None = opt(None,
         "Ratio clipped above at 1 + clip_high (None: the algorithm's preset; `gspo train --help` lists them).", ge=0)
+    target_clip_frac: float | None = opt(None,
+        "Hold the clip fraction near this by adapting the clip range between steps (gspo.algo.clipcontrol: "
+        "both bounds scaled by exp(0.5 * relative error) after each step, within 100x of the start; logged as "
+        "clip/eps_low, clip/eps_high). None: the range stays fixed.", gt=0, lt=1)
     loss_agg: str = opt("seq-mean-token-mean",
         "Loss aggregation: seq-mean-token-mean (each response once, the paper's), token-mean, "
         "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO).")
@@ -198,6 +202,18 @@ class Loss:
     sapo_tau_neg: float = opt(1.05,
         "SAPO: gate temperature where the advantage is < 0 (its paper's 1.05; >= --sapo-tau-pos damps "
         "negative updates faster).", gt=0)
+    ctpo_power: float = opt(0.5,
+        "CTPO: its log-space clip band at token t is [-clip_low, clip_high] * t^power (its paper's 0.5: the prefix "
+        "log-ratio's random walk; 0: a fixed band).", ge=0)
+    ctpo_dual_clip: float | None = opt(0.05,
+        "CTPO: where the advantage is < 0 the loss is capped at -A * exp(c * t^power) (dual clip; its paper's 0.05; "
+        "None: off).", gt=0)
+    cppo_w_min: float = opt(0.8,
+        "CPPO: the budget weight of a response's last token (the first's is 1, linear between; its paper's 0.8).",
+        gt=0, le=1)
+    cppo_budget: float = opt(0.02,
+        "CPPO: the floor of each response's prefix budget rate, δ_b = clamp(0.9-quantile of its |π - π_old|, "
+        "budget, 2 budget) (its paper's 0.02).", gt=0)
 
 
 @dataclass

@@ -4,6 +4,7 @@
     gspo compare --preset length                   # long answers (chain task), + the ratio variance by length
     gspo compare --preset staleness                # losses x fixed lags K (gspo.lab.studies; docs/staleness.md)
     gspo compare --preset precision                # sampler + trainer in fp32 / bf16 / fp16 (docs/precision.md)
+    gspo compare --preset objectives               # DPPO, CTPO, CPPO, a self-setting clip range (docs/objectives.md)
     gspo compare --configs gspo grpo --seeds 0 1 --steps 40
     gspo compare --configs gspo "grpo-hot:algorithm=grpo,lr=3e-4"
     from gspo.lab.compare import compare; compare(base_config, ["gspo", "grpo"], seeds=[0], out_dir="runs/cmp")
@@ -71,6 +72,12 @@ PRESETS: dict[str, dict] = {
     "cispo": {"algorithm": "cispo"},
     "sapo": {"algorithm": "sapo"},
     "gmpo": {"algorithm": "gmpo"},
+    "dppo_tv": {"algorithm": "dppo_tv"},
+    "dppo_kl": {"algorithm": "dppo_kl"},
+    "ctpo": {"algorithm": "ctpo"},
+    "cppo": {"algorithm": "cppo"},
+    # GSPO with its clip range adapted to hold 15% of tokens clipped (the paper's Fig. 2 scale for GSPO)
+    "gspo-target": {"algorithm": "gspo", "target_clip_frac": 0.15},
     # sampler/trainer mismatch corrections, for a base with --rollout-dtype bfloat16 or --rollout-engine vllm
     "gspo-tis": {"algorithm": "gspo", "rollout_is": "token"},
     "gspo-icepop": {"algorithm": "gspo", "rollout_is": "token", "rollout_is_mode": "mask"},
@@ -118,6 +125,12 @@ COMPARE_PRESETS = {
         ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour", "grpo-behaviour"), STUDY_BASE, axis="staleness",
         about="GSPO, GRPO, GRPO + RR, CISPO (pi_old proximal) and GSPO, GRPO (behaviour) at lags K = 0, 2, 8; "
               "tiny-moe, arithmetic"),
+    # the objectives after GSPO: divergence masks, prefix-cumulative ratios, a clip range that sets itself, on
+    # the long-answer chains and the paper's arithmetic (each task with its model and sizes); docs/objectives.md
+    "objectives": ComparePreset(
+        ("gspo", "grpo", "dppo_tv", "ctpo", "cppo", "gspo-target"), {}, axis="task",
+        about="GSPO, GRPO, DPPO (TV), CTPO, CPPO, GSPO holding clip/frac 0.15, on chain (tiny-long-moe) and "
+              "arithmetic (tiny-moe)"),
     # sampler and trainer computing in fp32 / bf16 / fp16 (fp32 master weights); docs/precision.md
     "precision": ComparePreset(
         ("gspo", "grpo", "gspo-tis", "grpo-tis"), {**STUDY_BASE, "steps": 60}, axis="precision",
@@ -131,10 +144,21 @@ def _flags(options: dict) -> str:
                     for k, v in options.items())
 
 
+def _base_lines(p: ComparePreset) -> str:
+    """A preset's base options as flags, and each of its levels' own (`--task chain: --model ...`)."""
+    from gspo.lab.studies import AXES
+
+    pad = " " * 25
+    lines = [f"{pad}({_flags(p.base)})"] if p.base else []
+    axis = AXES[p.axis] if p.axis else None
+    for level, options in (axis.level_options.items() if axis else ()):
+        lines.append(f"{pad}--{axis.option.replace('_', '-')} {level}: ({_flags(options)})")
+    return "\n".join(lines)
+
+
 def compare_help() -> str:
     """`gspo compare --help`'s own part (the base options follow it)."""
-    presets = "\n".join(f"                       {name}: {p.about}\n                         ({_flags(p.base)})"
-                        for name, p in COMPARE_PRESETS.items())
+    presets = "\n".join(f"{' ' * 23}{name}: {p.about}\n{_base_lines(p)}" for name, p in COMPARE_PRESETS.items())
     return ("gspo compare: train several configurations on the same model, task and seeds; write a report.\n"
             "  --preset NAME        a named comparison (default: paper), with its base options:\n"
             f"{presets}\n"
@@ -143,6 +167,8 @@ def compare_help() -> str:
             "  --seeds N ...        seeds (default: 0 1 2); results are averaged over them\n"
             "  --lags K ...         the staleness preset's fixed lags (default: 0 2 8; the full grid: 0 1 2 4 8)\n"
             "  --precisions D ...   the precision preset's dtypes (default: float32 bfloat16 float16)\n"
+            "  --tasks T ...        the objectives preset's tasks (default: chain arithmetic), each with its model\n"
+            "                       and sizes; an option given here holds at every task\n"
             "  --variance-responses N  responses sampled for the length preset's ratio variance (default 512)\n"
             "  --jobs N             runs trained at once, each in its own process (default 0: one per core\n"
             "                       up to 4 on a CPU, with the cores shared out as --threads; 1 on a GPU);\n"

@@ -315,8 +315,33 @@ def trained_minutes(out: Path, report: dict) -> tuple[int, float, float | None]:
     return len(runs), wall / 60, (sum(timed) / wall if wall else 0.0) if timed else None
 
 
+def _setting(cfg) -> str:
+    return (f"model `{cfg.policy.model or 'the task default'}`, task `{cfg.data.dataset or cfg.data.task}`, "
+            f"{cfg.run.steps} steps of {cfg.sampling.prompts_per_step} prompts x {cfg.sampling.group_size} "
+            f"completions, {cfg.loss.num_minibatches} minibatches per rollout")
+
+
+def _settings(w: _Written) -> str:
+    """What the runs trained: the base configuration's model, task and sizes; a study whose levels bring
+    their own (the objectives preset's tasks), each level's, as its first run's config.yaml says."""
+    study = w.study
+    if study is None or not study.axis.level_options:
+        text = _setting(w.base)
+        return text[0].upper() + text[1:]
+    from gspo.config.yamlfile import load_yaml
+
+    parts = []
+    for level in study.levels:
+        tag = study.axis.tag(level)
+        saved = next((path for name, _ in study.configs for seed in w.seeds
+                      if (path := w.out / "runs" / f"{name}@{tag}-seed{seed}" / "config.yaml").exists()), None)
+        parts.append(f"at {study.axis.name} {tag}: " + (_setting(load_yaml(saved)) if saved else
+                                                        "its runs' settings not found"))
+    return "Each level its own settings; " + "; ".join(parts)
+
+
 def _report_md(w: _Written, judged: dict) -> None:
-    out, base, report, seeds, seconds, study = w.out, w.base, w.report, w.seeds, w.seconds, w.study
+    out, report, seeds, seconds, study = w.out, w.report, w.seeds, w.seconds, w.study
     runs, minutes, eval_share = trained_minutes(out, report)
     evaluating = "" if eval_share is None else f"; {100 * eval_share:.0f}% of it evaluating"
     invocation = ("this report re-rendered from compare.json (gspo.lab.report.rerender: no training)" if seconds is None
@@ -324,11 +349,8 @@ def _report_md(w: _Written, judged: dict) -> None:
     lines = [
         "# gspo compare",
         "",
-        f"Model `{base.policy.model or 'the task default'}`, task `{base.data.dataset or base.data.task}`, "
-        f"{base.run.steps} steps of {base.sampling.prompts_per_step} prompts x {base.sampling.group_size} completions, "
-        f"{base.loss.num_minibatches} minibatches per rollout, seeds "
-        f"{', '.join(map(str, seeds))}; {runs} runs trained in {minutes:.1f} minutes (their wall times"
-        f"{evaluating}), {invocation}.",
+        f"{_settings(w)}, seeds {', '.join(map(str, seeds))}; {runs} runs trained in {minutes:.1f} minutes (their "
+        f"wall times{evaluating}), {invocation}.",
         "",
         "| configuration | held-out accuracy (before -> best -> after ± 95%) | mean clip/frac | mean moe/drift | "
         "mean moe/drift_in_ratio | mean mismatch/token_abs | diverged | wall time |",

@@ -21,7 +21,7 @@ is judged together with the others, Holm's correction at a familywise 5% (gspo.l
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gspo.config import ConfigError
@@ -42,17 +42,26 @@ class Axis:
     parse: type = str
     tags: dict = field(default_factory=dict)
     fixed: dict = field(default_factory=dict)
+    level_options: dict = field(default_factory=dict)  # level -> options its runs take (a task's model, its sizes)
+    within: bool = True  # judge each level against the first within a configuration (False: levels are not rivals)
 
     def tag(self, level) -> str:
         return self.tags.get(level, f"{self.name}{level}")
 
     def options(self, config: dict, level) -> dict:
-        """A configuration's options at a level: the study's fixed ones, the configuration's over
-        them, the level's last (a configuration that sets the factor itself is refused)."""
+        """A configuration's options at a level: the study's fixed ones, the level's own over them
+        (`level_options`), the configuration's over those, the level last (a configuration that
+        sets the factor itself is refused)."""
         if self.option in config:
             raise ConfigError(f"--{self.option.replace('_', '-')} is the factor this study varies ({self.flag}); "
                               f"a configuration cannot set it")
-        return {**self.fixed, **config, self.option: level}
+        return {**self.fixed, **self.level_options.get(level, {}), **config, self.option: level}
+
+    def leaving(self, given: set[str]) -> Axis:
+        """This axis without the level options named in `given` (the options a user set for the whole
+        comparison: they hold at every level)."""
+        return replace(self, level_options={lv: {k: v for k, v in opts.items() if k not in given}
+                                            for lv, opts in self.level_options.items()})
 
 
 # the staleness study: batch t sampled by version t-1-K (--rollout-workers 0: a fixed lag, deterministic)
@@ -63,7 +72,17 @@ STALENESS = Axis("K", "--lags", "max_staleness", (0, 2, 8), parse=int)
 PRECISION = Axis("precision", "--precisions", "dtype", ("float32", "bfloat16", "float16"),
                  tags={"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"},
                  fixed={"param_dtype": "float32", "rollout_dtype": "same", "old_logp": "recompute"})
-AXES = {"staleness": STALENESS, "precision": PRECISION}
+# the objectives study: each task with the model that knows it and its run's sizes: the long-answer chains (55-217
+# tokens, where token, prefix and sequence ratios part) on tiny-long-moe as the length preset runs them, and the
+# paper's arithmetic (4-token answers) on tiny-moe, 20 steps. The tasks are not rivals: only the configurations
+# are compared, at each task.
+TASKS = Axis("task", "--tasks", "task", ("chain", "arithmetic"), tags={"chain": "chain", "arithmetic": "arithmetic"},
+             level_options={
+                 "chain": {"model": "tiny-long-moe", "steps": 10, "prompts_per_step": 8, "eval_every": 5,
+                           "eval_size": 100, "lr": 2e-4, "samples_per_step": 2},
+                 "arithmetic": {"model": "tiny-moe", "steps": 20, "eval_every": 5, "eval_size": 200}},
+             within=False)
+AXES = {"staleness": STALENESS, "precision": PRECISION, "task": TASKS}
 
 # figure (a key of gspo.lab.compare.summarise) -> (what the table and plot call it, shown as a percentage)
 FIGURES = {
@@ -103,11 +122,12 @@ class Study:
 
     def pairs(self) -> list[tuple[str, str]]:
         """The differences the noise lines judge (all of them together: gspo.lab.report.judge): each
-        level against the first one, within a configuration; each configuration against the first
-        one, at each level."""
+        level against the first one, within a configuration (unless the axis says its levels are not
+        rivals: `within`); each configuration against the first one, at each level."""
         names = [n for n, _ in self.configs]
         tag = self.axis.tag
-        within = [(f"{n}@{tag(lv)}", f"{n}@{tag(self.levels[0])}") for n in names for lv in self.levels[1:]]
+        within = [(f"{n}@{tag(lv)}", f"{n}@{tag(self.levels[0])}") for n in names for lv in self.levels[1:]
+                  if self.axis.within]
         across = [(f"{n}@{tag(lv)}", f"{names[0]}@{tag(lv)}") for lv in self.levels for n in names[1:]]
         return within + across
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gspo.algo.advantages import ESTIMATORS, AdvantageInputs
-from gspo.algo.corrections import rollout_is_weights
+from gspo.algo.corrections import rollout_is_weights, spread
 from gspo.algo.metrics import reduce_across
 from gspo.dist import parallel
 from gspo.models.logprobs import Split, passes, token_logprobs
@@ -106,7 +106,7 @@ def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
     if cfg.corrections.rollout_is != "off":  # π_old/π_rollout per token or response: fixed for the step's updates
         batch.is_weights, metrics = rollout_is_weights(batch.old_logp, ro.logp, ro.completion_mask,
                                                        cfg.corrections)
-        batch.is_metrics = reduce_across([metrics], dist)[0]  # over the global batch
+        batch.is_metrics = spread(reduce_across([metrics], dist)[0])  # over the global batch
     return batch
 
 

@@ -247,6 +247,8 @@ def save_run(run: Run, step: int) -> None:
              "pending_per_rank": dist.gather_objects(pending),
              "eval_before": run.progress.eval_before, "evals": run.progress.evals,
              "wall_seconds": time.time() - run.progress.t_start}
+    if run.progress.clip is not None:  # --target-clip-frac: the range the next step uses
+        state["clip_controller"] = run.progress.clip.state_dict()
     optimizers = {}
     for t in run.trainables:  # "optimizer"/"scheduler", and a separate critic's "critic_optimizer"/...
         optimizers[t.keys[0]] = parallel.optimizer_state(t.model, t.optimizer, dist)
@@ -303,6 +305,8 @@ def restore_run(run: Run) -> None:
         run.progress.evals = [e for e in done.get("evals", []) if e["step"] <= run.progress.start_step]
     run.progress.steps_done = run.progress.start_step
     run.progress.t_start -= state["wall_seconds"]
+    if run.progress.clip is not None and "clip_controller" in state:
+        run.progress.clip.load_state_dict(state["clip_controller"])
     if dist.is_main:
         trim_jsonl(run.run_dir / "metrics.jsonl", run.progress.start_step)
         trim_jsonl(run.run_dir / "samples.jsonl", run.progress.start_step)

@@ -16,7 +16,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 
 | key | value |
 | --- | --- |
-| `objective` | `{"loss", "summary", "clip", "options", "advantages", "advantages_summary"}`: the registered loss (gspo.algo.losses.LOSSES) with its clip range (`[low, high]`; None for a gate) and its own options' values, and the advantage estimator (gspo.algo.advantages.ESTIMATORS) |
+| `objective` | `{"loss", "summary", "clip", "clip_text", "clip_target", "options", "advantages", "advantages_summary"}`: the registered loss (gspo.algo.losses.LOSSES) with its clip range (`[low, high]`; None for a gate), the range in words (`clip [1 - 0.0003, 1 + 0.0004]`), --target-clip-frac (None: a fixed range) and its own options' values, and the advantage estimator (gspo.algo.advantages.ESTIMATORS) |
 | `model` | `{"name", "gguf", "path"}`: the policy as named; for a .gguf file what its conversion records (gspo.models.gguf: source, architecture, quantization, parameters) and the converted directory |
 | `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
@@ -135,6 +135,8 @@ def _objective(cfg: TrainConfig) -> dict:
     info, estimator = LOSSES[cfg.loss.algorithm], ESTIMATORS[estimator_name(cfg)]
     return {"loss": info.name, "summary": info.summary,
             "clip": None if info.gate else [cfg.loss.clip_low, cfg.loss.clip_high],
+            "clip_text": None if info.gate else info.clip_text(cfg.loss.clip_low, cfg.loss.clip_high),
+            "clip_target": cfg.loss.target_clip_frac,
             "options": {o: getattr(cfg, o) for o in info.options},
             "advantages": estimator.name, "advantages_summary": estimator.summary}
 
@@ -160,8 +162,9 @@ def describe(p: dict, warnings: bool = True) -> str:
     moe = ("MoE, Routing Replay " + ("on" if p["routing_replay"] else "off")) if p["moe"] else "dense"
     env = f"env {p['env']} (up to {p['max_turns']} turns)" if p["env"] else "single-turn"
     o = p["objective"]
-    clip = f"clip [1 - {o['clip'][0]:g}, 1 + {o['clip'][1]:g}]" if o["clip"] else \
-        ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in o["options"].items())
+    clip = o["clip_text"] if o["clip"] else ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in o["options"].items())
+    if o["clip_target"] is not None:
+        clip += f", adapted between steps to hold clip/frac near {o['clip_target']:g}"
     lines = [
         f"plan: engine {p['engine']}, {layout}; weights {p['weights_dtype']}, {compute}; sampler: {p['sampler']}",
         f"  objective: {o['loss']} ({clip}); advantages: {o['advantages']} ({o['advantages_summary']})",

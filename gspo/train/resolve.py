@@ -168,9 +168,10 @@ def unused(cfg: TrainConfig, facts: Facts) -> list[tuple[str, str]]:
          f"{info.display}'s advantages are GAE's over its value model, not a group's"),
         (not info.group_advantages and cfg.ppo.critic == "separate", ("vf_coef",),
          "weighs the value loss of --critic shared; --critic separate has its own optimizer"),
-        (info.gate, ("clip_low", "clip_high"), f"--algorithm {alg} gates instead of clipping"
+        (info.gate, ("clip_low", "clip_high", "target_clip_frac"), f"--algorithm {alg} gates instead of clipping"
          f"{' (' + ', '.join('--' + o.replace('_', '-') for o in info.options) + ')' if info.options else ''}"),
-        *((True, (option,), f"is {LOSSES[owner].display}'s option (--algorithm {owner}); --algorithm {alg} has none")
+        *((True, (option,), f"is {LOSSES[owner].display.split(' (')[0]}'s option (--algorithm {owner}); "
+                            f"--algorithm {alg} has none")
           for option, owner in own_options().items() if option not in info.options),
         (cfg.lora.lora_r == 0, ("lora_alpha", "lora_dropout", "lora_target_modules"),
          "shapes LoRA adapters, and --lora-r is 0 (all weights train): give --lora-r N"),

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from gspo.algo.clipcontrol import ClipController
+from gspo.algo.losses import LOSSES
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.yamlfile import load_yaml
 from gspo.dist import distributed, parallel
@@ -72,6 +74,8 @@ class Progress:
     eval_seconds: float = 0.0  # spent evaluating in this process (summary.json's eval_seconds)
     pending: list[Produced] = field(default_factory=list)  # sampled batches not yet trained, restored
     pending_dropped: int = 0  # ... saved by another number of processes: sampled again
+    clip: ClipController | None = None  # --target-clip-frac: the clip range of the next step's updates
+    warned: set[str] = field(default_factory=set)  # warnings said once a run (gspo.train.trainer)
 
 
 @dataclass
@@ -109,6 +113,14 @@ class Run:
         if compute == DTYPES[self.cfg.policy.param_dtype]:
             return contextlib.nullcontext()
         return torch.autocast(self.dist.device.type, dtype=compute)
+
+    def loss_options(self):
+        """The loss section the updates read: `cfg.loss`, with the clip range the controller holds
+        under --target-clip-frac (gspo.algo.clipcontrol)."""
+        clip = self.progress.clip
+        if clip is None:
+            return self.cfg.loss
+        return dataclasses.replace(self.cfg.loss, clip_low=clip.eps_low, clip_high=clip.eps_high)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -163,12 +175,21 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     if cfg.policy.gradient_checkpointing:
         enable_checkpointing(unwrap(policy))
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
-              tokenizer=tokenizer, reference=reference, resume_from=resume_from, progress=Progress(restart=restart),
+              tokenizer=tokenizer, reference=reference, resume_from=resume_from,
+              progress=Progress(restart=restart, clip=clip_controller(cfg)),
               notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env,
               max_turns=max_turns,
               stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
     _training_side(run, inputs)
     return run
+
+
+def clip_controller(cfg: TrainConfig) -> ClipController | None:
+    """--target-clip-frac's controller, from the resolved clip range (None: the range stays fixed)."""
+    if cfg.loss.target_clip_frac is None:
+        return None
+    return ClipController(cfg.loss.target_clip_frac, cfg.loss.clip_low, cfg.loss.clip_high,
+                          log_space=LOSSES[cfg.loss.algorithm].log_space_clip)
 
 
 def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist, str]:

@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from gspo.algo.aggregation import agg_count
+from gspo.algo.corrections import weight_collapse
 from gspo.algo.losses import policy_loss
 from gspo.algo.metrics import Mean, combine, reduce_across
 from gspo.config import TrainConfig, to_dict
@@ -158,6 +159,8 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
         for step in range(run.progress.start_step + 1, cfg.run.steps + 1):
             metrics, batch = train_step(run, step)
             run.progress.steps_done = step
+            if main:
+                _guard_weights(run, step, metrics)
             for trainable in run.trainables:  # the policy's LR schedule, and a separate critic's
                 trainable.scheduler.step()
             if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
@@ -187,6 +190,15 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
         if main:
             bar.close()
     return finish(run, reporter, log)
+
+
+def _guard_weights(run: Run, step: int, metrics: dict) -> None:
+    """--rollout-is sequence weights that shrink the batch (gspo.algo.corrections.weight_collapse): said
+    once a run, the first step it happens (the metrics show every step's)."""
+    collapse = weight_collapse(metrics, run.cfg.corrections.rollout_is)
+    if collapse and "weight_collapse" not in run.progress.warned:
+        warn(f"step {step}: {collapse} (said once; is/weight_mean in metrics.jsonl is every step's)")
+        run.progress.warned.add("weight_collapse")
 
 
 def run_eval(run: Run, log=None, label: str = "eval") -> dict:
@@ -271,6 +283,9 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"))
     t_update = time.perf_counter() - t1
     metrics = step_row(run, step, batch, history)
+    if run.progress.clip is not None:  # --target-clip-frac: the range this step used, then the next step's
+        metrics["clip/eps_low"], metrics["clip/eps_high"] = run.progress.clip.eps_low, run.progress.clip.eps_high
+        run.progress.clip.update(metrics.get("clip/frac", float("nan")))
     t_step = time.perf_counter() - t0
     metrics.update({
         "time/rollout_seconds": t_rollout,
@@ -369,7 +384,7 @@ def _loss(run: Run, batch: Batch, m: MicroBatch, total: Totals,
                                                 hidden=critic.needs_hidden, entropy=True)  # (b, T), (b, T, H), (b, T)
         values = critic.forward(m.rollout, hidden, packed=run.packed)  # (b, T); None without a critic
     loss, metrics = policy_loss(
-        logp, rows.old_logp, rows.advantages, mask, cfg.loss, ref_logp=rows.ref_logp,
+        logp, rows.old_logp, rows.advantages, mask, run.loss_options(), ref_logp=rows.ref_logp,
         is_weights=rows.is_weights, rollout_logp=rows.rollout_logp,
         opsm_delta=cfg.corrections.opsm_delta, max_len=cfg.sampling.max_new_tokens,
     )
