@@ -309,8 +309,9 @@ def _results(evals: list[dict], step: int) -> list[str]:
 
 def _training(cfg: TrainConfig) -> list[str]:
     loss, smp, lora = cfg.loss, cfg.sampling, cfg.lora
+    adapted = f", adapted from there to hold clip/frac near {loss.target_clip_frac}" if loss.target_clip_frac else ""
     key = {"algorithm": loss.algorithm, "learning rate": cfg.optim.lr, "prompts per step x group size":
-           f"{smp.prompts_per_step} x {smp.group_size}", "clip range": f"({loss.clip_low}, {loss.clip_high})",
+           f"{smp.prompts_per_step} x {smp.group_size}", "clip range": f"({loss.clip_low}, {loss.clip_high}){adapted}",
            "loss aggregation": loss.loss_agg, "max new tokens": smp.max_new_tokens, "temperature": smp.temperature,
            "dtype": cfg.policy.dtype,
            **({"LoRA r / alpha": f"{lora.lora_r} / {lora.lora_alpha}"} if lora.lora_r else {})}

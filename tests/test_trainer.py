@@ -241,3 +241,21 @@ def test_the_sequence_weight_guard_warns_once_through_a_real_run(tmp_path, monke
         assert len(lines) == 1 and lines[0].startswith("gspo: warning: step 1: --rollout-is sequence")
     else:
         assert all(r["is/weight_mean"] > 0.5 for r in rows) and lines == []
+
+
+@pytest.mark.slow
+def test_the_clip_controller_holds_its_target_on_the_default_task(tmp_path):
+    # GSPO's preset (3e-4, 4e-4) clips about 0.4 of the default task's tokens in its first steps; with
+    # --target-clip-frac 0.1 the range widens about 50-fold within 10 steps (at most e^0.5 a step), then the clip
+    # fraction stays near 0.1: steps 11-20 average within the band 0.05 .. 0.15 (benchmarks/clip_controller.py
+    # prints the whole trajectory, 40 steps; docs/objectives.md)
+    from gspo.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "20", "--threads", "1", "--eval-size", "0", "--no-progress",
+                 "--target-clip-frac", "0.1", "--output-dir", str(out)]) == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert rows[0]["clip/frac"] > 0.3 and rows[0]["clip/eps_high"] == 4e-4  # the preset clips far more than 0.1
+    late = [r["clip/frac"] for r in rows[10:]]
+    assert 0.05 <= sum(late) / len(late) <= 0.15, late
+    assert rows[-1]["clip/eps_high"] > 10 * 4e-4

@@ -7,7 +7,8 @@
       summary.json           accuracy before/after, wall time (written at the end)
       checkpoints/step-000020/
         config.json, model.safetensors, tokenizer files   (save_pretrained: loads with HF)
-        trainer_state.pt     LR scheduler, loss scaler and RNG states, step, evaluations
+        trainer_state.pt     LR scheduler, loss scaler and RNG states, step, evaluations, the clip range
+                             --target-clip-frac holds
         optimizer.pt         AdamW states (policy, and a separate critic's)
         config.yaml          the run's configuration
 
