@@ -46,7 +46,8 @@ ON_POLICY_GRAD = [[-0.25, -0.25], [0.25, 0.25]]  # -Â/4 per token: every loss's
 
 # the ratio each loss reports: per token, or its response's sequence ratio on every token
 SEQUENCE_RATIO = {"gspo", "gspo_token", "gmpo"}
-TOKEN_RATIO = {"ppo", "grpo", "cispo", "sapo"}
+TOKEN_RATIO = {"ppo", "grpo", "cispo", "sapo", "dppo_tv", "dppo_kl", "cppo"}
+PREFIX_RATIO = {"ctpo"}  # the product of the token ratios up to each token
 _SAPO_SIG = 1 / (1 + E(-(E(0.5) - 1)))  # σ(τ(r - 1)) at r = e^0.5, τ = τ_pos = 1: 0.656722
 # d loss / d logp anchored on behaviour, by hand, with each loss's preset clip range:
 BEHAVIOUR_GRAD = {
@@ -63,6 +64,17 @@ BEHAVIOUR_GRAD = {
     # GMPO: log w00 = 0.5 clipped to 0.4 (no gradient there); ratio_0 = exp((0.4 + 0)/2) = e^0.2;
     # token 01: -Â·ratio_0/|y|/2 = -e^0.2/4 = -0.305351; response 1 at ratio 1: -Â/4
     "gmpo": [[0.0, -E(0.2) / 4], [0.25, 0.25]],
+    # DPPO-TV: token 00 moved p - q = e^-1 - e^-1.5 = 0.367879 - 0.223130 = 0.144749 <= δ 0.15: kept, unclipped
+    # gradient -Â·w/4 = -e^0.5/4 = -0.412180 (anchored on the rollout, e^-1 - e^-2 = 0.232 would drop it: 0)
+    "dppo_tv": [[-E(0.5) / 4, -0.25], [0.25, 0.25]],
+    # DPPO-KL: q ln(q/p) + (1-q) ln((1-q)/(1-p)) = 0.223130·(-0.5) + 0.776870·ln(0.776870/0.632121)
+    # = -0.111565 + 0.160185 = 0.048620 <= δ 0.05: kept, as DPPO-TV
+    "dppo_kl": [[-E(0.5) / 4, -0.25], [0.25, 0.25]],
+    # CPPO: token 00 is first (w = 1, nothing spent: c = δ = 0.15), Z = 0.144749: kept; token 01 has D = 0
+    "cppo": [[-E(0.5) / 4, -0.25], [0.25, 0.25]],
+    # CTPO: response 0's prefix log-ratios are 0.5 and 0.5 + 0, past the bands 0.05·1 and 0.05·√2 with Â > 0:
+    # both clipped; response 1 at ratio 1: -Â/4
+    "ctpo": [[0.0, 0.0], [0.25, 0.25]],
 }
 
 
@@ -86,8 +98,8 @@ def loss_and_grad(name: str, old: torch.Tensor, **kw):
 
 def test_every_loss_is_classified_for_the_hand_case():
     # a newly registered loss must state which ratio it reports and its hand gradient below
-    assert SEQUENCE_RATIO | TOKEN_RATIO == set(LOSSES) == set(BEHAVIOUR_GRAD)
-    assert not SEQUENCE_RATIO & TOKEN_RATIO
+    assert SEQUENCE_RATIO | TOKEN_RATIO | PREFIX_RATIO == set(LOSSES) == set(BEHAVIOUR_GRAD)
+    assert not SEQUENCE_RATIO & TOKEN_RATIO and not PREFIX_RATIO & (SEQUENCE_RATIO | TOKEN_RATIO)
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
@@ -107,6 +119,9 @@ def test_every_loss_ratio_is_anchored_on_old_logp(name):
     if name in SEQUENCE_RATIO:  # [e^0.25, e^0.25, 1, 1]: mean (e^0.25 + 1)/2 = 1.142013, max e^0.25, min 1
         close(m["ratio/mean"], (E(0.25) + 1) / 2)
         close(m["ratio/max"], E(0.25))
+    elif name in PREFIX_RATIO:  # [e^0.5, e^0.5 · 1, 1, 1]: mean (e^0.5 + 1)/2 = 1.324361, max e^0.5
+        close(m["ratio/mean"], (E(0.5) + 1) / 2)
+        close(m["ratio/max"], E(0.5))
     else:  # [e^0.5, 1, 1, 1]: mean (e^0.5 + 3)/4 = 1.162180, max e^0.5 = 1.648721, min 1
         close(m["ratio/mean"], (E(0.5) + 3) / 4)
         close(m["ratio/max"], E(0.5))
