@@ -125,16 +125,16 @@ COMPARE_PRESETS = {
         ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour", "grpo-behaviour"), STUDY_BASE, axis="staleness",
         about="GSPO, GRPO, GRPO + RR, CISPO (pi_old proximal) and GSPO, GRPO (behaviour) at lags K = 0, 2, 8; "
               "tiny-moe, arithmetic"),
+    # sampler and trainer computing in fp32 / bf16 / fp16 (fp32 master weights); docs/precision.md
+    "precision": ComparePreset(
+        ("gspo", "grpo", "gspo-tis", "grpo-tis"), {**STUDY_BASE, "steps": 60}, axis="precision",
+        about="GSPO, GRPO, with and without TIS, sampler and trainer in fp32 / bf16 / fp16; tiny-moe, arithmetic"),
     # the objectives after GSPO: divergence masks, prefix-cumulative ratios, a clip range that sets itself, on
     # the long-answer chains and the paper's arithmetic (each task with its model and sizes); docs/objectives.md
     "objectives": ComparePreset(
         ("gspo", "grpo", "dppo_tv", "ctpo", "cppo", "gspo-target"), {}, axis="task",
         about="GSPO, GRPO, DPPO (TV), CTPO, CPPO, GSPO holding clip/frac 0.15, on chain (tiny-long-moe) and "
               "arithmetic (tiny-moe)"),
-    # sampler and trainer computing in fp32 / bf16 / fp16 (fp32 master weights); docs/precision.md
-    "precision": ComparePreset(
-        ("gspo", "grpo", "gspo-tis", "grpo-tis"), {**STUDY_BASE, "steps": 60}, axis="precision",
-        about="GSPO, GRPO, with and without TIS, sampler and trainer in fp32 / bf16 / fp16; tiny-moe, arithmetic"),
 }
 
 
