@@ -1,16 +1,17 @@
 """The configuration matrix: every combination of the options that combine runs, or is refused in
 one line before anything is written (docs/matrix.md).
 
-The full product of the factors below is 3·3·2·3·2·2·2·7·4·2·3 = 72,576 runs; a covering array
-of strength 2 (every pair of levels of every two factors in at least one cell) has 28: 21 run
-in this process, 7 under torchrun (printed by `python tests/test_matrix.py`). It is built here
+The full product of the factors below is 3·3·2·3·2·2·2·11·2·4·2·3 = 228,096 runs; a covering array
+of strength 2 (every pair of levels of every two factors in at least one cell) has 44: 36 run
+in this process, 8 under torchrun (printed by `python tests/test_matrix.py`). It is built here
 by a small greedy algorithm (AETG-style: each new cell is the best of a few seeded random
 candidates, each candidate filled factor by factor with the level that covers the most pairs not
 yet covered, ties to the cheaper level), deterministic for its seed.
 
 Two kinds of pairs are not asked of the array:
 - pairs that are refused (REFUSED: the calculator's chat episodes on the MoE model, which has
-  no chat template). The array never holds one; each is run on its own as a refusal cell, which
+  no chat template; --target-clip-frac with SAPO's gate, which has no clip range). The array
+  never holds one; each is run on its own as a refusal cell, which
   must exit 2 with the table's one-line message and create nothing (so is each refusal in
   ALSO_REFUSED, of an option next to the factors);
 - pairs of the process layout with the loss and its corrections (algorithm, --rollout-is,
@@ -46,7 +47,8 @@ FACTORS = {  # factor -> its levels; the first level is the cheapest, which ties
     "lora": ["off", "on"],
     "micro": ["off", "on"],
     "packing": ["off", "on"],
-    "algorithm": ["gspo", "grpo", "gspo_token", "ppo", "cispo", "sapo", "gmpo"],
+    "algorithm": ["gspo", "grpo", "gspo_token", "ppo", "cispo", "sapo", "gmpo", "dppo_tv", "dppo_kl", "cppo", "ctpo"],
+    "clip": ["fixed", "target"],  # --target-clip-frac 0.2: the clip range adapted between steps
     "rollout_is": ["off", "token", "sequence", "geometric"],
     "opsm": ["off", "on"],
     "rollouts": ["sync", "lag", "workers"],  # --max-staleness 1, without and with a rollout worker
@@ -55,6 +57,7 @@ NOT_PAIRED = {("layout", "algorithm"), ("layout", "rollout_is"), ("layout", "ops
 REFUSED = [  # (the levels that are refused together, a fragment of the one-line message)
     ({"turns": "calculator", "model": "moe"}, "the tokenizer of tiny-moe has no chat template"),
     ({"turns": "calculator", "model": "moe-replay"}, "the tokenizer of tiny-moe has no chat template"),
+    ({"algorithm": "sapo", "clip": "target"}, "--target-clip-frac 0.2: --algorithm sapo gates instead of clipping"),
 ]
 ALSO_REFUSED = [  # refusals of an option next to the factors: (a base cell, the extra flags, the message fragment)
     ({"model": "moe-replay"}, ["--gradient-checkpointing"],
@@ -139,6 +142,7 @@ def flags(cell: dict) -> list[str]:
     out += ["--micro-batch-tokens", "32"] if cell["micro"] == "on" else []
     out += ["--packing"] if cell["packing"] == "on" else []
     out += ["--algorithm", cell["algorithm"]]
+    out += ["--target-clip-frac", "0.2"] if cell["clip"] == "target" else []
     out += ["--rollout-is", cell["rollout_is"]] if cell["rollout_is"] != "off" else []
     out += ["--opsm-delta", "0.5"] if cell["opsm"] == "on" else []
     out += {"sync": [], "lag": ["--max-staleness", "1"],
@@ -179,6 +183,9 @@ def check_ran(cell: dict, run: Path, err: str):
     moe = cell["model"] != "dense"
     assert (cfg["dtype"], cfg["param_dtype"]) == (dtype, weights), name
     assert cfg["algorithm"] == cell["algorithm"] and cfg["rollout_is"] == cell["rollout_is"], name
+    target = cell["clip"] == "target"
+    assert cfg["target_clip_frac"] == (0.2 if target else None), name
+    assert all(("clip/eps_high" in r) == target for r in rows), name  # the range each step used, when it moves
     assert cfg["model"] == ("tiny-moe" if moe else "tiny-tool" if cell["turns"] == "calculator" else "tiny"), name
     assert cfg["lora_r"] == (4 if cell["lora"] == "on" else 0), name
     corrects = cell["rollout_is"] != "off" or cell["opsm"] == "on"
@@ -248,7 +255,7 @@ ONE = [pytest.param(c, id=f"cell{i:02d}", marks=marks(i)) for i, c in enumerate(
 TWO = [pytest.param(c, id=f"cell{i:02d}-{c['layout']}", marks=[pytest.mark.slow, *marks(i)])
        for i, c in enumerate(CELLS) if c["layout"] != "1"]
 BASE = {"layout": "1", "precision": "fp32", "turns": "single", "model": "dense", "lora": "off", "micro": "off",
-        "packing": "off", "algorithm": "gspo", "rollout_is": "off", "opsm": "off", "rollouts": "sync"}
+        "packing": "off", "algorithm": "gspo", "clip": "fixed", "rollout_is": "off", "opsm": "off", "rollouts": "sync"}
 REFUSALS = [pytest.param({**BASE, **levels}, [], fragment, id="refused-" + "-".join(levels.values()))
             for levels, fragment in REFUSED]
 REFUSALS += [pytest.param({**BASE, **levels}, extra, fragment, id="refused" + "".join(extra))
@@ -259,7 +266,7 @@ def test_the_array_covers_every_pair_and_holds_no_refused_cell():
     assert not required_pairs() - set().union(*map(pairs_of, CELLS))
     assert not any(refused(c) for c in CELLS)
     assert covering_array() == CELLS  # deterministic for its seed
-    assert (len(CELLS), len(TWO)) == (28, 7)  # docs/matrix.md; the product of the levels is 72,576
+    assert (len(CELLS), len(TWO)) == (44, 8)  # docs/matrix.md; the product of the levels is 228,096
     # every refused pair is run on its own (as a refusal cell), so every pair of levels is exercised
     assert all(refused(c) for c in [p.values[0] for p in REFUSALS][:len(REFUSED)])
 
