@@ -175,7 +175,8 @@ def cmd_compare(args: list[str]) -> int:
     base = load_yaml(config_file) if config_file else TrainConfig(**preset.base)
     cfg = _parse(TrainConfig, _merge_repeated(args, _list_flags(TrainConfig)), "gspo compare", default=base)
     out = cfg.run.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
-    study = _study(preset, configs, {"--lags": lags, "--precisions": precisions, "--tasks": tasks}, args)
+    study = _study(preset, configs, {"--lags": lags, "--precisions": precisions, "--tasks": tasks}, args,
+                   _given_options(args, config_file))
     report = compare(dataclasses.replace(cfg, output_dir=None), study or list(configs or preset.configs), seeds=seeds,
                      out_dir=out, options=CompareOptions(preset.variance_models, int(responses or 512),
                                                          int(jobs or 0)))
@@ -190,10 +191,27 @@ def cmd_compare(args: list[str]) -> int:
 COMPARE_SEEDS = (0, 1, 2)
 
 
-def _study(preset, configs: list[str], given: dict[str, list[str]], args: list[str]):
+def _given_options(args: list[str], config_file: str | None) -> set[str]:
+    """The options a comparison's command line and --config file set, by gspo's names (a TRL name
+    mapped: --learning_rate is lr)."""
+    from pathlib import Path
+
+    import yaml
+
+    from gspo.config.trl import TRL_NAMES
+
+    names = {a[2:].partition("=")[0].replace("-", "_") for a in args if a.startswith("--")}
+    names |= {n[3:] for n in names if n.startswith("no_")}
+    if config_file:  # already read and checked as the base configuration
+        names |= {str(k).replace("-", "_") for k in (yaml.safe_load(Path(config_file).read_text()) or {})}
+    return {TRL_NAMES.get(n, n) for n in names}
+
+
+def _study(preset, configs: list[str], given: dict[str, list[str]], args: list[str], options: set[str]):
     """The preset's study along its factor (gspo.lab.studies), its levels from --lags / --precisions /
     --tasks (`given`: flag -> values; the factor's own flag among the base options is refused: the study
-    sets it). An option given for the whole comparison holds at every level, over a level's own."""
+    sets it). An option the comparison's command line or --config file sets (`options`) holds at every
+    level, over a level's own."""
     from gspo.lab.compare import parse_config
     from gspo.lab.studies import AXES, Study, levels_arg
 
@@ -208,8 +226,7 @@ def _study(preset, configs: list[str], given: dict[str, list[str]], args: list[s
     if any(a == own or a.startswith(own + "=") for a in args):
         raise UsageError(f"{own}: the {preset.axis} study varies it; choose its values with {axis.flag}")
     levels = levels_arg(axis, given[axis.flag]) if given[axis.flag] else axis.levels
-    flags = {a[2:].split("=")[0].replace("-", "_") for a in args if a.startswith("--")}
-    return Study(axis.leaving(flags), levels, tuple(parse_config(c) for c in configs or preset.configs))
+    return Study(axis.leaving(options), levels, tuple(parse_config(c) for c in configs or preset.configs))
 
 
 def cmd_export(args: list[str]) -> int:

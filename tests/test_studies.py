@@ -126,6 +126,20 @@ def test_each_task_brings_its_model_and_sizes_and_the_users_options_hold_over_th
     assert study.pairs() == [("ctpo@chain", "gspo@chain"), ("ctpo@arithmetic", "gspo@arithmetic")]
 
 
+def test_the_options_a_user_gives_are_found_on_the_command_line_and_in_the_config_file(tmp_path):
+    # what a comparison's own flags and --config file set holds at every task (TASKS.leaving): gspo's names,
+    # TRL's names mapped (--learning_rate is lr), --no-X flags, and the config file's keys
+    from gspo.cli import _given_options
+
+    config = tmp_path / "mine.yaml"
+    config.write_text("model: my-model\nnum_generations: 4\n")
+    given = _given_options(["--learning_rate", "1e-3", "--no-progress", "--eval-size=50"], str(config))
+    assert {"lr", "progress", "eval_size", "model", "group_size"} <= given
+    assert "steps" not in given
+    kept = dict(Study(TASKS.leaving(given), ("chain",), (("gspo", {}),)).expand())["gspo@chain"]
+    assert "model" not in kept and "lr" not in kept and "eval_size" not in kept and kept["steps"] == 10
+
+
 def test_objectives_preset_end_to_end(tmp_path, capsys):
     out = tmp_path / "obj"
     code = main(["compare", "--preset", "objectives", "--configs", "gspo-target", "dppo_tv", "--tasks", "chain",
