@@ -17,7 +17,7 @@
 #   single    `gspo train` for --steps steps on the arithmetic task, one process: --rollout-engine vllm
 #             --dtype bfloat16 --param-dtype float32 --device cuda (reward: the share of even token
 #             ids, which varies between samples of a random model; see make_qwen_shaped.py).
-#   torchrun  the same run under torchrun on every local GPU with --parallel fsdp.
+#   torchrun  the same run under torchrun on every local GPU with --parallel fsdp (SKIPPED on one GPU).
 #   summary   per run: the resolved config that matters, first and median step time, rollout and
 #             update time, peak GPU memory (torch's max_memory_allocated per process, through a
 #             wrapper around gspo.cli.main, and nvidia-smi's memory.used, which counts vLLM's pools),
@@ -26,7 +26,9 @@
 # --cpu (or GSPO_GPU_CHECK_CPU=1): no GPU tests; a tiny Qwen-shaped model (2 layers, hidden 64),
 # 2 steps, --rollout-engine hf --device cpu, torchrun with 2 processes.
 # Environment: GSPO_PY, GSPO_VLLM_PY, GSPO_GPU_CHECK_OUT (default runs/gpu-check),
-# GSPO_GPU_CHECK_TORCHRUN_ENGINE (hf or vllm: the engine of the torchrun run; default the single run's).
+# GSPO_GPU_CHECK_TORCHRUN_ENGINE (hf or vllm: the engine of the torchrun run; default the single run's),
+# GSPO_GPU_CHECK_NPROC (torchrun's processes; default every local GPU, --cpu: 2; under 2 the torchrun
+# stage is SKIPPED: gspo refuses --parallel fsdp in one process).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -81,7 +83,7 @@ if ! "$py" -c "import torch, gspo" 2>/dev/null; then
     fi
 fi
 if [ "$cpu" = "1" ]; then
-    device=cpu; nproc=2; have_vllm=0
+    device=cpu; nproc="${GSPO_GPU_CHECK_NPROC:-2}"; have_vllm=0
     say "CPU dry run: GPU tests, vLLM and GPU memory skipped"
 else
     if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -90,7 +92,7 @@ else
     fi
     device=cuda
     # every local GPU (torch's count: nvidia-smi -L's, less any hidden by CUDA_VISIBLE_DEVICES)
-    nproc="$("$py" -c "import torch; print(torch.cuda.device_count())")"
+    nproc="${GSPO_GPU_CHECK_NPROC:-$("$py" -c "import torch; print(torch.cuda.device_count())")}"
     if ! "$vllm_py" -c "import vllm, gspo" 2>/dev/null && [ "${GSPO_GPU_CHECK_SETUP_VLLM:-0}" = "1" ]; then
         say "vLLM missing in $vllm_py: trying GSPO_VENV=${vllm_py%/bin/python} GSPO_EXTRAS=vllm bash scripts/setup.sh"
         GSPO_VENV="${vllm_py%/bin/python}" GSPO_EXTRAS=vllm bash scripts/setup.sh || true
@@ -193,7 +195,10 @@ train_run() {  # train_run NAME ENGINE LAUNCHER... [-- GSPO ARGS]: one run in $o
 if want single; then
     run_stage single train_run single "$engine" "$train_py"
 fi
-if want torchrun; then
+if want torchrun && [ "$nproc" -lt 2 ]; then
+    # gspo refuses --parallel in one process (nothing to shard): one GPU has no torchrun run to make
+    record torchrun "SKIPPED ($nproc process: --parallel fsdp shards over 2 or more, one per GPU)"
+elif want torchrun; then
     tr_args=(--parallel fsdp)
     [ "$cpu" = "1" ] && tr_args+=(--threads 1)  # two processes on two cores
     run_stage torchrun train_run torchrun "$tr_engine" "$train_py" -m torch.distributed.run --standalone \

@@ -20,8 +20,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import make_qwen_shaped  # noqa: E402
 
 
-def run_check(out: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GSPO_PY": sys.executable}
+def run_check(out: Path, *args: str, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GSPO_PY": sys.executable, **env_extra}
     env.pop("GSPO_GPU_CHECK_CPU", None)
     return subprocess.run(["bash", str(SCRIPT), "--cpu", "--out", str(out), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -99,3 +99,14 @@ def test_a_failing_stage_fails_the_check_and_is_named(tmp_path):
     assert "gpu_check: FAILED stages: single" in proc.stdout
     assert ("(no training run finished in this invocation: no table)"
             in (tmp_path / "check" / "gpu_check.md").read_text())
+
+
+@pytest.mark.slow
+def test_one_gpu_skips_the_torchrun_stage(tmp_path):
+    # the first GPU run (H100, 2026-11-26) had one GPU: torchrun started 1 process with --parallel fsdp,
+    # which gspo refuses ("needs several processes"), and the check failed on a machine that was fine
+    proc = run_check(tmp_path / "check", "--stages", "torchrun", GSPO_GPU_CHECK_NPROC="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_check: stage torchrun: SKIPPED (1 process: --parallel fsdp shards over 2 or more" in proc.stdout
+    assert "needs several processes" not in proc.stdout + proc.stderr  # no run was started
+    assert "(no training run finished in this invocation: no table)" in (tmp_path / "check" / "gpu_check.md").read_text()
