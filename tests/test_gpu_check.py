@@ -109,4 +109,5 @@ def test_one_gpu_skips_the_torchrun_stage(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check: stage torchrun: SKIPPED (1 process: --parallel fsdp shards over 2 or more" in proc.stdout
     assert "needs several processes" not in proc.stdout + proc.stderr  # no run was started
-    assert "(no training run finished in this invocation: no table)" in (tmp_path / "check" / "gpu_check.md").read_text()
+    md = (tmp_path / "check" / "gpu_check.md").read_text()
+    assert "(no training run finished in this invocation: no table)" in md

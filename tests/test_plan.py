@@ -13,8 +13,8 @@ from gspo.train.run import build_run
 SMALL = dict(steps=1, prompts_per_step=2, group_size=2, eval_size=4, max_new_tokens=4, progress=False)
 KEYS = {"engine", "processes", "parallel", "weights_dtype", "compute_dtype", "autocast", "sampler", "sampler_dtype",
         "old_logp", "packing", "packing_why", "micro_batch_tokens", "lm_head", "lm_head_chunk", "decode",
-        "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "rollouts",
-        "warnings", "threads", "model", "objective"}
+        "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "agent",
+        "rollouts", "warnings", "threads", "model", "objective"}
 
 
 def plan_of(tmp_path, **kw) -> dict:

@@ -319,6 +319,9 @@ class Episodes:
         "Token budget of an episode after the prompt, model and environment tokens together (0 = what the "
         "model's positions leave after the longest prompt); an episode that reaches it ends, flagged "
         "truncated.", ge=0)
+    episode_timeout: float = opt(300.0,
+        "Agents (--env naming an async rollout function, docs/agents.md): seconds an episode may run; one that "
+        "runs longer fails (reward 0, not trained). 0 = no limit.", ge=0)
     turn_advantages: bool = opt(False,
         "Per-turn advantages: each model turn's tokens get the group-normalised reward from that turn on (the "
         "environment's turn rewards from there plus the final reward), for token-level losses (gspo_token, "

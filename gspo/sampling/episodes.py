@@ -70,13 +70,14 @@ class EpisodeSpec:
     max_tokens: int = 0
     stop_strings: tuple[str, ...] = ()
     max_prompt_length: int = 0
+    timeout: float = 0.0  # agents (gspo.sampling.agents): an episode's deadline in seconds (0: none)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, env, max_turns: int) -> EpisodeSpec:
         """A run's spec: `env` and `max_turns` as resolved (gspo.train.run.episode_env), the limits from
         the config's sections (episodes.max_episode_tokens, sampling.stop_string, data.max_prompt_length)."""
         return cls(env, max_turns, cfg.episodes.max_episode_tokens, cfg.sampling.stop_string,
-                   cfg.data.max_prompt_length)
+                   cfg.data.max_prompt_length, cfg.episodes.episode_timeout)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class Episodes:
     tool_calls: Tensor  # (B,) tool calls made
     tool_errors: Tensor  # (B,) of which failed
     turn_limit: Tensor  # (B,) ended by max_turns, the environment not done
+    agent: object = None  # agents (gspo.sampling.agents.AgentStats): failed episodes, extra sequences, late calls
 
     @property
     def env_reward(self) -> Tensor:

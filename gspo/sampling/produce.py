@@ -27,7 +27,8 @@ import torch
 
 from gspo.models.sequences import Rollout
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
-from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec, run_episodes
+from gspo.sampling.agents import play
+from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec
 from gspo.sampling.rollout import cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.tasks.scoring import Scored
 
@@ -128,7 +129,7 @@ def rollout(run: SamplingSide, examples: list, step: int,
         draws = Draws(lambda turn: step_generator(cfg.run.seed, step, (f"sample-turn-{turn}" if turn else "sample")
                                                   + purpose), rows, dist)
         try:
-            ro, ep = run_episodes(run.sampler, run.tokenizer, examples, spec, params, draws)
+            ro, ep = play(run.sampler, run.tokenizer, examples, spec, params, draws)  # an environment's or an agent's
         finally:  # an environment that raised mid-rollout leaves no kept KV cache (gspo.sampling.turncache) behind
             run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import re
 import threading
@@ -38,6 +39,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+AGENT_MAX_CALLS = 10  # an agent's calls per episode at most, without --max-turns
+
+
+def is_agent(obj) -> bool:
+    """Agent code (gspo.sampling.agents) rather than an environment: an `async def` function, or a
+    class with an `async def rollout`."""
+    if inspect.iscoroutinefunction(obj):
+        return True
+    return isinstance(obj, type) and inspect.iscoroutinefunction(getattr(obj, "rollout", None))
 
 
 class EnvError(ValueError):
@@ -169,8 +179,11 @@ def load_env(spec: str):
     cls = getattr(module, attr, None)
     if cls is None:
         raise EnvError(f"env {spec!r}: {target} has no {attr!r}")
+    if is_agent(cls):
+        return cls
     if not callable(getattr(cls, "step", None)):
-        raise EnvError(f"env {spec!r}: {attr} has no step(text) method")
+        raise EnvError(f"env {spec!r}: {attr} has no step(text) method (nor is it an agent: an async def "
+                       f"rollout(client, example) function, or a class with one)")
     tool_schemas(list(getattr(cls, "tools", []) or []))  # the tools' schemas can be made
     return cls
 
@@ -205,10 +218,12 @@ def episode_env(spec, task, max_turns: int | None, tokenizer) -> tuple[type | No
         if max_turns not in (None, 1):
             raise EnvError(f"max_turns: {max_turns} turns need an environment to answer between them (--env)")
         return None, 1
+    cls = load_env(spec) if isinstance(spec, str) else spec
+    if is_agent(cls):  # its calls choose their own format: chat (the template renders them) or plain completions
+        return cls, max_turns or AGENT_MAX_CALLS
     if not getattr(tokenizer, "chat_template", None):
         raise EnvError(f"env {getattr(spec, '__name__', spec)}: multi-turn episodes need a tokenizer "
                        f"with a chat template (the environment's messages are rendered by it); this model's has none")
-    cls = load_env(spec) if isinstance(spec, str) else spec
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise EnvError(f"env: expected an environment class with a step(text) method, got {cls!r}")
     for name, ok, want in [("concurrency", lambda v: type(v) is int and v >= 1, "an int >= 1"),

@@ -26,7 +26,8 @@ import torch
 
 from gspo.io.reporting import bar_wanted
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
-from gspo.sampling.episodes import Draws, EpisodeSpec, run_episodes
+from gspo.sampling.agents import play
+from gspo.sampling.episodes import Draws, EpisodeSpec
 from gspo.sampling.rollout import (
     PolicySampler,
     cut_at_stop_strings,
@@ -151,8 +152,8 @@ def _complete(model, tokenizer, examples, params, generator,
     completions (no environment: 0), or (episode.env) the final model turn of each episode and
     the sum of its turn rewards."""
     if episode.env is not None:
-        _, ep = run_episodes(PolicySampler(model), tokenizer, examples, episode, params,
-                             Draws(generator_for=lambda turn: generator))
+        _, ep = play(PolicySampler(model), tokenizer, examples, episode, params,  # an environment's or an agent's
+                     Draws(generator_for=lambda turn: generator))
         return ep.final_texts, ep.final_ids, ep.env_reward.tolist()
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], episode.max_prompt_length)
     ro = cut_at_stop_strings(generate(model, prompts, params, generator=generator), tokenizer, episode.stop_strings)

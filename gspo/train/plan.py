@@ -40,7 +40,8 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `moe` | the policy is a Mixture-of-Experts model whose routers are hooked (bool) |
 | `routing_replay` | Routing Replay forces the old experts in the ratio's forward (bool) |
 | `env` | the multi-turn environment's class name, or None (single-turn completions) |
-| `max_turns` | model turns per episode at most (1 without an environment) |
+| `max_turns` | model turns per episode at most (1 without an environment; an agent's calls per episode) |
+| `agent` | None, or `{"timeout"}`: `env` is agent code (gspo.sampling.agents) talking to the policy through an OpenAI endpoint on loopback, each episode within `timeout` seconds (0: none) |
 | `rollouts` | `{"max_staleness", "workers", "devices", "mode"}`: batches sampled up to K versions late, by N rollout workers on these devices; mode `"this process"`, `"processes"` (each trainer process starts its N) or `"ranks"` (the torchrun world's last N ranks) (gspo.sampling.pipeline) |
 | `warnings` | the run's start-up notes (`run.notes`: every fallback from what was asked), plus any the plan finds |
 
@@ -64,6 +65,7 @@ from gspo.models import gguf as gguf_models
 from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.sampling import fastdecode
 from gspo.sampling.rollout import PolicySampler
+from gspo.tasks.env import is_agent
 from gspo.train.critic import estimator_name
 
 if TYPE_CHECKING:
@@ -125,6 +127,8 @@ def plan(run: Run) -> dict:
         "moe": run.routing.moe,
         "routing_replay": bool(cfg.moe.routing_replay and run.routing.moe),
         "env": run.env.__name__ if run.env is not None else None,
+        "agent": ({"timeout": cfg.episodes.episode_timeout} if run.env is not None and is_agent(run.env)
+                  else None),  # gspo.sampling.agents: the env is agent code, over the OpenAI endpoint
         "max_turns": run.max_turns,
         "warnings": warnings,
     }
@@ -161,6 +165,10 @@ def describe(p: dict, warnings: bool = True) -> str:
             else "LoRA off (all weights train)")
     moe = ("MoE, Routing Replay " + ("on" if p["routing_replay"] else "off")) if p["moe"] else "dense"
     env = f"env {p['env']} (up to {p['max_turns']} turns)" if p["env"] else "single-turn"
+    if p.get("agent"):
+        deadline = f"{p['agent']['timeout']:g} s" if p["agent"]["timeout"] else "none"
+        env = (f"agent {p['env']}() over an OpenAI endpoint on 127.0.0.1 (up to {p['max_turns']} calls an "
+               f"episode, deadline {deadline})")
     o = p["objective"]
     clip = o["clip_text"] if o["clip"] else ", ".join(f"--{k.replace('_', '-')} {v:g}" for k, v in o["options"].items())
     if o["clip_target"] is not None:

@@ -86,4 +86,14 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
         "episode/env_tokens": float(env_tokens.mean()),
         **{f"episode/turn_{k + 1}_reward": float(by_turn[:, k].nanmean()) for k in range(max_turns)
            if not by_turn[:, k].isnan().all()},
+        **(agent_metrics(ep.agent, dist) if ep.agent is not None else {}),
     }
+
+
+def agent_metrics(stats, dist) -> dict[str, float]:
+    """Agents (gspo.sampling.agents) over the global batch: the share of failed episodes, the
+    sequences left out per episode (calls on an edited history), the calls after an episode ended."""
+    rows = dist.gather(torch.stack([stats.failed, stats.extra_sequences], 1).double())  # (B_all, 2)
+    late = dist.gather(torch.tensor([[float(stats.late_calls)]], dtype=torch.float64))  # (world, 1)
+    return {"agent/failed_frac": float(rows[:, 0].mean()), "agent/extra_sequences": float(rows[:, 1].mean()),
+            "agent/late_calls": float(late.sum())}

@@ -1,0 +1,230 @@
+"""Agent code as its author writes it: a rollout function that talks to the policy through an OpenAI client.
+
+    async def rollout(client, example) -> float:           # my_agent.py
+        r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example.prompt}])
+        ...                                                # more calls, tools, anything
+        return 1.0 if answer_ok else 0.0
+
+    gspo train --env my_agent.py:rollout --dataset rows.jsonl
+
+An agent is an `async def` function `(client, example) -> reward`, or a class whose instances
+(one per episode, made with no arguments) have such an `async def rollout(self, client,
+example)`. `client` is an `openai.AsyncOpenAI` pointed at the endpoint over the policy
+(gspo.sampling.endpoint), `example` the episode's dataset row (gspo.tasks.data.Example:
+`.prompt`, `.answer`, `.data` the row's fields). gspo runs it for each of the group's episodes,
+all concurrently in one event loop, while the endpoint batches their calls.
+
+The reward: a number (the episode's), or a list with one number per call (per-call rewards,
+summed for the episode; with --turn-advantages each call's tokens get the reward from that
+call on). The task's or --reward's rewards, if any, are added, scoring the last call's text.
+
+Recorded token for token: the row of an episode is its first call's prompt, then each call's
+sampled tokens (trained) and, between them, the tokens of what came back (tool results, user
+turns: read, never trained). Calls whose messages extend the previous call (gspo.sampling.endpoint)
+form that one sequence. A call with another history (the agent edited or dropped earlier
+messages) starts a new sequence: in this version the row is the episode's first sequence, the
+later ones are left out of the update and counted (`agent/extra_sequences`), and share the
+episode's reward in no row.
+
+Faults never hang a step. An agent that raises, returns something that is not a reward, or
+outlives the episode deadline (--episode-timeout seconds) fails its episode: one line on stderr
+naming the episode and the cause, reward 0, its tokens left out of the update (`agent/failed_frac`).
+A call after an episode ended gets an OpenAI-shaped 409 error and a line (`agent/late_calls`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from gspo.models.sequences import Rollout, left_pad
+from gspo.sampling.endpoint import Call, Endpoint, Limits
+from gspo.sampling.episodes import Episodes, run_episodes
+from gspo.tasks.env import EnvError, is_agent
+
+MODEL_NAME = "policy"
+
+
+def agent_name(agent) -> str:
+    return getattr(agent, "__name__", None) or repr(agent)
+
+
+@dataclass
+class AgentStats:
+    """Per episode (B,): failed, and sequences beyond the first (left out); late calls in all."""
+
+    failed: torch.Tensor
+    extra_sequences: torch.Tensor
+    late_calls: int = 0
+
+
+@dataclass
+class AgentResult:
+    """One episode: its calls, its reward(s), and why it failed (None: it did not)."""
+
+    calls: list[Call]
+    rewards: list[float]
+    failure: str | None = None
+
+
+def run_agents(agent, examples: list, urls: list[str], timeout: float,
+               ended=lambda i: None) -> list[tuple[list[float], str | None]]:
+    """Each episode's agent run to its end in one event loop: (rewards, failure) per episode;
+    `ended(i)` as soon as episode i's agent returned, failed or ran out of time."""
+    try:
+        import openai
+    except ImportError:
+        raise EnvError(f"agent {agent_name(agent)}: needs the openai package (pip install 'gspo[agents]')") from None
+
+    async def one(i, example, url, http):
+        client = openai.AsyncOpenAI(base_url=url, api_key="gspo", max_retries=0, timeout=timeout or None,
+                                    http_client=http)
+        try:
+            fn = agent().rollout if isinstance(agent, type) else agent
+            coro = fn(client, example)
+            out = await (asyncio.wait_for(coro, timeout) if timeout else coro)
+            return _rewards(out), None
+        except asyncio.TimeoutError:
+            return [0.0], f"ran over the episode deadline of {timeout:g} s (--episode-timeout)"
+        except Exception as e:
+            return [0.0], f"raised {type(e).__name__}: {e}"
+        finally:
+            ended(i)  # a call from now on is late
+
+    async def every():
+        # one HTTP client for every episode: making one each (its TLS context) took 50 ms an episode
+        async with openai.DefaultAsyncHttpxClient(timeout=timeout or None) as http:
+            return await asyncio.gather(*(one(i, ex, url, http) for i, (ex, url) in enumerate(zip(examples, urls))))
+
+    return asyncio.run(every())
+
+
+def _rewards(out) -> list[float]:
+    """The agent's return value as rewards (module docstring); ValueError otherwise."""
+    values = out if isinstance(out, (list, tuple)) else [out]
+    if not values or not all(isinstance(v, (int, float)) for v in values):
+        raise ValueError(f"returned {out!r}; expected a reward (a number) or a list of one per call")
+    rewards = [float(v) for v in values]
+    if not all(math.isfinite(r) for r in rewards):
+        raise ValueError(f"returned {out!r}; a reward must be finite")
+    return rewards
+
+
+def play(sampler, tokenizer, examples: list, spec, params, draws) -> tuple[Rollout, Episodes]:
+    """The episodes of `spec.env`: an agent's (run_agent_episodes), else an environment's
+    (gspo.sampling.episodes.run_episodes)."""
+    if is_agent(spec.env):
+        return run_agent_episodes(sampler, tokenizer, examples, spec, params, draws)
+    return run_episodes(sampler, tokenizer, examples, spec, params, draws)
+
+
+def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) -> tuple[Rollout, object]:
+    """`params.group_size` episodes per example of the agent `spec.env` (module docstring), as
+    run_episodes lays multi-turn episodes out: (Rollout, Episodes)."""
+    G, agent = params.group_size, spec.env
+    B = len(examples) * G
+    offset, total = draws.rows or (0, B)
+
+    def sample(prompts, max_tokens, rows):
+        import dataclasses
+        ro = sampler.sample(prompts, dataclasses.replace(params, group_size=1, max_new_tokens=max_tokens),
+                            rows=(torch.tensor([offset + r for r in rows]), total))
+        out = []
+        for j in range(len(prompts)):
+            n = int(ro.lengths[j])
+            out.append((ro.completion_ids[j, :n].tolist(), ro.logp[j, :n].tolist(), bool(ro.truncated[j])))
+        return out
+
+    endpoint = Endpoint(sample, tokenizer, MODEL_NAME, Limits(params.max_new_tokens, params.stop_token_ids,
+                                                               spec.max_turns, spec.max_tokens)).start()
+    try:
+        urls = [endpoint.open_episode(b) for b in range(B)]
+        calls = {}
+        outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, spec.timeout,
+                              ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)))
+        results = [AgentResult(calls[b], *outcomes[b]) for b in range(B)]
+    finally:
+        endpoint.stop()
+    name = agent_name(agent)
+    for b, r in enumerate(results):
+        if r.failure is None and not r.calls:
+            r.failure = "made no call to the endpoint"
+        if r.failure is None and len(r.rewards) > 1 and len(r.rewards) != len(r.calls):
+            r.failure = f"returned {len(r.rewards)} per-call rewards for {len(r.calls)} calls"
+        if r.failure is not None:
+            src = examples[b // G].source or f"row {offset + b}"
+            print(f"gspo: agent {name}: episode {offset + b} ({src}) {r.failure}: failed, reward 0", file=sys.stderr)
+            r.rewards = [0.0]
+    for line in endpoint.late_calls:
+        print(f"gspo: agent {name}: {line}", file=sys.stderr)
+    return assemble(results, tokenizer, G, len(endpoint.late_calls))
+
+
+def first_sequence(calls: list[Call]) -> list[Call]:
+    """The calls of the episode's first sequence: the first call and each one extending it."""
+    out = calls[:1]
+    for call in calls[1:]:
+        if not call.extends:
+            break
+        out.append(call)
+    return out
+
+
+def _segments(calls: list[Call], train: bool) -> list:
+    """(ids, log-probs or None, call) after the first prompt: each call's sampled tokens and the
+    tokens between (what came back, never trained); `train` False: all of them untrained."""
+    out, before = [], len(calls[0].prompt_ids)
+    for k, call in enumerate(calls):
+        if k:
+            out.append((call.prompt_ids[before:], None, k - 1))
+        out.append((call.completion_ids, call.logprobs if train else None, k))
+        before = len(call.prompt_ids) + len(call.completion_ids)
+    return out
+
+
+def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[Rollout, Episodes]:
+    """The episodes laid out as run_episodes lays them (a failed one's tokens untrained)."""
+    pad = tokenizer.pad_token_id
+    seqs = [first_sequence(r.calls) for r in results]
+    segs = [_segments(s, r.failure is None) if s else [] for s, r in zip(seqs, results)]
+    B, T = len(results), max(1, *(sum(len(ids) for ids, _, _ in row) for row in segs))
+    ids, turn_index = torch.full((B, T), pad, dtype=torch.long), torch.full((B, T), -1, dtype=torch.long)
+    model, env, logp = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T), dtype=torch.float32)
+    for b, row in enumerate(segs):
+        at = 0
+        for seg_ids, seg_logp, k in row:
+            cols = slice(at, at + len(seg_ids))
+            ids[b, cols] = torch.tensor(seg_ids, dtype=torch.long)
+            turn_index[b, cols] = k
+            if seg_logp is None:
+                env[b, cols] = 1.0
+            else:
+                model[b, cols] = 1.0
+                logp[b, cols] = torch.tensor(seg_logp, dtype=torch.float32)
+            at += len(seg_ids)
+    prompt_ids, prompt_mask = left_pad([s[0].prompt_ids if s else [pad] for s in seqs], pad, torch.device("cpu"))
+    if any(not s for s in seqs):  # an episode without a call: an empty prompt, one masked pad
+        prompt_mask[[b for b, s in enumerate(seqs) if not s]] = 0
+    lengths = torch.tensor([sum(len(i) for i, _, _ in row) for row in segs])
+    last = [s[-1] if s else None for s in seqs]
+    truncated = torch.tensor([bool(c is not None and c.truncated) for c in last])
+    ro = Rollout(prompt_ids, prompt_mask, ids, model, logp, lengths, truncated, G, None, env)
+    finals = [c.completion_ids if c is not None else [] for c in last]
+    tool_calls = [sum(len((c.reply or {}).get("tool_calls") or []) for c in s) for s in seqs]
+    ep = Episodes(final_texts=tokenizer.batch_decode(finals, skip_special_tokens=True), final_ids=finals,
+                  transcripts=[tokenizer.decode([t for i, _, _ in row for t in i]) for row in segs],
+                  turn_index=turn_index, turn_rewards=[r.rewards for r in results],
+                  turns=torch.tensor([len(s) for s in seqs]), tool_calls=torch.tensor(tool_calls),
+                  tool_errors=torch.zeros(B, dtype=torch.long), turn_limit=torch.zeros(B, dtype=torch.bool),
+                  agent=AgentStats(failed=torch.tensor([r.failure is not None for r in results]),
+                                   extra_sequences=torch.tensor([_sequences(r.calls) - 1 for r in results]),
+                                   late_calls=late))
+    return ro, ep
+
+
+def _sequences(calls: list[Call]) -> int:
+    return sum(1 for k, c in enumerate(calls) if k == 0 or not c.extends)

@@ -1,0 +1,306 @@
+"""Agents: the OpenAI-compatible endpoint over the policy (gspo.sampling.endpoint) and agent code
+run through it (gspo.sampling.agents), token for token.
+
+The model is the built-in tiny-tool (a Qwen-style chat template). The endpoint tests use a fake
+sampler whose tokens are known; the episode tests the real sampler, and check the recorded row
+against what the responses carried and against the policy's own log-probs.
+"""
+
+import asyncio
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from gspo.models.loading import load_policy
+from gspo.sampling.agents import run_agent_episodes
+from gspo.sampling.endpoint import Endpoint, Limits
+from gspo.sampling.episodes import Draws, EpisodeSpec
+from gspo.sampling.rollout import PolicySampler, sampling_params
+from gspo.tasks.data import Example
+
+pytest.importorskip("openai")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    model, tok = load_policy("tiny-tool")
+    return model, tok
+
+
+class FakeSampler:
+    """Samples `text` (cut to max_tokens) for every prompt and records each batch."""
+
+    def __init__(self, tok, text="ok", end=True):
+        self.tok, self.batches = tok, []
+        self.ids = tok(text, add_special_tokens=False)["input_ids"] + ([tok.convert_tokens_to_ids("<|im_end|>")]
+                                                                       if end else [])
+
+    def __call__(self, prompts, max_tokens, rows):
+        self.batches.append((list(prompts), max_tokens, list(rows)))
+        ids = self.ids[:max_tokens]
+        return [(ids, [-0.5] * len(ids), len(ids) < len(self.ids)) for _ in prompts]
+
+
+def endpoint_for(tok, sampler, **kw):
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
+    return Endpoint(sampler, tok, "policy", Limits(kw.pop("max_new_tokens", 16), stop, **kw)).start()
+
+
+def post(url, route, body):
+    r = httpx.post(f"{url}/{route}", json=body, timeout=30)
+    return r.status_code, r.json()
+
+
+def rendered(tok, messages):
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
+    _, tok = tiny
+    fake = FakeSampler(tok, "42")
+    ep = endpoint_for(tok, fake)
+    try:
+        url = ep.open_episode(3)
+        status, models = 200, httpx.get(f"{url}/models").json()
+        assert models["data"][0]["id"] == "policy" and models["object"] == "list"
+        messages = [{"role": "user", "content": "2+40="}]
+        status, r = post(url, "chat/completions", {"model": "policy", "messages": messages, "logprobs": True})
+        assert status == 200, r
+        assert r["object"] == "chat.completion" and r["model"] == "policy"
+        choice = r["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": "42"}  # <|im_end|> sampled, not in the text
+        assert choice["finish_reason"] == "stop"
+        assert choice["token_ids"] == fake.ids and r["prompt_token_ids"] == rendered(tok, messages)
+        assert [c["logprob"] for c in choice["logprobs"]["content"]] == [-0.5] * len(fake.ids)
+        assert r["usage"] == {"prompt_tokens": len(r["prompt_token_ids"]), "completion_tokens": len(fake.ids),
+                              "total_tokens": len(r["prompt_token_ids"]) + len(fake.ids)}
+        assert fake.batches[0][2] == [3]  # the episode's row
+    finally:
+        ep.stop()
+
+
+def test_a_call_extending_the_last_keeps_its_sampled_tokens_and_an_edit_starts_anew(tiny):
+    _, tok = tiny
+    fake = FakeSampler(tok, "42")
+    ep = endpoint_for(tok, fake)
+    try:
+        url = ep.open_episode(0)
+        first = [{"role": "user", "content": "2+40="}]
+        _, r1 = post(url, "chat/completions", {"messages": first})
+        reply = r1["choices"][0]["message"]
+        second = first + [reply, {"role": "user", "content": "and 1 more"}]
+        _, r2 = post(url, "chat/completions", {"messages": second})
+        # the prompt is the first prompt, the tokens sampled (never re-tokenised), then the new turn's tokens:
+        # "\n<|im_start|>user\nand 1 more<|im_end|>\n<|im_start|>assistant\n" after the sampled <|im_end|>
+        before = r1["prompt_token_ids"] + r1["choices"][0]["token_ids"]
+        assert r2["prompt_token_ids"][:len(before)] == before
+        tail = tok.decode(r2["prompt_token_ids"][len(before):])
+        assert tail == "\n<|im_start|>user\nand 1 more<|im_end|>\n<|im_start|>assistant\n"
+        edited = first + [{"role": "assistant", "content": "41"}, {"role": "user", "content": "and 1 more"}]
+        _, r3 = post(url, "chat/completions", {"messages": edited})
+        assert r3["prompt_token_ids"] == rendered(tok, edited)
+        calls = ep.close_episode(0)
+        assert [c.extends for c in calls] == [False, True, False]
+    finally:
+        ep.stop()
+
+
+def test_errors_are_openai_shaped_and_a_late_call_is_refused(tiny):
+    _, tok = tiny
+    ep = endpoint_for(tok, FakeSampler(tok), max_calls=2)
+    try:
+        url = ep.open_episode(1)
+        msgs = [{"role": "user", "content": "hi"}]
+        cases = [({"messages": msgs, "n": 2}, 400, "n"), ({"messages": msgs, "stream": True}, 400, "stream"),
+                 ({"messages": []}, 400, "messages"), ({"messages": msgs, "max_tokens": 0}, 400, "max_tokens")]
+        for body, status, param in cases:
+            got, r = post(url, "chat/completions", body)
+            assert got == status and r["error"]["param"] == param and r["error"]["type"] == "invalid_request_error"
+            assert set(r["error"]) == {"message", "type", "param", "code"}
+        assert httpx.post(f"{url}/chat/completions", content=b"{not json", timeout=10).status_code == 400
+        assert post(url.replace("/e/1/", "/e/9/"), "chat/completions", {"messages": msgs})[0] == 404
+        assert post(url, "chat/completions", {"messages": msgs})[0] == 200
+        assert post(url, "completions", {"prompt": "hi"})[0] == 200
+        got, r = post(url, "chat/completions", {"messages": msgs})  # a third call: over max_calls (--max-turns)
+        assert got == 400 and r["error"]["code"] == "turn_limit"
+        ep.close_episode(1)
+        got, r = post(url, "chat/completions", {"messages": msgs})
+        assert got == 409 and r["error"]["code"] == "episode_ended"
+        assert ep.late_calls == ["episode 1: POST /v1/chat/completions after its episode ended (refused)"]
+    finally:
+        ep.stop()
+
+
+def test_concurrent_calls_are_sampled_in_one_batch(tiny):
+    _, tok = tiny
+    fake = FakeSampler(tok)
+    ep = endpoint_for(tok, fake, window=0.2)
+    try:
+        urls = [ep.open_episode(b) for b in range(6)]
+        threads = [threading.Thread(target=post, args=(u, "chat/completions",
+                                                       {"messages": [{"role": "user", "content": f"q{b}"}]}))
+                   for b, u in enumerate(urls)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sum(ep.batches) == 6 and max(ep.batches) > 1  # 6 requests, not 6 sampler calls
+        assert sorted(r for _, _, rows in fake.batches for r in rows) == list(range(6))
+    finally:
+        ep.stop()
+
+
+def test_max_tokens_only_lowers_the_runs_cap_and_a_cut_is_length(tiny):
+    _, tok = tiny
+    fake = FakeSampler(tok, "abcdef")
+    ep = endpoint_for(tok, fake, max_new_tokens=4)
+    try:
+        url = ep.open_episode(0)
+        _, r = post(url, "chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100})
+        assert len(r["choices"][0]["token_ids"]) == 4 and r["choices"][0]["finish_reason"] == "length"
+        _, r = post(url, "completions", {"prompt": "x", "max_tokens": 2})
+        assert r["choices"][0]["text"] == "ab" and r["choices"][0]["finish_reason"] == "length"
+    finally:
+        ep.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# episodes: the real sampler
+# ------------------------------------------------------------------------------------------------
+
+def episodes(tiny, agent, n=2, G=2, timeout=30.0, max_new_tokens=6):
+    model, tok = tiny
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
+    params = sampling_params(tok, stop=stop, group_size=G, max_new_tokens=max_new_tokens)
+    examples = [Example(prompt=f"{i}+1=", answer=str(i + 1), source=f"row {i}") for i in range(n)]
+    spec = EpisodeSpec(agent, max_turns=4, timeout=timeout)
+    return run_agent_episodes(PolicySampler(model), tok, examples, spec, params, Draws())
+
+
+def test_an_agents_calls_are_recorded_token_for_token(tiny):
+    model, tok = tiny
+    seen = {}
+
+    async def agent(client, example):
+        msgs = [{"role": "user", "content": example.prompt}]
+        r1 = await client.chat.completions.create(model="policy", messages=msgs, logprobs=True)
+        msgs += [r1.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+        r2 = await client.chat.completions.create(model="policy", messages=msgs, logprobs=True)
+        key = str(client.base_url)
+        seen[key] = [(r.prompt_token_ids, r.choices[0].token_ids, [c.logprob for c in r.choices[0].logprobs.content])
+                     for r in (r1, r2)]
+        return 1.0 if example.answer in r2.choices[0].message.content else 0.25
+
+    ro, ep = episodes(tiny, agent)
+    assert len(seen) == 4 and ep.agent.failed.sum() == 0 and ep.agent.extra_sequences.sum() == 0
+    for b in range(4):
+        (p1, c1, l1), (p2, c2, l2) = _by_row(seen, b)
+        prompt = ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist()
+        assert prompt == p1
+        n = int(ro.lengths[b])
+        row = ro.completion_ids[b, :n].tolist()
+        between = p2[len(p1) + len(c1):]
+        assert row == c1 + between + c2  # the first call's tokens, what came back, the second call's
+        model_cols = ro.completion_mask[b, :n].tolist()
+        assert model_cols == [1.0] * len(c1) + [0.0] * len(between) + [1.0] * len(c2)
+        assert ro.env_mask[b, :n].tolist() == [0.0] * len(c1) + [1.0] * len(between) + [0.0] * len(c2)
+        assert ro.logp[b, :n][ro.completion_mask[b, :n].bool()].tolist() == pytest.approx(l1 + l2, abs=1e-6)
+        # the recorded log-probs are the policy's: a teacher-forced forward over the row gives them back
+        ids = torch.tensor([p1 + row])
+        with torch.no_grad():
+            logits = model(ids).logits.float().log_softmax(-1)[0, len(p1) - 1:-1]
+        forward = logits.gather(-1, torch.tensor(row)[:, None])[:, 0]
+        on = ro.completion_mask[b, :n].bool()
+        assert forward[on].tolist() == pytest.approx(ro.logp[b, :n][on].tolist(), abs=1e-4)
+    assert ep.turns.tolist() == [2, 2, 2, 2]
+
+
+def _by_row(seen: dict, b: int):
+    (key,) = [k for k in seen if k.rstrip("/").endswith(f"/e/{b}/v1")]
+    return seen[key]
+
+
+def test_faults_fail_their_episode_in_one_line_and_the_rest_train(tiny, capsys):
+    late = {}
+
+    async def agent(client, example):
+        b = int(str(client.base_url).rstrip("/").split("/")[-2])
+        r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}])
+        if b == 0:
+            raise ValueError("the tool server is down")
+        if b == 1:
+            await asyncio.sleep(5)  # over the 1 s deadline
+        if b == 2:  # a call after its episode ended, from a thread the agent left behind
+            url = str(client.base_url).rstrip("/")
+            threading.Thread(target=lambda: late.update(r=post(url, "chat/completions",
+                                                                {"messages": [{"role": "user", "content": "x"}]})),
+                             daemon=True).start()
+            return [1.0, 2.0]  # two per-call rewards for one call
+        await asyncio.sleep(0.5)  # episode 3 outlives 2's return, so the endpoint is up for the late call
+        return 0.5 if r.choices else 0.0
+
+    t0 = time.perf_counter()
+    ro, ep = episodes(tiny, agent, timeout=1.0)
+    assert time.perf_counter() - t0 < 15  # the sleeping agent was cut at its deadline
+    err = capsys.readouterr().err.splitlines()
+    lines = [line for line in err if line.startswith("gspo: agent agent:")]
+    assert any("episode 0 (row 0) raised ValueError: the tool server is down: failed, reward 0" in x for x in lines)
+    assert any("episode 1 (row 0) ran over the episode deadline of 1 s (--episode-timeout): failed" in x
+               for x in lines)
+    assert any("episode 2 (row 1) returned 2 per-call rewards for 1 calls: failed" in x for x in lines)
+    assert ep.agent.failed.tolist() == [True, True, True, False]
+    assert [r for r in ep.turn_rewards] == [[0.0], [0.0], [0.0], [0.5]]
+    assert ro.completion_mask[:3].sum() == 0 and ro.completion_mask[3].sum() > 0  # failed: read, never trained
+    assert late["r"][0] == 409 and late["r"][1]["error"]["code"] == "episode_ended"
+    assert ep.agent.late_calls == 1
+
+
+def test_gspo_train_runs_an_agent_file_and_says_so(tmp_path):
+    import subprocess
+
+    agent = tmp_path / "my_agent.py"
+    agent.write_text(
+        "async def rollout(client, example):\n"
+        "    r = await client.chat.completions.create(model='policy', messages=[{'role': 'user', "
+        "'content': example.prompt}])\n"
+        "    return float(example.answer in r.choices[0].message.content)\n")
+    cmd = [sys.executable, "-m", "gspo", "train", "--model", "tiny-tool", "--task", "arithmetic", "--env",
+           f"{agent}:rollout", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens",
+           "6", "--eval-size", "0", "--no-progress", "--output-dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "agent rollout() over an OpenAI endpoint on 127.0.0.1 (up to 10 calls an episode, deadline 300 s)" \
+        in p.stdout + p.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[-1]["agent/failed_frac"] == 0.0 and rows[-1]["episode/turns"] == 1.0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["plan"]["agent"] == {"timeout": 300.0} and summary["plan"]["env"] == "rollout"
+    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "run2"), "--rollout-engine", "vllm"], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
+        "gspo train: error: env rollout (an agent): --rollout-engine vllm: not yet (the endpoint samples with "
+        "--rollout-engine hf)")
+    assert not (tmp_path / "run2" / "metrics.jsonl").exists()
+
+
+def test_the_python_api_takes_the_function_itself(tmp_path):
+    import gspo
+
+    async def rollout(client, example):
+        r = await client.completions.create(model="policy", prompt=example.prompt, max_tokens=4)
+        return float(r.choices[0].text.strip() == str(example.answer))
+
+    cfg = gspo.TrainConfig(model="tiny-tool", task="arithmetic", steps=1, prompts_per_step=2, group_size=2,
+                           max_new_tokens=4, eval_size=0, progress=False, output_dir=str(tmp_path / "run"))
+    summary = gspo.Trainer(cfg, env=rollout).train()
+    assert summary["plan"]["agent"] == {"timeout": 300.0} and summary["plan"]["env"] == "rollout"
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["agent/failed_frac"] == 0.0 and row["episode/env_tokens"] == 0.0  # one completions call each
