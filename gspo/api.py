@@ -22,7 +22,10 @@ In the spirit of TRL's `GRPOTrainer(model=..., reward_funcs=[...], train_dataset
   `completion_ids=`, every column; return None where a reward does not apply), reward names
   (gspo.rewards.builtin), and/or learned reward models by directory or Hub id (gspo.rewards.model);
 - `env`: the environment of multi-turn episodes, a class (gspo.tasks.env; one instance per episode)
-  or its `path.py:Class` name;
+  or its `path.py:Class` name; or agent code, an `async def rollout(client, example)` talking to
+  the policy through an OpenAI client (gspo.sampling.agents);
+- `environment_factory`: TRL's environments, a class with `reset(**row)` whose other methods are
+  tools (gspo.tasks.trlenv), as GRPOTrainer takes it; `env` takes such a class too;
 - `callbacks`: each a callable `(step, metrics) -> bool | None`, or an object with such an
   `on_step_end` method; it sees every step's metrics (the row of metrics.jsonl) and stops the
   run by returning True (a checkpoint is written at that step, then the final evaluation).
@@ -48,11 +51,13 @@ from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.checks import check_value
 from gspo.config.yamlfile import in_memory, load_yaml
 from gspo.sampling.samplers import Inputs
+from gspo.tasks.trlenv import adapted, trl_environment
 
 
 class Trainer:
     def __init__(self, config: TrainConfig | None = None, *, model=None, tokenizer=None, train_dataset=None,
-                 eval_dataset=None, reward_funcs=None, env=None, callbacks=(), args=None, processing_class=None):
+                 eval_dataset=None, reward_funcs=None, env=None, callbacks=(), args=None, processing_class=None,
+                 environment_factory=None):
         config = _either(config, args, "config", "args")  # TRL's names: args, processing_class
         tokenizer = _either(tokenizer, processing_class, "tokenizer", "processing_class")
         if config is not None and not isinstance(config, TrainConfig):
@@ -73,6 +78,13 @@ class Trainer:
             changes["reward"] = tuple(f if isinstance(f, str) else f"<{getattr(f, '__name__', 'reward')}>"
                                       for f in funcs)
             reward_funcs = funcs
+        if environment_factory is not None:  # TRL's: an environment class whose methods are tools
+            if env is not None:
+                raise ConfigError("env and environment_factory: pass one (environment_factory is TRL's name for a "
+                                  "class with reset and tool methods; env takes it too)")
+            env = trl_environment(environment_factory)
+        elif env is not None and not isinstance(env, str):
+            env = adapted(env)
         if env is not None:
             changes["env"] = env if isinstance(env, str) else f"<{getattr(env, '__name__', 'env')}>"
         checked = {f.name: check_value(f.name, getattr(cfg, f.name), f.name) for f in options()}

@@ -69,7 +69,7 @@ def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
     ep = endpoint_for(tok, fake)
     try:
         url = ep.open_episode(3)
-        status, models = 200, httpx.get(f"{url}/models").json()
+        models = httpx.get(f"{url}/models").json()
         assert models["data"][0]["id"] == "policy" and models["object"] == "list"
         messages = [{"role": "user", "content": "2+40="}]
         status, r = post(url, "chat/completions", {"model": "policy", "messages": messages, "logprobs": True})
@@ -283,11 +283,11 @@ def test_gspo_train_runs_an_agent_file_and_says_so(tmp_path):
     assert len(rows) == 2 and rows[-1]["agent/failed_frac"] == 0.0 and rows[-1]["episode/turns"] == 1.0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["plan"]["agent"] == {"timeout": 300.0} and summary["plan"]["env"] == "rollout"
-    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "run2"), "--rollout-engine", "vllm"], capture_output=True,
+    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "run2"), "--rollout-workers", "1"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and bad.stderr.strip().splitlines()[-1] == (
-        "gspo train: error: env rollout (an agent): --rollout-engine vllm: not yet (the endpoint samples with "
-        "--rollout-engine hf)")
+        "gspo train: error: env rollout (an agent): --rollout-workers: not yet (the endpoint runs in the "
+        "trainer's process)")
     assert not (tmp_path / "run2" / "metrics.jsonl").exists()
 
 

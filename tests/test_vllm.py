@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -288,6 +289,22 @@ def test_multi_turn_episodes_sample_on_vllm(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     m = rows(run)
     assert len(m) == 2 and all(x["mismatch/token_abs"] < 1e-4 for x in m), [x["mismatch/token_abs"] for x in m]
+    assert m[0]["episode/turns"] > 1.2 and m[0]["episode/env_tokens"] > 10 and m[0]["episode/tool_calls"] > 0.2
+
+
+def test_an_agent_samples_through_the_endpoint_on_vllm(tmp_path):
+    # agent code (examples/agents/calculator_agent.py) against the OpenAI endpoint, the engine behind it:
+    # the endpoint's batch thread calls the engine; the calls' tokens and log-probs are the engine's, and the
+    # trainer's recomputation over the recorded episodes matches them as it does for gspo's own episodes
+    run = tmp_path / "run"
+    agent = f"{Path(__file__).parents[1] / 'examples' / 'agents' / 'calculator_agent.py'}:rollout"
+    r = gspo("train", "--task", "calculator", "--env", agent, *FAST, "--steps", "2", "--rollout-engine", "vllm",
+             "--old-logp", "recompute", "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "agent rollout() over an OpenAI endpoint on 127.0.0.1" in r.stdout
+    m = rows(run)
+    assert len(m) == 2 and all(x["mismatch/token_abs"] < 1e-4 for x in m), [x["mismatch/token_abs"] for x in m]
+    assert all(x["agent/failed_frac"] == 0.0 and x["agent/extra_sequences"] == 0.0 for x in m)
     assert m[0]["episode/turns"] > 1.2 and m[0]["episode/env_tokens"] > 10 and m[0]["episode/tool_calls"] > 0.2
 
 

@@ -369,11 +369,13 @@ def _value(v, name: str, source: str) -> float:
 
 
 def score_completions(rewards: list[Reward], examples: list, completions: list[str], completion_ids: list[list[int]],
-                      group_size: int, trainer_state: TrainerState | None = None) -> tuple[list[float], dict]:
+                      group_size: int, trainer_state: TrainerState | None = None,
+                      environments: list | None = None) -> tuple[list[float], dict]:
     """Score completion b of example b // group_size with every reward (the TRL calling convention).
 
     Conversational examples get their completions as `[{"role": "assistant", "content": text}]`; each keyword
-    holds one value per completion (`prompts`, `completion_ids`, `answer`, every column); `trainer_state` one.
+    holds one value per completion (`prompts`, `completion_ids`, `answer`, every column, and with
+    multi-turn episodes `environments`, each episode's environment, as TRL passes them); `trainer_state` one.
     """
     rows = [examples[b // group_size] for b in range(len(completions))]
     comps = [[{"role": "assistant", "content": c}] if ex.is_chat else c for c, ex in zip(completions, rows)]
@@ -382,4 +384,6 @@ def score_completions(rewards: list[Reward], examples: list, completions: list[s
     kwargs["answer"] = [ex.answer for ex in rows]
     kwargs["prompts"] = [ex.prompt for ex in rows]
     kwargs["completion_ids"] = completion_ids
+    if environments is not None:
+        kwargs["environments"] = environments
     return apply_rewards(rewards, comps, kwargs, [ex.source for ex in rows], trainer_state)

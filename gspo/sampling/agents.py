@@ -43,7 +43,7 @@ import torch
 
 from gspo.models.sequences import Rollout, left_pad
 from gspo.sampling.endpoint import Call, Endpoint, Limits
-from gspo.sampling.episodes import Episodes, run_episodes
+from gspo.sampling.episodes import Episodes, lay_out, run_episodes
 from gspo.tasks.env import EnvError, is_agent
 
 MODEL_NAME = "policy"
@@ -191,21 +191,8 @@ def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[
     pad = tokenizer.pad_token_id
     seqs = [first_sequence(r.calls) for r in results]
     segs = [_segments(s, r.failure is None) if s else [] for s, r in zip(seqs, results)]
-    B, T = len(results), max(1, *(sum(len(ids) for ids, _, _ in row) for row in segs))
-    ids, turn_index = torch.full((B, T), pad, dtype=torch.long), torch.full((B, T), -1, dtype=torch.long)
-    model, env, logp = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T), dtype=torch.float32)
-    for b, row in enumerate(segs):
-        at = 0
-        for seg_ids, seg_logp, k in row:
-            cols = slice(at, at + len(seg_ids))
-            ids[b, cols] = torch.tensor(seg_ids, dtype=torch.long)
-            turn_index[b, cols] = k
-            if seg_logp is None:
-                env[b, cols] = 1.0
-            else:
-                model[b, cols] = 1.0
-                logp[b, cols] = torch.tensor(seg_logp, dtype=torch.float32)
-            at += len(seg_ids)
+    B = len(results)
+    ids, model, env, logp, turn_index = lay_out(segs, pad)
     prompt_ids, prompt_mask = left_pad([s[0].prompt_ids if s else [pad] for s in seqs], pad, torch.device("cpu"))
     if any(not s for s in seqs):  # an episode without a call: an empty prompt, one masked pad
         prompt_mask[[b for b, s in enumerate(seqs) if not s]] = 0

@@ -212,8 +212,7 @@ class Endpoint:
                                                                       for m in messages):
             raise RequestError(400, "messages: expected a non-empty list of {'role': ..., 'content': ...}",
                                "invalid_messages", "messages")
-        tools = body.get("tools") or None
-        schemas = [t.get("function", t) for t in tools] if tools else None
+        schemas = body.get("tools") or None  # OpenAI's {"type": "function", "function": {...}}: what templates take
         last = ep.calls[-1] if ep.calls else None
         if last is not None and last.messages is not None:
             k = len(last.messages)
@@ -275,8 +274,9 @@ class Endpoint:
                         "name": str(call["name"]), "arguments": args if isinstance(args, str) else json.dumps(args)}})
                 except (ValueError, KeyError, TypeError, AttributeError):
                     continue  # not a call: it stays in the content, as the model wrote it
-            if calls:
+            if calls:  # OpenAI's shape: the calls apart, the content what is left (a template renders them back)
                 msg["tool_calls"] = calls
+                msg["content"] = TOOL_CALL.sub("", text).strip()
         return msg
 
     def _chat_response(self, call: Call, body: dict) -> dict:

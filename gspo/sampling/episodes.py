@@ -115,6 +115,7 @@ class Episodes:
     tool_errors: Tensor  # (B,) of which failed
     turn_limit: Tensor  # (B,) ended by max_turns, the environment not done
     agent: object = None  # agents (gspo.sampling.agents.AgentStats): failed episodes, extra sequences, late calls
+    envs: list | None = None  # (B,) the episodes' environments, as reward functions get them (`environments=`)
 
     @property
     def env_reward(self) -> Tensor:
@@ -155,7 +156,13 @@ def run_episodes(sampler, tokenizer, examples: list, spec: EpisodeSpec, params: 
     offset, total = draws.rows or (0, B)
     envs = [start_env(env_cls, examples[b // G]) for b in range(B)]
     tools = tool_schemas(list(getattr(env_cls, "tools", None) or []))
-    prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], spec.max_prompt_length, tools)
+    suffixes = [getattr(env, "prompt_suffix", None) for env in envs]  # reset's text for the prompt (TRL's)
+    if any(suffixes):  # each episode its own prompt: turn 0 samples one completion of each
+        prompts = encode_prompts(tokenizer, [with_suffix(examples[b // G].prompt, suffixes[b]) for b in range(B)],
+                                 spec.max_prompt_length, tools)
+    else:
+        prompts = [p for p in encode_prompts(tokenizer, [ex.prompt for ex in examples], spec.max_prompt_length, tools)
+                   for _ in range(G)]
     state = [_Row() for _ in range(B)]
     at = _Turns(spec, params, tokenizer, tools)
     first = None
@@ -163,13 +170,17 @@ def run_episodes(sampler, tokenizer, examples: list, spec: EpisodeSpec, params: 
         active = [b for b in range(B) if not state[b].done]
         if (draws.dist.max_int(len(active)) if draws.dist is not None else len(active)) == 0:
             break
-        if turn == 0:
-            ro = first = sampler.sample(prompts, params, generator=draws.generator_for(0), rows=(offset, total))
+        if turn == 0 and any(suffixes):
+            ro = first = sampler.sample(prompts, dataclasses.replace(params, group_size=1),
+                                        generator=draws.generator_for(0), rows=(offset, total))
+            live = list(range(B))
+        elif turn == 0:
+            ro = first = sampler.sample(prompts[::G], params, generator=draws.generator_for(0), rows=(offset, total))
             live = list(range(B))
         else:
             live = active or [0]  # a stand-in row (its result unused): every process samples every turn
             room = max(1, *(_room(state[b], params.max_new_tokens, spec.max_tokens) for b in live))
-            ro = sampler.sample([prompts[b // G] + state[b].ids() for b in live],
+            ro = sampler.sample([prompts[b] + state[b].ids() for b in live],
                                 dataclasses.replace(params, group_size=1, max_new_tokens=room),
                                 generator=draws.generator_for(turn),
                                 rows=(torch.tensor([offset + b for b in live]), total))
@@ -180,7 +191,36 @@ def run_episodes(sampler, tokenizer, examples: list, spec: EpisodeSpec, params: 
                           [examples[b // G].source for b in asked], getattr(env_cls, "concurrency", 1))
         for b, step in zip(asked, steps):
             _env_turn(state[b], step, turn, at)
-    return _assemble(first, state, tokenizer, G)
+    for env, row, ex in zip(envs, state, (examples[b // G] for b in range(B))):
+        _finish(env, row, ex)
+    ro, ep = _assemble(first, state, tokenizer, G)
+    ep.envs = [env.user_object() if hasattr(env, "user_object") else env for env in envs]
+    return ro, ep
+
+
+def with_suffix(prompt, suffix: str | None):
+    """The prompt with `suffix` appended to its last message (a chat prompt) or its text."""
+    if not suffix:
+        return prompt
+    if isinstance(prompt, list):
+        return [*prompt[:-1], {**prompt[-1], "content": str(prompt[-1].get("content") or "") + suffix}]
+    return prompt + suffix
+
+
+def _finish(env, row: _Row, example) -> None:
+    """The environment's `finish()` (optional), once its episode ended: added to its last turn's reward."""
+    finish = getattr(env, "finish", None)
+    if not callable(finish):
+        return
+    try:
+        reward = float(finish())
+    except Exception as e:
+        raise EnvError(f"env {type(env).__name__}: finishing the episode on {example.source or 'a row'} raised "
+                       f"{type(e).__name__}: {e}") from None
+    if row.rewards:
+        row.rewards[-1] += reward
+    else:
+        row.rewards.append(reward)
 
 
 def start_env(env_cls, example):
@@ -257,15 +297,16 @@ def _step(env, text: str, source: str) -> Step:
     return step
 
 
-def _assemble(first: Rollout, state: list[_Row], tokenizer, G: int) -> tuple[Rollout, Episodes]:
-    """The episodes laid out as a Rollout (model and environment tokens after the prompt)."""
-    B, T = len(state), max(1, max(row.used for row in state))
-    ids = torch.full((B, T), tokenizer.pad_token_id, dtype=torch.long)
+def lay_out(rows: list[list], pad: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Each row's segments (ids, log-probs or None for the environment's, turn) side by side:
+    (B, T) ids, model mask, environment mask, log-probs and turn index (-1 on padding)."""
+    B, T = len(rows), max(1, *(sum(len(seg[0]) for seg in row) for row in rows))
+    ids = torch.full((B, T), pad, dtype=torch.long)
     model, env, logp = torch.zeros((B, T)), torch.zeros((B, T)), torch.zeros((B, T), dtype=torch.float32)
     turn_index = torch.full((B, T), -1, dtype=torch.long)
-    for b, row in enumerate(state):
+    for b, row in enumerate(rows):
         at = 0
-        for seg_ids, seg_logp, turn in row.segments:
+        for seg_ids, seg_logp, turn in row:
             cols = slice(at, at + len(seg_ids))
             ids[b, cols] = torch.tensor(seg_ids, dtype=torch.long)
             turn_index[b, cols] = turn
@@ -275,6 +316,12 @@ def _assemble(first: Rollout, state: list[_Row], tokenizer, G: int) -> tuple[Rol
                 model[b, cols] = 1.0
                 logp[b, cols] = torch.tensor(seg_logp, dtype=torch.float32)
             at += len(seg_ids)
+    return ids, model, env, logp, turn_index
+
+
+def _assemble(first: Rollout, state: list[_Row], tokenizer, G: int) -> tuple[Rollout, Episodes]:
+    """The episodes laid out as a Rollout (model and environment tokens after the prompt)."""
+    ids, model, env, logp, turn_index = lay_out([row.segments for row in state], tokenizer.pad_token_id)
     dev = first.completion_ids.device
     ro = Rollout(first.prompt_ids, first.prompt_mask, ids.to(dev), model.to(dev), logp.to(dev),
                  torch.tensor([row.used for row in state], device=dev),

@@ -68,6 +68,7 @@ from gspo.sampling.rollout import Sampler, stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
 from gspo.tasks.base import Task, for_tokenizer
 from gspo.tasks.env import episode_env
+from gspo.tasks.trlenv import adapted
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -218,7 +219,7 @@ def sampling_side(cfg: TrainConfig, device: torch.device) -> Side:
     if own.policy.param_dtype != cfg.policy.param_dtype:  # where the trainer's process makes its low-precision copy
         cast_parameters(policy, DTYPES[own.policy.param_dtype])
     disable_dropout(policy)
-    env, max_turns = episode_env(cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
+    env, max_turns = episode_env(adapted(cfg.episodes.env), task, cfg.episodes.max_turns, tokenizer)
     sampler, _ = sampler_and_routing(own, policy, Dist(device=device), inputs)
     rewards = rewards_for(cfg, task, inputs, device)
     return Side(cfg, Dist(device=device), task, tokenizer, policy, sampler, rewards, env, max_turns,

@@ -10,6 +10,7 @@ An environment is a class with a no-argument constructor; gspo makes one per epi
         concurrency = 1                             # >1: that many episodes' steps at once, in threads
         def reset(self, example) -> None: ...       # the episode's dataset row (a gspo.tasks.data.Example)
         def step(self, text: str) -> Step: ...      # the model's turn, decoded -> what comes back
+        def finish(self) -> float: ...              # optional: once the episode ended, added to its reward
 
 `Step(messages, reward, done)`: the messages appended to the conversation (role "tool" or
 "user"; rendered by the chat template into environment tokens, which the model reads but is
@@ -40,6 +41,12 @@ from pathlib import Path
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 AGENT_MAX_CALLS = 10  # an agent's calls per episode at most, without --max-turns
+
+
+def is_trl_environment(obj) -> bool:
+    """A TRL `environment_factory` class (gspo.tasks.trlenv): `reset` and no `step`."""
+    return (isinstance(obj, type) and callable(getattr(obj, "reset", None))
+            and not callable(getattr(obj, "step", None)))
 
 
 def is_agent(obj) -> bool:
@@ -149,6 +156,9 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
     schemas = []
     for fn in tools:
+        if hasattr(fn, "json_schema"):  # a tool given by its schema (gspo.tasks.openenv's `step`)
+            schemas.append(fn.json_schema)
+            continue
         try:
             schemas.append(get_json_schema(fn))
         except Exception as e:
@@ -179,11 +189,11 @@ def load_env(spec: str):
     cls = getattr(module, attr, None)
     if cls is None:
         raise EnvError(f"env {spec!r}: {target} has no {attr!r}")
-    if is_agent(cls):
+    if is_agent(cls) or is_trl_environment(cls):
         return cls
     if not callable(getattr(cls, "step", None)):
-        raise EnvError(f"env {spec!r}: {attr} has no step(text) method (nor is it an agent: an async def "
-                       f"rollout(client, example) function, or a class with one)")
+        raise EnvError(f"env {spec!r}: {attr} has no step(text) method (nor is it an agent, an async def "
+                       f"rollout(client, example) function or a class with one, or a TRL environment with reset)")
     tool_schemas(list(getattr(cls, "tools", []) or []))  # the tools' schemas can be made
     return cls
 

@@ -91,8 +91,8 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
     shown = _Shown(o, len(examples))
     for start in shown.bar(range(0, len(examples), batch_size)):
         chunk = examples[start:start + batch_size]
-        texts, ids, env_reward = _complete(model, tokenizer, chunk, greedy, None, episode)
-        weighted, per = score_completions(rewards, chunk, texts, ids, 1, trainer_state)
+        texts, ids, env_reward, envs = _complete(model, tokenizer, chunk, greedy, None, episode)
+        weighted, per = score_completions(rewards, chunk, texts, ids, 1, trainer_state, envs)
         values = [v for v in per[first] if v == v]  # None (NaN): the reward does not apply to that row
         sums["acc"] += sum(values)
         sums["scored"] += len(values)
@@ -100,8 +100,8 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
         sums["env"] += sum(env_reward)
         sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
-            texts, ids, _ = _complete(model, tokenizer, chunk, sampled, gen, episode)
-            _, per = score_completions(rewards, chunk, texts, ids, k, trainer_state)
+            texts, ids, _, envs = _complete(model, tokenizer, chunk, sampled, gen, episode)
+            _, per = score_completions(rewards, chunk, texts, ids, k, trainer_state, envs)
             r = torch.tensor(per[first]).view(len(chunk), k)  # (rows, k); NaN where it does not apply
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
             sums["sample_acc"] += float(r.nan_to_num(0.0).sum())
@@ -147,15 +147,15 @@ def _result(sums: dict, *, n: int, k: int, metric: str, env: bool = False) -> di
 
 
 def _complete(model, tokenizer, examples, params, generator,
-              episode: EpisodeSpec) -> tuple[list[str], list[list[int]], list[float]]:
-    """The texts and token ids the rewards score, and the environment's reward of each: single-turn
-    completions (no environment: 0), or (episode.env) the final model turn of each episode and
-    the sum of its turn rewards."""
+              episode: EpisodeSpec) -> tuple[list[str], list[list[int]], list[float], list | None]:
+    """The texts and token ids the rewards score, the environment's reward of each, and the
+    environments (reward functions' `environments=`): single-turn completions (no environment:
+    0, None), or (episode.env) the final model turn of each episode and the sum of its turn rewards."""
     if episode.env is not None:
         _, ep = play(PolicySampler(model), tokenizer, examples, episode, params,  # an environment's or an agent's
                      Draws(generator_for=lambda turn: generator))
-        return ep.final_texts, ep.final_ids, ep.env_reward.tolist()
+        return ep.final_texts, ep.final_ids, ep.env_reward.tolist(), ep.envs
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], episode.max_prompt_length)
     ro = cut_at_stop_strings(generate(model, prompts, params, generator=generator), tokenizer, episode.stop_strings)
     texts, ids = decode_completions(tokenizer, ro)
-    return texts, ids, [0.0] * len(texts)
+    return texts, ids, [0.0] * len(texts), None

@@ -48,6 +48,7 @@ from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler
 from gspo.tasks.base import Task, for_tokenizer, prompt_note
 from gspo.tasks.data import DataError
 from gspo.tasks.env import episode_env, is_agent, tool_schemas
+from gspo.tasks.trlenv import adapted
 from gspo.train import checkpoint as ckpt
 from gspo.train.critic import NoCritic, make_critic
 from gspo.train.lifecycle import check_no_writer
@@ -168,7 +169,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     policy, tokenizer = load_policy_for(cfg, resume_from, dist.device, inputs)
     task = for_tokenizer(task, tokenizer)  # a task's own system prompt, as plain text without a chat template
     _check_chat_template(cfg, task, tokenizer)
-    env, max_turns = episode_env(inputs.env or cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
+    env, max_turns = episode_env(adapted(inputs.env or cfg.episodes.env), task, cfg.episodes.max_turns, tokenizer)
     check_agent(cfg, env, dist)
     cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
     rewards = rewards_for(cfg, task, inputs, dist.device)  # learned reward models load on the policy's device
@@ -235,9 +236,7 @@ def check_agent(cfg: TrainConfig, env, dist: Dist) -> None:
                               "agent's episodes (--env naming an async rollout function, docs/agents.md)")
         return
     name = f"env {env.__name__} (an agent)"
-    for bad, why in [(cfg.sampling.rollout_engine == "vllm", "--rollout-engine vllm: not yet (the endpoint samples "
-                                                             "with --rollout-engine hf)"),
-                     (dist.world > 1, "several processes: not yet (one process; torchrun is refused)"),
+    for bad, why in [(dist.world > 1, "several processes: not yet (one process; torchrun is refused)"),
                      (cfg.async_rl.rollout_workers > 0, "--rollout-workers: not yet (the endpoint runs in the "
                                                         "trainer's process)"),
                      (cfg.moe.routing_replay, "--routing-replay: not yet (the endpoint does not record the experts)")]:
