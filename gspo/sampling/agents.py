@@ -10,7 +10,8 @@
 An agent is an `async def` function `(client, example) -> reward`, or a class whose instances
 (one per episode, made with no arguments) have such an `async def rollout(self, client,
 example)`. `client` is an `openai.AsyncOpenAI` pointed at the endpoint over the policy
-(gspo.sampling.endpoint), `example` the episode's dataset row (gspo.tasks.data.Example:
+(gspo.sampling.endpoint; its requests reach the endpoint in process, through an httpx
+transport, while the loopback URL serves any other client), `example` the episode's dataset row (gspo.tasks.data.Example:
 `.prompt`, `.answer`, `.data` the row's fields). gspo runs it for each of the group's episodes,
 all concurrently in one event loop, while the endpoint batches their calls.
 
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from gspo.models.sequences import Rollout, left_pad
-from gspo.sampling.endpoint import Call, Endpoint, Limits
+from gspo.sampling.endpoint import Call, Endpoint, Limits, in_process
 from gspo.sampling.episodes import Episodes, lay_out, run_episodes
 from gspo.tasks.env import EnvError, is_agent
 
@@ -71,10 +72,11 @@ class AgentResult:
     failure: str | None = None
 
 
-def run_agents(agent, examples: list, urls: list[str], timeout: float,
-               ended=lambda i: None) -> list[tuple[list[float], str | None]]:
+def run_agents(agent, examples: list, urls: list[str], timeout: float, ended=lambda i: None,
+               transport=None) -> list[tuple[list[float], str | None]]:
     """Each episode's agent run to its end in one event loop: (rewards, failure) per episode;
-    `ended(i)` as soon as episode i's agent returned, failed or ran out of time."""
+    `ended(i)` as soon as episode i's agent returned, failed or ran out of time; `transport`: the
+    clients' httpx transport (gspo.sampling.endpoint.in_process; None: over the socket)."""
     try:
         import openai
     except ImportError:
@@ -97,10 +99,19 @@ def run_agents(agent, examples: list, urls: list[str], timeout: float,
 
     async def every():
         # one HTTP client for every episode: making one each (its TLS context) took 50 ms an episode
-        async with openai.DefaultAsyncHttpxClient(timeout=timeout or None) as http:
+        kw = {"transport": transport} if transport is not None else {}
+        async with openai.DefaultAsyncHttpxClient(timeout=timeout or None, **kw) as http:
             return await asyncio.gather(*(one(i, ex, url, http) for i, (ex, url) in enumerate(zip(examples, urls))))
 
     return asyncio.run(every())
+
+
+def httpx_of_openai():
+    """The httpx module the installed openai client is built on (`httpx2` from openai 3, else `httpx`)."""
+    import openai
+
+    base = next(c for c in openai.DefaultAsyncHttpxClient.__mro__ if c.__name__ == "AsyncClient")
+    return sys.modules[base.__module__.split(".")[0]]
 
 
 def _rewards(out) -> list[float]:
@@ -145,7 +156,8 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
         urls = [endpoint.open_episode(b) for b in range(B)]
         calls = {}
         outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, spec.timeout,
-                              ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)))
+                              ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)),
+                              transport=in_process(endpoint, httpx_of_openai()))
         results = [AgentResult(calls[b], *outcomes[b]) for b in range(B)]
     finally:
         endpoint.stop()

@@ -80,6 +80,13 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     result: tuple | None = None
     error: BaseException | None = None
+    context: tuple = ()  # what finish() needs: key, route, episode, extends, messages, tools, body
+    notify: object = None  # called from the sampling thread once done (an asyncio caller's wake-up)
+
+    def finished(self) -> None:
+        self.done.set()
+        if self.notify is not None:
+            self.notify()
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,31 @@ class Endpoint:
 
     # -- requests ---------------------------------------------------------------------------
     def handle(self, method: str, path: str, body: dict | None) -> dict:
-        """The response body of one request (raises RequestError)."""
+        """The response body of one request (raises RequestError); blocks while it is sampled."""
+        pending = self.begin(method, path, body)
+        if isinstance(pending, dict):
+            return pending
+        pending.done.wait()
+        return self.finish(pending)
+
+    async def handle_async(self, method: str, path: str, body: dict | None) -> dict:
+        """handle() for a caller in an event loop (InProcess): it waits without holding a thread."""
+        import asyncio
+
+        pending = self.begin(method, path, body)
+        if isinstance(pending, dict):
+            return pending
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        pending.notify = lambda: loop.call_soon_threadsafe(lambda: woken.done() or woken.set_result(None))
+        if pending.done.is_set():  # sampled before the wake-up was in place
+            pending.notify()
+        await woken
+        return self.finish(pending)
+
+    def begin(self, method: str, path: str, body: dict | None):
+        """A request checked, its prompt rendered and queued for sampling (a _Pending), or the
+        response of one that needs no sampling (a dict); raises RequestError."""
         parts = path.rstrip("/").split("/")  # '', 'e', KEY, 'v1', route...
         if len(parts) < 5 or parts[1] != "e" or parts[3] != "v1":
             raise RequestError(404, f"no route {path}: use the episode's base URL, /e/<episode>/v1", "not_found")
@@ -175,11 +206,16 @@ class Endpoint:
         prompt, extends, messages, tools = (self._chat_prompt(ep, body) if route == "chat/completions"
                                             else self._text_prompt(ep, body))
         cap = self._cap(ep, body, prompt, extends)
-        pending = _Pending(prompt, cap, int(key))
+        pending = _Pending(prompt, cap, int(key), context=(key, route, ep, extends, messages, tools, body))
         with self._lock:
             self._queue.append(pending)
             self._lock.notify_all()
-        pending.done.wait()
+        return pending
+
+    def finish(self, pending: _Pending) -> dict:
+        """The response of a sampled request, its call recorded in its episode."""
+        key, route, ep, extends, messages, tools, body = pending.context
+        prompt = pending.prompt
         if pending.error is not None:
             raise RequestError(500, f"sampling failed: {type(pending.error).__name__}: {pending.error}", "sampling")
         ids, logps, truncated = pending.result
@@ -330,7 +366,7 @@ class Endpoint:
                 if self._stopping:
                     for p in self._queue:
                         p.error = RuntimeError("the endpoint stopped")
-                        p.done.set()
+                        p.finished()
                     return
             with self._lock:  # the other episodes' calls of this round arrive
                 self._gather()
@@ -350,7 +386,33 @@ class Endpoint:
                 for p in batch:
                     p.error = e
             for p in batch:
-                p.done.set()
+                p.finished()
+
+
+def in_process(endpoint: Endpoint, httpx):
+    """An httpx transport that hands an async client's requests straight to `endpoint`
+    (handle_async): the same routes, records and errors as over the socket, without the socket,
+    the HTTP parsing or a server thread per request. gspo's own OpenAI clients use it; the
+    loopback server still answers any other client of the episode's URL. `httpx`: the module of
+    the client's (openai 3 uses `httpx2`, earlier releases `httpx`)."""
+
+    class InProcess(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            body = None
+            if request.method == "POST":
+                try:
+                    body = json.loads(await request.aread() or b"null")
+                except ValueError:
+                    return httpx.Response(400, json=RequestError(400, "the request body is not JSON",
+                                                                 "invalid_json").body())
+            try:
+                return httpx.Response(200, json=await endpoint.handle_async(request.method, request.url.path, body))
+            except RequestError as e:
+                return httpx.Response(e.status, json=e.body())
+            except Exception as e:  # never a hung client: an OpenAI-shaped 500
+                return httpx.Response(500, json=RequestError(500, f"{type(e).__name__}: {e}", "internal").body())
+
+    return InProcess()
 
 
 class _Server(ThreadingHTTPServer):
