@@ -11,9 +11,10 @@ An agent is an `async def` function `(client, example) -> reward`, or a class wh
 (one per episode, made with no arguments) have such an `async def rollout(self, client,
 example)`. `client` is an `openai.AsyncOpenAI` pointed at the endpoint over the policy
 (gspo.sampling.endpoint; its requests reach the endpoint in process, through an httpx
-transport, while the loopback URL serves any other client), `example` the episode's dataset row (gspo.tasks.data.Example:
-`.prompt`, `.answer`, `.data` the row's fields). gspo runs it for each of the group's episodes,
-all concurrently in one event loop, while the endpoint batches their calls.
+transport, while the loopback URL serves any other client), `example` the episode's dataset
+row (gspo.tasks.data.Example: `.prompt`, `.answer`, `.columns` the row's other fields). gspo
+runs it for each of the group's episodes, all concurrently in one event loop, while the
+endpoint batches their calls.
 
 The reward: a number (the episode's), or a list with one number per call (per-call rewards,
 summed for the episode; with --turn-advantages each call's tokens get the reward from that
