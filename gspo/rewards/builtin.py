@@ -40,7 +40,7 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +290,8 @@ class TrainerState:
 
     global_step: int = 0  # training steps completed (during step k: k - 1)
     max_steps: int = 0  # the run's --steps (0 outside a training run)
+    # multi-turn episodes: each completion's environment, which rewards get as `environments=` (TRL's keyword)
+    environments: list | None = field(default=None, repr=False)
 
 
 def _caller(r: Reward, kwargs: dict[str, list], state: TrainerState) -> Callable[[list, dict], list]:
@@ -369,13 +371,13 @@ def _value(v, name: str, source: str) -> float:
 
 
 def score_completions(rewards: list[Reward], examples: list, completions: list[str], completion_ids: list[list[int]],
-                      group_size: int, trainer_state: TrainerState | None = None,
-                      environments: list | None = None) -> tuple[list[float], dict]:
+                      group_size: int, trainer_state: TrainerState | None = None) -> tuple[list[float], dict]:
     """Score completion b of example b // group_size with every reward (the TRL calling convention).
 
     Conversational examples get their completions as `[{"role": "assistant", "content": text}]`; each keyword
     holds one value per completion (`prompts`, `completion_ids`, `answer`, every column, and with
-    multi-turn episodes `environments`, each episode's environment, as TRL passes them); `trainer_state` one.
+    multi-turn episodes `environments`, each episode's environment, as TRL passes them: the
+    trainer state's); `trainer_state` one.
     """
     rows = [examples[b // group_size] for b in range(len(completions))]
     comps = [[{"role": "assistant", "content": c}] if ex.is_chat else c for c, ex in zip(completions, rows)]
@@ -384,6 +386,6 @@ def score_completions(rewards: list[Reward], examples: list, completions: list[s
     kwargs["answer"] = [ex.answer for ex in rows]
     kwargs["prompts"] = [ex.prompt for ex in rows]
     kwargs["completion_ids"] = completion_ids
-    if environments is not None:
-        kwargs["environments"] = environments
+    if trainer_state is not None and trainer_state.environments is not None:
+        kwargs["environments"] = trainer_state.environments
     return apply_rewards(rewards, comps, kwargs, [ex.source for ex in rows], trainer_state)

@@ -106,7 +106,7 @@ def _round(side: SamplingSide, step: int, r: int) -> tuple[Rollout, Scored]:
     examples = side.task.train_batch(step, cfg.sampling.prompts_per_step, seed)[dist.rank * n:(dist.rank + 1) * n]
     ro, completions, completion_ids, episodes = rollout(side, examples, step, "" if r == 0 else f"-round-{r}")
     rewards, parts = score_completions(side.rewards, examples, completions, completion_ids, cfg.sampling.group_size,
-                                       TrainerState(step - 1, cfg.run.steps), episodes.envs if episodes else None)
+                                       TrainerState(step - 1, cfg.run.steps, episodes.envs if episodes else None))
     rewards, parts = with_env_rewards(rewards, parts, episodes)  # (B,)
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
@@ -148,7 +148,7 @@ def score(rewards: list[Reward], examples, completions: list[str], completion_id
     Episodes: plus the environment's rewards over the episode (its own part, `env`). (A training
     step's rewards also get the trainer's state, the steps done and the run's steps, as TRL's do.)"""
     total, parts = score_completions(rewards, examples, completions, completion_ids, group_size,
-                                     environments=episodes.envs if episodes else None)
+                                     TrainerState(environments=episodes.envs if episodes else None))
     return with_env_rewards(total, parts, episodes)
 
 

@@ -18,6 +18,7 @@ samples it scored.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
     for start in shown.bar(range(0, len(examples), batch_size)):
         chunk = examples[start:start + batch_size]
         texts, ids, env_reward, envs = _complete(model, tokenizer, chunk, greedy, None, episode)
-        weighted, per = score_completions(rewards, chunk, texts, ids, 1, trainer_state, envs)
+        weighted, per = score_completions(rewards, chunk, texts, ids, 1, with_environments(trainer_state, envs))
         values = [v for v in per[first] if v == v]  # None (NaN): the reward does not apply to that row
         sums["acc"] += sum(values)
         sums["scored"] += len(values)
@@ -101,7 +102,7 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
         sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
             texts, ids, _, envs = _complete(model, tokenizer, chunk, sampled, gen, episode)
-            _, per = score_completions(rewards, chunk, texts, ids, k, trainer_state, envs)
+            _, per = score_completions(rewards, chunk, texts, ids, k, with_environments(trainer_state, envs))
             r = torch.tensor(per[first]).view(len(chunk), k)  # (rows, k); NaN where it does not apply
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
             sums["sample_acc"] += float(r.nan_to_num(0.0).sum())
@@ -144,6 +145,11 @@ def _result(sums: dict, *, n: int, k: int, metric: str, env: bool = False) -> di
         out[f"pass@{k}"] = sums["pass_k"] / n
         out["sample_accuracy"] = sums["sample_acc"] / sums["sample_scored"] if sums["sample_scored"] else None
     return out
+
+
+def with_environments(state: TrainerState | None, envs: list | None) -> TrainerState:
+    """The trainer state the rewards get, carrying the episodes' environments (`environments=`)."""
+    return dataclasses.replace(state or TrainerState(), environments=envs)
 
 
 def _complete(model, tokenizer, examples, params, generator,
