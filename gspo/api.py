@@ -24,6 +24,9 @@ In the spirit of TRL's `GRPOTrainer(model=..., reward_funcs=[...], train_dataset
 - `env`: the environment of multi-turn episodes, a class (gspo.tasks.env; one instance per episode)
   or its `path.py:Class` name; or agent code, an `async def rollout(client, example)` talking to
   the policy through an OpenAI client (gspo.sampling.agents);
+- `env` also takes a verifiers environment (a `verifiers.v1` Env object): its tasks are the
+  prompts, its agent program plays each episode through the endpoint, its rewards score them
+  (gspo.tasks.vfenv);
 - `environment_factory`: TRL's environments, a class with `reset(**row)` whose other methods are
   tools (gspo.tasks.trlenv), as GRPOTrainer takes it; `env` takes such a class too;
 - `callbacks`: each a callable `(step, metrics) -> bool | None`, or an object with such an
@@ -52,6 +55,7 @@ from gspo.config.checks import check_value
 from gspo.config.yamlfile import in_memory, load_yaml
 from gspo.sampling.samplers import Inputs
 from gspo.tasks.trlenv import adapted, trl_environment
+from gspo.tasks.vfenv import VerifiersTask, is_verifiers_env
 
 
 class Trainer:
@@ -83,8 +87,14 @@ class Trainer:
                 raise ConfigError("env and environment_factory: pass one (environment_factory is TRL's name for a "
                                   "class with reset and tool methods; env takes it too)")
             env = trl_environment(environment_factory)
-        elif env is not None and not isinstance(env, str):
+        elif env is not None and not isinstance(env, str) and not is_verifiers_env(env):
             env = adapted(env)
+        source = None
+        if is_verifiers_env(env):  # its tasks are the prompts, its agent program plays them (gspo.tasks.vfenv)
+            if train_dataset is not None:
+                raise ConfigError("env: a verifiers environment brings its own tasks; drop train_dataset")
+            source = VerifiersTask.from_env(env, test_size=cfg.eval.eval_size)
+            changes["task"], env = source.name, None
         if env is not None:
             changes["env"] = env if isinstance(env, str) else f"<{getattr(env, '__name__', 'env')}>"
         checked = {f.name: check_value(f.name, getattr(cfg, f.name), f.name) for f in options()}
@@ -93,7 +103,7 @@ class Trainer:
         self.inputs = Inputs(model=model if isinstance(model, torch.nn.Module) else None, tokenizer=tokenizer,
                              train_dataset=None if isinstance(train_dataset, (str, Path)) else train_dataset,
                              eval_dataset=None if isinstance(eval_dataset, (str, Path)) else eval_dataset,
-                             reward_funcs=reward_funcs, env=None if isinstance(env, str) else env)
+                             reward_funcs=reward_funcs, env=None if isinstance(env, str) else env, task=source)
         self.callbacks = [_step_end(cb) for cb in callbacks]
 
     _trained = None  # after train(): the trained policy (gspo.export.Trained), None under FSDP

@@ -87,6 +87,41 @@ def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
         ep.stop()
 
 
+def test_a_streamed_call_is_sampled_whole_and_sent_as_events_over_either_transport(tiny):
+    import openai
+
+    from gspo.sampling.agents import httpx_of_openai
+    from gspo.sampling.endpoint import in_process
+
+    _, tok = tiny
+    fake = FakeSampler(tok, "42")
+    ep = endpoint_for(tok, fake)
+    try:
+        messages = [{"role": "user", "content": "2+40="}]
+        raw = httpx.post(f"{ep.open_episode(0)}/chat/completions", timeout=30,
+                         json={"messages": messages, "stream": True, "stream_options": {"include_usage": True}})
+        assert raw.headers["content-type"] == "text/event-stream"
+        events = [line[len("data: "):] for line in raw.text.split("\n\n") if line]
+        assert events[-1] == "[DONE]" and len(events) == 4  # the message, the finish reason, the usage, [DONE]
+        first, last, usage = (json.loads(e) for e in events[:3])
+        assert first["object"] == "chat.completion.chunk"
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": "42"}
+        assert first["choices"][0]["token_ids"] == fake.ids and first["prompt_token_ids"] == rendered(tok, messages)
+        assert last["choices"][0]["finish_reason"] == "stop" and usage["usage"]["completion_tokens"] == len(fake.ids)
+
+        async def streamed(url, transport):  # the OpenAI client reads it as any stream, in process too
+            kw = {"http_client": openai.DefaultAsyncHttpxClient(transport=transport)} if transport else {}
+            client = openai.AsyncOpenAI(base_url=url, api_key="x", **kw)
+            stream = await client.chat.completions.create(model="policy", messages=messages, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+        assert asyncio.run(streamed(ep.open_episode(1), None)) == "42"
+        assert asyncio.run(streamed(ep.open_episode(2), in_process(ep, httpx_of_openai()))) == "42"
+        assert [len(ep.close_episode(k)) for k in (0, 1, 2)] == [1, 1, 1]  # each recorded whole, once
+    finally:
+        ep.stop()
+
+
 def test_a_call_extending_the_last_keeps_its_sampled_tokens_and_an_edit_starts_anew(tiny):
     _, tok = tiny
     fake = FakeSampler(tok, "42")
@@ -119,7 +154,7 @@ def test_errors_are_openai_shaped_and_a_late_call_is_refused(tiny):
     try:
         url = ep.open_episode(1)
         msgs = [{"role": "user", "content": "hi"}]
-        cases = [({"messages": msgs, "n": 2}, 400, "n"), ({"messages": msgs, "stream": True}, 400, "stream"),
+        cases = [({"messages": msgs, "n": 2}, 400, "n"), ({"messages": msgs, "stream": "yes"}, 400, "stream"),
                  ({"messages": []}, 400, "messages"), ({"messages": msgs, "max_tokens": 0}, 400, "max_tokens")]
         for body, status, param in cases:
             got, r = post(url, "chat/completions", body)
@@ -304,3 +339,39 @@ def test_the_python_api_takes_the_function_itself(tmp_path):
     assert summary["plan"]["agent"] == {"timeout": 300.0} and summary["plan"]["env"] == "rollout"
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["agent/failed_frac"] == 0.0 and row["episode/env_tokens"] == 0.0  # one completions call each
+
+
+def test_an_agents_session_holds_its_episodes_and_concurrency_bounds_them(tiny):
+    import contextlib
+
+    from gspo.tasks.env import EnvError, episode_env
+
+    log, live = [], {"now": 0, "most": 0}
+
+    class Bounded:
+        concurrency = 2  # of the 4 episodes, two at a time
+
+        @classmethod
+        @contextlib.asynccontextmanager
+        async def session(cls, limits):
+            log.append(("enter", limits.max_calls))
+            yield
+            log.append(("exit", live["now"]))
+
+        async def rollout(self, client, example):
+            live["now"] += 1
+            live["most"] = max(live["most"], live["now"])
+            log.append("episode")
+            await asyncio.sleep(0.2)
+            r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}])
+            live["now"] -= 1
+            return 1.0 if r.choices else 0.0
+
+    ro, ep = episodes(tiny, Bounded)
+    assert ep.agent.failed.tolist() == [False] * 4
+    # the session opened before any episode (with the run's --max-turns, 4) and closed after all of them
+    assert log[0] == ("enter", 4) and log[1:-1] == ["episode"] * 4 and log[-1] == ("exit", 0)
+    assert live["most"] == 2
+    Bounded.concurrency = 0
+    with pytest.raises(EnvError, match=r"env Bounded: concurrency must be an int >= 1 \(got 0\)"):
+        episode_env(Bounded, None, None, tiny[1])

@@ -104,7 +104,9 @@ class Data:
         "count up from a in steps of d to 1000, every step written out, 55-217 tokens; its model, tiny-long, "
         "is the default; tiny-long-moe is its MoE twin), or calculator (multi-turn: two-digit products with a "
         "calculator tool; its model, tiny-tool, is the default); or reasoning_gym:NAME, one of reasoning-gym's "
-        "generators (a mix: reasoning_gym:a=2,b=1; `gspo tasks` lists them; needs --model). Ignored with --dataset.")
+        "generators (a mix: reasoning_gym:a=2,b=1; `gspo tasks` lists them; needs --model); or verifiers:TASKSET_ID, "
+        "an installed verifiers environment, its tasks, agent program and rewards (docs/agents.md; needs --model). "
+        "Ignored with --dataset.")
     answer_from: Literal["tag", "tag_only", "last_line", "last_number"] = opt("tag",
         "What a reasoning_gym task's verifier scores: tag, the text inside the last <answer>...</answer> "
         "(reasoning-gym's convention; the default system prompt asks for it), else the reply's last non-empty "
@@ -113,7 +115,8 @@ class Data:
     task_options: tuple[str, ...] = opt((),
         "Options of a reasoning_gym task's generator, KEY=VALUE (values read as YAML scalars: 3, true, [1, 2]); "
         "repeat --task-option KEY=VALUE. In a mix, NAME.KEY=VALUE sets one generator's. YAML and Python also "
-        "take a mapping. `gspo tasks reasoning_gym:NAME` shows a generator's options.")
+        "take a mapping. `gspo tasks reasoning_gym:NAME` shows a generator's options. For a verifiers task: its "
+        "taskset config's fields, and harness=ID / runtime=TYPE (default null and subprocess).")
     dataset: str | None = opt(None,
         "Training data: a Hugging Face Hub dataset id (openai/gsm8k: downloaded, or read from the local cache "
         "offline), a .jsonl, .json, .csv, .tsv or .parquet file, or a datasets directory (save_to_disk or "

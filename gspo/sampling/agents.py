@@ -37,6 +37,8 @@ A call after an episode ended gets an OpenAI-shaped 409 error and a line (`agent
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass
@@ -73,17 +75,25 @@ class AgentResult:
     failure: str | None = None
 
 
-def run_agents(agent, examples: list, urls: list[str], timeout: float, ended=lambda i: None,
+def run_agents(agent, examples: list, urls: list[str], limits: Limits, ended=lambda i: None,
                transport=None) -> list[tuple[list[float], str | None]]:
-    """Each episode's agent run to its end in one event loop: (rewards, failure) per episode;
-    `ended(i)` as soon as episode i's agent returned, failed or ran out of time; `transport`: the
-    clients' httpx transport (gspo.sampling.endpoint.in_process; None: over the socket)."""
+    """Each episode's agent run to its end in one event loop, within `limits.episode_timeout`
+    seconds (0: none): (rewards, failure) per episode; `ended(i)` as soon as episode i's agent
+    returned, failed or ran out of time; `transport`: the clients' httpx transport
+    (gspo.sampling.endpoint.in_process; None: over the socket). An agent with a
+    `session(limits)` (an async context manager) holds it around the rollout's episodes; one with
+    a `concurrency` (an int) runs that many episodes at a time."""
+    timeout = limits.episode_timeout
     try:
         import openai
     except ImportError:
         raise EnvError(f"agent {agent_name(agent)}: needs the openai package (pip install 'gspo[agents]')") from None
 
-    async def one(i, example, url, http):
+    async def one(i, example, url, http, gate):
+        async with gate:  # the agent's `concurrency`: its episodes past that many wait their turn, deadline unstarted
+            return await run_one(i, example, url, http)
+
+    async def run_one(i, example, url, http):
         client = openai.AsyncOpenAI(base_url=url, api_key="gspo", max_retries=0, timeout=timeout or None,
                                     http_client=http)
         try:
@@ -101,10 +111,17 @@ def run_agents(agent, examples: list, urls: list[str], timeout: float, ended=lam
     async def every():
         # one HTTP client for every episode: making one each (its TLS context) took 50 ms an episode
         kw = {"transport": transport} if transport is not None else {}
-        async with openai.DefaultAsyncHttpxClient(timeout=timeout or None, **kw) as http:
-            return await asyncio.gather(*(one(i, ex, url, http) for i, (ex, url) in enumerate(zip(examples, urls))))
+        session = getattr(agent, "session", None)
+        async with (session(limits) if session is not None else contextlib.nullcontext()), \
+                openai.DefaultAsyncHttpxClient(timeout=timeout or None, **kw) as http:
+            gate = asyncio.Semaphore(getattr(agent, "concurrency", None) or max(1, len(urls)))
+            return await asyncio.gather(*(one(i, ex, url, http, gate)
+                                          for i, (ex, url) in enumerate(zip(examples, urls))))
 
-    return asyncio.run(every())
+    try:
+        return asyncio.run(every())
+    except Exception as e:  # the episodes' own faults are caught in one(): this is the session's or the client's
+        raise EnvError(f"agent {agent_name(agent)}: {type(e).__name__}: {e}") from e
 
 
 def httpx_of_openai():
@@ -142,7 +159,6 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
     offset, total = draws.rows or (0, B)
 
     def sample(prompts, max_tokens, rows):
-        import dataclasses
         ro = sampler.sample(prompts, dataclasses.replace(params, group_size=1, max_new_tokens=max_tokens),
                             rows=(torch.tensor([offset + r for r in rows]), total))
         out = []
@@ -151,12 +167,13 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
             out.append((ro.completion_ids[j, :n].tolist(), ro.logp[j, :n].tolist(), bool(ro.truncated[j])))
         return out
 
-    endpoint = Endpoint(sample, tokenizer, MODEL_NAME, Limits(params.max_new_tokens, params.stop_token_ids,
-                                                               spec.max_turns, spec.max_tokens)).start()
+    limits = Limits(params.max_new_tokens, params.stop_token_ids, spec.max_turns, spec.max_tokens,
+                    episode_timeout=spec.timeout)
+    endpoint = Endpoint(sample, tokenizer, MODEL_NAME, limits).start()
     try:
         urls = [endpoint.open_episode(b) for b in range(B)]
         calls = {}
-        outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, spec.timeout,
+        outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, limits,
                               ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)),
                               transport=in_process(endpoint, httpx_of_openai()))
         results = [AgentResult(calls[b], *outcomes[b]) for b in range(B)]
@@ -221,7 +238,7 @@ def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[
                   turns=torch.tensor([len(s) for s in seqs]), tool_calls=torch.tensor(tool_calls),
                   tool_errors=torch.zeros(B, dtype=torch.long), turn_limit=torch.zeros(B, dtype=torch.bool),
                   agent=AgentStats(failed=torch.tensor([r.failure is not None for r in results]),
-                                   extra_sequences=torch.tensor([_sequences(r.calls) - 1 for r in results]),
+                                   extra_sequences=torch.tensor([max(_sequences(r.calls) - 1, 0) for r in results]),
                                    late_calls=late))
     return ro, ep
 

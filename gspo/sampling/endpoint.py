@@ -23,7 +23,10 @@ reordered) starts a new one. A completions request extends when its prompt ids (
 list of ids) start with the last call's prompt and completion ids.
 
 Sampling: the run's temperature, top-p and top-k; a request's `max_tokens` (or
-`max_completion_tokens`) only lowers the run's --max-new-tokens. `n` must be 1, `stream` false.
+`max_completion_tokens`) only lowers the run's --max-new-tokens. `n` must be 1. With `stream`
+true the call is sampled whole, as any other, and sent as server-sent events (stream_events):
+one chunk with the whole message, one with the finish reason, a usage chunk when
+`stream_options.include_usage` asks, then `[DONE]`.
 Responses carry the usual fields plus vLLM's token fields (`prompt_token_ids`, and per choice
 `token_ids`), and `logprobs` when asked. Errors are OpenAI's shape:
 `{"error": {"message", "type", "param", "code"}}`.
@@ -93,13 +96,15 @@ class _Pending:
 class Limits:
     """max_new_tokens: the run's cap per call; stop_token_ids: what ends a completion; max_calls:
     calls per episode at most (0: none); max_episode_tokens: the episode's token budget after its
-    first prompt (0: none); window: seconds a request waits for others to batch with."""
+    first prompt (0: none); window: seconds a request waits for others to batch with;
+    episode_timeout: the agent's seconds for an episode (0: none; gspo.sampling.agents)."""
 
     max_new_tokens: int
     stop_token_ids: tuple[int, ...] = ()
     max_calls: int = 0
     max_episode_tokens: int = 0
     window: float = 0.05
+    episode_timeout: float = 0.0
 
 
 class Endpoint:
@@ -196,8 +201,9 @@ class Endpoint:
         ep = self._episode(key, route)
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object", "invalid_body")
-        if body.get("stream"):
-            raise RequestError(400, "stream: not supported (gspo records each call whole)", "unsupported", "stream")
+        if body.get("stream") not in (None, False, True):
+            raise RequestError(400, f"stream: expected true or false (got {body.get('stream')!r})", "invalid_value",
+                               "stream")
         if body.get("n", 1) not in (1, None):
             raise RequestError(400, f"n: must be 1 (got {body.get('n')!r}); the group's completions are episodes of "
                                     "their own", "unsupported", "n")
@@ -389,6 +395,36 @@ class Endpoint:
                 p.finished()
 
 
+def stream_events(response: dict, body: dict) -> bytes:
+    """A whole response (chat or text completion) as the server-sent events of a streamed one: a
+    chunk with the whole message (or text) and its token ids, a chunk with the finish reason, a
+    usage chunk if `stream_options.include_usage`, then `data: [DONE]`."""
+    chat = response["object"] == "chat.completion"
+    head = {"id": response["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": response["created"], "model": response["model"]}
+    (choice,) = response["choices"]
+    if chat:
+        msg = choice["message"]
+        delta = {"role": "assistant", "content": msg["content"]}
+        if msg.get("tool_calls"):
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(msg["tool_calls"])]
+        first = {"index": 0, "delta": delta, "logprobs": choice["logprobs"], "finish_reason": None}
+        last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}
+    else:
+        first = {"index": 0, "text": choice["text"], "logprobs": choice["logprobs"], "finish_reason": None}
+        last = {"index": 0, "text": "", "logprobs": None, "finish_reason": choice["finish_reason"]}
+    first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "choices": [first], "prompt_token_ids": response["prompt_token_ids"]},
+              {**head, "choices": [last]}]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def _streamed(body) -> bool:
+    return isinstance(body, dict) and body.get("stream") is True
+
+
 def in_process(endpoint: Endpoint, httpx):
     """An httpx transport that hands an async client's requests straight to `endpoint`
     (handle_async): the same routes, records and errors as over the socket, without the socket,
@@ -406,7 +442,11 @@ def in_process(endpoint: Endpoint, httpx):
                     return httpx.Response(400, json=RequestError(400, "the request body is not JSON",
                                                                  "invalid_json").body())
             try:
-                return httpx.Response(200, json=await endpoint.handle_async(request.method, request.url.path, body))
+                out = await endpoint.handle_async(request.method, request.url.path, body)
+                if _streamed(body):
+                    return httpx.Response(200, content=stream_events(out, body),
+                                          headers={"Content-Type": "text/event-stream"})
+                return httpx.Response(200, json=out)
             except RequestError as e:
                 return httpx.Response(e.status, json=e.body())
             except Exception as e:  # never a hung client: an OpenAI-shaped 500
@@ -461,10 +501,10 @@ def _handler(endpoint: Endpoint):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def _reply(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
+        def _reply(self, status: int, body: dict, events: bytes | None = None) -> None:
+            data = json.dumps(body).encode() if events is None else events
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "application/json" if events is None else "text/event-stream")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -478,7 +518,8 @@ def _handler(endpoint: Endpoint):
                 except ValueError:
                     return self._reply(400, RequestError(400, "the request body is not JSON", "invalid_json").body())
             try:
-                self._reply(200, endpoint.handle(method, self.path, body))
+                out = endpoint.handle(method, self.path, body)
+                self._reply(200, out, stream_events(out, body) if _streamed(body) else None)
             except RequestError as e:
                 self._reply(e.status, e.body())
             except Exception as e:  # never a hung client: an OpenAI-shaped 500

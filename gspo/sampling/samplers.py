@@ -48,6 +48,7 @@ class Inputs:
     eval_dataset: object = None
     reward_funcs: list | None = None  # callables (completions, **columns) -> list[float], and/or reward names
     env: type | None = None  # the environment class of multi-turn episodes (gspo.tasks.env)
+    task: object = None  # a task object (a verifiers environment's, gspo.tasks.vfenv): replaces --task
 
     @property
     def model_object(self):
@@ -62,8 +63,8 @@ def task_and_rewards(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[ob
 
 def task_for(cfg: TrainConfig, inputs: Inputs):
     specs = tuple(inputs.reward_funcs or cfg.rewards.reward)
-    task = build_task(cfg.data, specs, cfg.eval.eval_size, train_rows=inputs.train_dataset,
-                      eval_rows=inputs.eval_dataset)
+    task = inputs.task or build_task(cfg.data, specs, cfg.eval.eval_size, train_rows=inputs.train_dataset,
+                                     eval_rows=inputs.eval_dataset)
     if cfg.data.system_prompt is not None:  # training, eval, `gspo eval`
         return SystemPrompt(task, cfg.data.system_prompt)
     default = getattr(task, "default_system_prompt", None)  # reasoning-gym's: the answer format (gspo.tasks.gym)

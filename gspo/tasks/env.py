@@ -230,15 +230,22 @@ def episode_env(spec, task, max_turns: int | None, tokenizer) -> tuple[type | No
         return None, 1
     cls = load_env(spec) if isinstance(spec, str) else spec
     if is_agent(cls):  # its calls choose their own format: chat (the template renders them) or plain completions
+        _check_concurrency(cls)
         return cls, max_turns or AGENT_MAX_CALLS
     if not getattr(tokenizer, "chat_template", None):
         raise EnvError(f"env {getattr(spec, '__name__', spec)}: multi-turn episodes need a tokenizer "
                        f"with a chat template (the environment's messages are rendered by it); this model's has none")
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise EnvError(f"env: expected an environment class with a step(text) method, got {cls!r}")
-    for name, ok, want in [("concurrency", lambda v: type(v) is int and v >= 1, "an int >= 1"),
-                           ("tool_timeout", lambda v: v is None or (type(v) in (int, float) and v > 0),
-                            "None or seconds > 0")]:
-        if hasattr(cls, name) and not ok(getattr(cls, name)):
-            raise EnvError(f"env {cls.__name__}: {name} must be {want} (got {getattr(cls, name)!r})")
+    _check_concurrency(cls)
+    timeout = getattr(cls, "tool_timeout", None)
+    if timeout is not None and not (type(timeout) in (int, float) and timeout > 0):
+        raise EnvError(f"env {cls.__name__}: tool_timeout must be None or seconds > 0 (got {timeout!r})")
     return cls, max_turns or getattr(task, "default_max_turns", 4)
+
+
+def _check_concurrency(cls) -> None:
+    """`concurrency`, where a class (an environment's, an agent's) sets it: an int >= 1."""
+    value = getattr(cls, "concurrency", 1)
+    if not (type(value) is int and value >= 1):
+        raise EnvError(f"env {cls.__name__}: concurrency must be an int >= 1 (got {value!r})")

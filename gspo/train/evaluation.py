@@ -82,7 +82,7 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
     all_examples = task.test_set(n)
     lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
     examples = all_examples[lo:hi]
-    first = rewards[0].name
+    first = rewards[0].name if rewards else "environment"  # none: the environment's own reward (an agent's)
     sums = dict.fromkeys(("acc", "scored", "total", "env", "pass_k", "sample_acc", "sample_scored", "nonbinary"), 0.0)
     gen = torch.Generator().manual_seed(o.seed)
     stop = o.stop or stop_token_ids(tokenizer, model)
@@ -94,16 +94,16 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
         chunk = examples[start:start + batch_size]
         texts, ids, env_reward, envs = _complete(model, tokenizer, chunk, greedy, None, episode)
         weighted, per = score_completions(rewards, chunk, texts, ids, 1, with_environments(trainer_state, envs))
-        values = [v for v in per[first] if v == v]  # None (NaN): the reward does not apply to that row
+        values = [v for v in per[first] if v == v] if rewards else list(env_reward)  # NaN: does not apply
         sums["acc"] += sum(values)
         sums["scored"] += len(values)
         sums["total"] += sum(weighted) + sum(env_reward)
         sums["env"] += sum(env_reward)
         sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
-            texts, ids, _, envs = _complete(model, tokenizer, chunk, sampled, gen, episode)
+            texts, ids, env_k, envs = _complete(model, tokenizer, chunk, sampled, gen, episode)
             _, per = score_completions(rewards, chunk, texts, ids, k, with_environments(trainer_state, envs))
-            r = torch.tensor(per[first]).view(len(chunk), k)  # (rows, k); NaN where it does not apply
+            r = torch.tensor(per[first] if rewards else list(env_k)).view(len(chunk), k)  # (rows, k); NaN: n/a
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
             sums["sample_acc"] += float(r.nan_to_num(0.0).sum())
             sums["sample_scored"] += float((r == r).sum())

@@ -27,7 +27,7 @@ from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, bounds_error, opt
 from gspo.config.checks import check_value
 from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS
-from gspo.tasks import TASKS, GymTask, get_task, is_gym
+from gspo.tasks import TASKS, GymTask, VerifiersTask, get_task, is_gym, is_verifiers
 from gspo.tasks.data import DatasetTask
 
 
@@ -96,10 +96,11 @@ def _policy_rules(cfg: TrainConfig):
 
 def _data_rules(cfg: TrainConfig):
     data, rewards = cfg.data, cfg.rewards
-    yield data.dataset is not None or data.task in TASKS or is_gym(data.task), "task", \
-        f"must be one of {', '.join(TASKS)}, or reasoning_gym:NAME (or give --dataset)"
-    yield not (is_gym(data.task) and data.dataset is None and cfg.policy.model is None), "model", \
-        f"--task {data.task} needs --model: a model that reads text (a .gguf file, a model directory or a Hub id)"
+    yield data.dataset is not None or data.task in TASKS or is_gym(data.task) or is_verifiers(data.task), "task", \
+        f"must be one of {', '.join(TASKS)}, reasoning_gym:NAME or verifiers:TASKSET_ID (or give --dataset)"
+    yield not ((is_gym(data.task) or is_verifiers(data.task)) and data.dataset is None and cfg.policy.model is None), \
+        "model", f"--task {data.task} needs --model: a model that reads text (a .gguf file, a model directory or a " \
+        "Hub id)"
     yield not rewards.reward_weights or len(rewards.reward_weights) == len(rewards.reward), "reward_weights", \
         f"needs one weight per --reward ({plural(len(rewards.reward), 'reward')} given)"
 
@@ -187,8 +188,9 @@ def unused(cfg: TrainConfig, facts: Facts) -> list[tuple[str, str]]:
         (not facts.dataset, ("dataset_config", "dataset_split", "eval_dataset", "eval_split", "prompt_column",
                              "answer_column"),
          f"applies to a --dataset; the built-in task {cfg.data.task} brings its own rows"),
-        (facts.dataset or not is_gym(cfg.data.task), ("task_options", "answer_from"),
-         "applies to a reasoning_gym:NAME task"),
+        (facts.dataset or not is_gym(cfg.data.task), ("answer_from",), "applies to a reasoning_gym:NAME task"),
+        (facts.dataset or not (is_gym(cfg.data.task) or is_verifiers(cfg.data.task)), ("task_options",),
+         "applies to a reasoning_gym:NAME or verifiers:TASKSET_ID task"),
         (not facts.env, ("turn_advantages", "max_episode_tokens"),
          "applies to multi-turn episodes, and this run's are single-turn (no --env)"),
         (not facts.reward_model, ("reward_model_device", "reward_model_batch_size"),
@@ -255,7 +257,9 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     task_length = s.max_new_tokens is None
     if task_length:
         s.max_new_tokens = DatasetTask.default_max_new_tokens if out.data.dataset else \
-            GymTask.default_max_new_tokens if is_gym(out.data.task) else get_task(out.data.task).default_max_new_tokens
+            GymTask.default_max_new_tokens if is_gym(out.data.task) else \
+            VerifiersTask.default_max_new_tokens if is_verifiers(out.data.task) else \
+            get_task(out.data.task).default_max_new_tokens
     if s.min_new_tokens > s.max_new_tokens:  # the task's default max_new_tokens is known only now
         raise ConfigError(f"min_new_tokens: must be <= max_new_tokens, {s.max_new_tokens} (the "
                           f"{'task' if task_length else 'given'} value) (got {s.min_new_tokens})")

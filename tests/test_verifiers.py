@@ -1,0 +1,194 @@
+"""verifiers environments (gspo.tasks.vfenv): verifiers 0.4's own Env, taskset, harness and rewards
+play gspo's episodes through the endpoint over the policy.
+
+The tasksets are in tests/vf_tasksets, built from verifiers' classes as their authors write them:
+single-turn (gspo_vf_say: say the word), multi-turn (gspo_vf_chat: a scripted user's second turn)
+and tools (gspo_vf_tools: an MCP tool server, `calc_add`). Each episode runs verifiers' `null`
+harness (its chat program, in a local subprocess made by uv) against the endpoint; the first one
+on a machine lets verifiers install uv and the program's packages from the registry.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("verifiers.v1")
+
+from gspo.models.loading import load_policy  # noqa: E402
+from gspo.sampling.agents import run_agent_episodes  # noqa: E402
+from gspo.sampling.episodes import Draws, EpisodeSpec  # noqa: E402
+from gspo.sampling.rollout import PolicySampler, sampling_params  # noqa: E402
+from gspo.tasks.env import EnvError  # noqa: E402
+from gspo.tasks.vfenv import TASK_COLUMN, VerifiersTask  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+TASKSETS = Path(__file__).parent / "vf_tasksets"
+
+
+@pytest.fixture(autouse=True)
+def tasksets_importable(monkeypatch):
+    """verifiers imports a taskset by id, here and in the tool server's own process."""
+    monkeypatch.syspath_prepend(str(TASKSETS))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TASKSETS), os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load_policy("tiny-tool")
+
+
+class Scripted:
+    """A sampler that writes `reply(prompt_text)` for each prompt, its log-probs -0.5."""
+
+    def __init__(self, tok, reply):
+        self.tok, self.reply, self.end = tok, reply, tok.convert_tokens_to_ids("<|im_end|>")
+
+    def sample(self, prompts, params, rows):
+        outs = [self.tok(self.reply(self.tok.decode(p)), add_special_tokens=False)["input_ids"] + [self.end]
+                for p in prompts]
+        n = max(map(len, outs))
+        ids = torch.full((len(outs), n), self.end)
+        for j, o in enumerate(outs):
+            ids[j, :len(o)] = torch.tensor(o)
+        return SimpleNamespace(completion_ids=ids, logp=torch.full((len(outs), n), -0.5),
+                               lengths=torch.tensor([len(o) for o in outs]),
+                               truncated=torch.zeros(len(outs), dtype=torch.bool))
+
+
+def play(tiny, task, sampler, G=2, max_new_tokens=40, timeout=120.0):
+    _, tok = tiny
+    params = sampling_params(tok, stop=(tok.convert_tokens_to_ids("<|im_end|>"),), group_size=G,
+                             max_new_tokens=max_new_tokens)
+    spec = EpisodeSpec(task.default_env, max_turns=4, timeout=timeout)
+    return run_agent_episodes(sampler, tok, task.test_set(), spec, params, Draws())
+
+
+def row(ro, b):
+    n = int(ro.lengths[b])
+    return ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist(), ro.completion_ids[b, :n].tolist(), n
+
+
+def test_a_single_turn_environment_scores_with_its_own_reward(tiny):
+    _, tok = tiny
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4}, test_size=2)
+    assert [ex.prompt for ex in task.test_set()] == [[{"role": "user", "content": "say ok"}],
+                                                    [{"role": "user", "content": "say no"}]]
+    ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"))
+    # the reward is the taskset's `exact`: "ok" is right for "say ok" (episodes 0, 1), wrong for "say no"
+    assert ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
+    assert ep.agent.failed.tolist() == [False] * 4 and ep.turns.tolist() == [1] * 4
+    prompt, completion, n = row(ro, 0)
+    want = tok.apply_chat_template([{"role": "user", "content": "say ok"}], add_generation_prompt=True, tokenize=False)
+    assert prompt == tok(want, add_special_tokens=False)["input_ids"]  # the harness's messages, rendered by gspo
+    assert completion == tok("ok", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    assert ro.completion_mask[0, :n].tolist() == [1.0] * n and ro.logp[0, :n].tolist() == [-0.5] * n
+
+
+def test_a_multi_turn_environment_is_one_sequence_token_for_token(tiny):
+    model, tok = tiny
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-chat", {}, test_size=2)
+    ro, ep = play(tiny, task, PolicySampler(model), max_new_tokens=6)
+    assert ep.agent.failed.tolist() == [False] * 4 and ep.turns.tolist() == [2] * 4
+    assert ep.agent.extra_sequences.tolist() == [0] * 4  # the second call extends the first: one sequence
+    for b in range(4):
+        prompt, completion, n = row(ro, b)
+        text = tok.decode(completion)
+        answer = ["ok", "no"][b // 2]
+        assert f"<|im_start|>user\nnow say {answer}<|im_end|>" in text  # the scripted user's turn, between
+        env = ro.env_mask[b, :n].bool()
+        assert f"now say {answer}" in tok.decode(torch.tensor(completion)[env])
+        assert not (env & ro.completion_mask[b, :n].bool()).any()  # the user's tokens are never trained
+        last_reply = tok.decode(completion[int(env.nonzero().max()) + 1:], skip_special_tokens=True)
+        assert ep.turn_rewards[b] == [float(answer in last_reply)]  # the taskset's `said`, on the last reply
+        # the recorded log-probs are the policy's: a teacher-forced forward over the row gives them back
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits.float().log_softmax(-1)[0, len(prompt) - 1:-1]
+        forward = logits.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+        on = ro.completion_mask[b, :n].bool()
+        assert forward[on].tolist() == pytest.approx(ro.logp[b, :n][on].tolist(), abs=1e-4)
+
+
+def test_a_tool_environment_runs_its_tool_server_and_masks_the_results(tiny):
+    _, tok = tiny
+
+    def reply(prompt):  # call the tool first; once its result is back, answer with it
+        if "<tool_response>" not in prompt:
+            return '<tool_call>\n{"name": "calc_add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        return prompt.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0]
+
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-tools", {}, test_size=2)
+    ro, ep = play(tiny, task, Scripted(tok, reply), max_new_tokens=80)  # the call is 70 tokens of this tokenizer
+    # the tasks are 0+1= (answer 1) and 1+2= (answer 3); the tool computed 1 + 2 = 3 in its own process
+    assert ep.turn_rewards == [[0.0], [0.0], [1.0], [1.0]] and ep.turns.tolist() == [2] * 4
+    prompt, completion, n = row(ro, 2)
+    assert "calc_add" in tok.decode(prompt)  # the MCP tool's schema reached the chat template
+    env = ro.env_mask[2, :n].bool()
+    assert "<tool_response>3</tool_response>" in tok.decode(torch.tensor(completion)[env])
+
+
+def test_splits_are_fixed_disjoint_and_a_small_taskset_keeps_half_to_train():
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 6}, test_size=500)
+    assert task.test_size == 3 and "6 tasks; 3 held out for evaluation" in task.notes[0]
+    held = {ex.columns[TASK_COLUMN] for ex in task.test_set()}
+    steps = [[ex.columns[TASK_COLUMN] for ex in task.train_batch(s, 3, seed=1)] for s in (1, 2)]
+    assert held == {0, 1, 2} and sorted(steps[0]) == [3, 4, 5] and sorted(steps[1]) == [3, 4, 5]
+    assert steps == [[ex.columns[TASK_COLUMN] for ex in task.train_batch(s, 3, seed=1)] for s in (1, 2)]
+    with pytest.raises(EnvError, match=r"task verifiers:gspo-vf-say: no option colour \(its options: .*count"):
+        VerifiersTask.from_spec("verifiers:gspo-vf-say", {"colour": "red"})
+    with pytest.raises(EnvError, match="verifiers cannot load this taskset"):
+        VerifiersTask.from_spec("verifiers:gspo-vf-missing", {})
+
+
+def test_a_failing_rubric_fails_its_episodes_in_one_line(tiny, capsys):
+    _, tok = tiny
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4, "broken": True}, test_size=1)
+    ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"), G=2)
+    assert ep.agent.failed.tolist() == [True, True] and ro.completion_mask.sum() == 0
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gspo: agent verifiers:gspo-vf-say")]
+    assert len(lines) == 2 and "the rubric is broken" in lines[0] and lines[0].endswith("failed, reward 0")
+
+
+def test_gspo_train_runs_a_verifiers_taskset_by_id(tmp_path):
+    cmd = [sys.executable, "-m", "gspo", "train", "--model", "tiny-tool", "--task", "verifiers:gspo-vf-say",
+           "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "6",
+           "--eval-size", "2", "--no-progress", "--output-dir", str(tmp_path / "run")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "agent verifiers:gspo-vf-say() over an OpenAI endpoint" in p.stdout + p.stderr
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[-1]["agent/failed_frac"] == 0.0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_after"]["metric"] == "environment" and summary["eval_after"]["n"] == 2
+    bad = subprocess.run(cmd[:-1] + [str(tmp_path / "run2"), "--task-option", "colour=red"], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith(
+        "gspo train: error: task verifiers:gspo-vf-say: no option colour (its options:")
+    assert not (tmp_path / "run2" / "metrics.jsonl").exists()
+
+
+def test_the_python_api_takes_a_verifiers_env_object(tmp_path):
+    import verifiers.v1 as vf
+
+    import gspo
+
+    config = vf.resolve_env_config({"taskset": {"id": "gspo-vf-say", "count": 4},
+                                    "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}}})
+    env = vf.load_environment(config)
+    cfg = gspo.TrainConfig(model="tiny-tool", steps=1, prompts_per_step=2, group_size=2, max_new_tokens=6,
+                           eval_size=0, output_dir=str(tmp_path / "run"), progress=False)
+    summary = gspo.Trainer(cfg, env=env).train(log=lambda *a, **k: None)
+    assert summary["steps"] == 1
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "verifiers:gspo-vf-say" in saved
+    from gspo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="a verifiers environment brings its own tasks"):
+        gspo.Trainer(cfg, env=env, train_dataset=[{"prompt": "x"}])
