@@ -157,7 +157,8 @@ def test_yaml_and_python_take_a_mapping_of_options(tmp_path):
     (["--task", "reasoning_gym:leg_countin", "--model", "tiny"],
      "reasoning-gym has no task 'leg_countin'; did you mean leg_counting?"),
     (["--task", "reasoning_gym:leg_counting"], "--task reasoning_gym:leg_counting needs --model"),
-    (["--task-option", "max_terms=2"], "--task-options max_terms=2: applies to a reasoning_gym:NAME task"),
+    (["--task-option", "max_terms=2"],
+     "--task-options max_terms=2: applies to a reasoning_gym:NAME or verifiers:TASKSET_ID task"),
     (["--task", "reasoning_gym:leg_counting", "--model", "tiny", "--task-option", "max_animals=two"],
      "refused by reasoning-gym"),
 ])
