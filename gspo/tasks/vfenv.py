@@ -41,6 +41,7 @@ import contextlib
 import random
 from dataclasses import dataclass, field
 
+from gspo.config.checks import one_line
 from gspo.tasks.data import Example
 from gspo.tasks.env import AGENT_MAX_CALLS, EnvError
 
@@ -80,7 +81,7 @@ def env_config(taskset_id: str, options: dict, max_turns: int):
         fields = taskset_config_type(taskset_id).model_fields
     except Exception as e:
         raise EnvError(f"task {PREFIX}{taskset_id}: verifiers cannot load this taskset: {type(e).__name__}: "
-                       f"{_first_line(e)}") from None
+                       f"{one_line(e)}") from None
     unknown = sorted(k for k in options if k not in fields and k not in GSPO_OPTIONS)
     if unknown:
         known = ", ".join(sorted(set(fields) - {"id"}) + list(GSPO_OPTIONS))
@@ -91,11 +92,7 @@ def env_config(taskset_id: str, options: dict, max_turns: int):
     try:
         return v.resolve_env_config({"taskset": taskset, "agent": agent})
     except Exception as e:
-        raise EnvError(f"task {PREFIX}{taskset_id}: {type(e).__name__}: {_first_line(e)}") from None
-
-
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [""])[0]
+        raise EnvError(f"task {PREFIX}{taskset_id}: {type(e).__name__}: {one_line(e)}") from None
 
 
 @dataclass
@@ -130,7 +127,7 @@ class VerifiersTask:
                 self.env = v.load_environment(self.config)
             except Exception as e:
                 raise EnvError(f"task {self.name}: verifiers cannot build its environment: {type(e).__name__}: "
-                               f"{_first_line(e)}") from None
+                               f"{one_line(e)}") from None
         self._source = iter(self.env.taskset.load())
         self._tasks: list = []
         self.infinite = bool(getattr(self.env.taskset, "INFINITE", False))
@@ -238,7 +235,8 @@ def episode_reward(episode) -> float:
 
 
 def _error(e) -> str:
-    return f"{e.type}: {(e.message.strip().splitlines() or [''])[0]}"[:400]
+    """A verifiers `Error` (its type and message) on one line, at most 400 characters."""
+    return f"{e.type}: {' '.join(e.message.split())}"[:400]
 
 
 __all__ = ["PREFIX", "VerifiersTask", "agent_for", "episode_reward", "is_verifiers", "is_verifiers_env"]
