@@ -1,8 +1,11 @@
 """The agent endpoint's overhead: the same episodes sampled directly and through the OpenAI endpoint.
 
     python benchmarks/agent_endpoint.py [--model tiny-tool] [--episodes 64] [--tokens 32] [--repeats 3]
+                                        [--engine gspo|vllm]
 
-Direct: one PolicySampler.sample call over every prompt (what a single-turn rollout does).
+Direct: one sampler.sample call over every prompt (what a single-turn rollout does), with gspo's
+own sampler (PolicySampler) or the vLLM engine (VLLMSampler, float32; run it in the vLLM
+environment, docs/vllm.md).
 Endpoint: gspo.sampling.agents.run_agent_episodes with an agent making one chat call per
 episode through openai.AsyncOpenAI, so the HTTP server, JSON, chat-template rendering, the
 batching window and the event loop are all in the time. Prints completion tokens per second of
@@ -29,13 +32,14 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--engine", choices=["gspo", "vllm"], default="gspo")
     a = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load_policy(a.model)
     stop = (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
     params = sampling_params(tok, stop=stop, group_size=1, max_new_tokens=a.tokens, min_new_tokens=a.tokens - 1)
     examples = [Example(prompt=f"{i}+{i}=", answer=str(2 * i)) for i in range(a.episodes)]
-    sampler = PolicySampler(model)
+    sampler = PolicySampler(model) if a.engine == "gspo" else vllm_sampler(a.model, model)
 
     async def agent(client, example):
         r = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example.prompt}])
@@ -64,8 +68,20 @@ def main() -> None:
         rates[name] = statistics.median(xs)
         print(f"{name:9s} {rates[name]:8.0f} completion tokens/s (median of {a.repeats}; {n} tokens a rollout)")
     print(f"endpoint / direct: {rates['endpoint'] / rates['direct']:.2f} "
-          f"({a.episodes} episodes of one call, {a.tokens} tokens each, model {a.model}, "
+          f"({a.episodes} episodes of one call, {a.tokens} tokens each, model {a.model}, engine {a.engine}, "
           f"{torch.get_num_threads()} threads)")
+
+
+def vllm_sampler(name: str, model):
+    """The vLLM engine over `name`'s weights, synced from `model` (as a training run's first rollout)."""
+    from gspo.config import VLLM
+    from gspo.models.loading import resolve_model_path
+    from gspo.sampling.vllm_engine import VLLMSampler
+
+    engine = VLLMSampler(str(resolve_model_path(name)),
+                         VLLM(vllm_max_model_len=int(model.config.max_position_embeddings)), dtype="float32", seed=0)
+    engine.sync(model)
+    return engine
 
 
 if __name__ == "__main__":

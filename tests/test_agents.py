@@ -8,6 +8,7 @@ against what the responses carried and against the policy's own log-probs.
 
 import asyncio
 import json
+import math
 import sys
 import threading
 import time
@@ -144,6 +145,30 @@ def test_a_call_extending_the_last_keeps_its_sampled_tokens_and_an_edit_starts_a
         assert r3["prompt_token_ids"] == rendered(tok, edited)
         calls = ep.close_episode(0)
         assert [c.extends for c in calls] == [False, True, False]
+    finally:
+        ep.stop()
+
+
+def test_the_token_budget_counts_from_each_sequences_own_first_prompt(tiny):
+    # --max-episode-tokens bounds a row: the tokens after its sequence's first prompt. An edited
+    # history starts a row of its own (a later sequence), whose budget starts at its own prompt.
+    _, tok = tiny
+    ep = endpoint_for(tok, FakeSampler(tok, "42"), max_episode_tokens=60)
+    try:
+        url = ep.open_episode(0)
+        first = [{"role": "user", "content": "2+40="}]
+        _, r1 = post(url, "chat/completions", {"messages": first})
+        long = first + [r1["choices"][0]["message"], {"role": "user", "content": "x " * 40}]
+        code, r2 = post(url, "chat/completions", {"messages": long})  # 3 sampled + ~90 new tokens > 60 (a tokenizer of characters)
+        assert code == 400 and r2["error"]["code"] == "episode_budget"
+        edited = [{"role": "user", "content": "a longer question: " + "y " * 40}]  # ~95 tokens more than `first`
+        _, r3 = post(url, "chat/completions", {"messages": edited})
+        more = edited + [r3["choices"][0]["message"], {"role": "user", "content": "ok?"}]
+        code, r4 = post(url, "chat/completions", {"messages": more})
+        grown = len(r4["prompt_token_ids"]) - len(r3["prompt_token_ids"])  # its row's tokens so far
+        assert grown < 60 < len(r4["prompt_token_ids"]) - len(r1["prompt_token_ids"])
+        assert code == 200 and r4["choices"][0]["token_ids"] == r1["choices"][0]["token_ids"]
+        assert [c.extends for c in ep.close_episode(0)] == [False, False, True]
     finally:
         ep.stop()
 
@@ -375,3 +400,70 @@ def test_an_agents_session_holds_its_episodes_and_concurrency_bounds_them(tiny):
     Bounded.concurrency = 0
     with pytest.raises(EnvError, match=r"env Bounded: concurrency must be an int >= 1 \(got 0\)"):
         episode_env(Bounded, None, None, tiny[1])
+
+
+EDITING_AGENT = '''
+async def rollout(client, example):
+    """Three calls; the second drops the first answer (an edited history), the third extends the second."""
+    j = int(str(client.base_url).rstrip("/").split("/")[-2]) % 2  # the episode's place in its group
+    r1 = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example.prompt}])
+    again = [{"role": "user", "content": "again: " + example.prompt}]
+    r2 = await client.chat.completions.create(model="policy", messages=again)
+    again += [r2.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "sure?"}]
+    r3 = await client.chat.completions.create(model="policy", messages=again)
+    return [0.0, float(j), 0.0]  # per call: the episode's reward is j
+'''
+
+
+@pytest.mark.parametrize("algorithm,turn_advantages", [("gspo", False), ("grpo", True), ("ppo", False)])
+def test_an_edited_history_is_a_row_of_its_own_trained_with_its_episodes_advantage(tmp_path, algorithm,
+                                                                                      turn_advantages):
+    from gspo.config import TrainConfig
+    from gspo.sampling.produce import rollout, score
+    from gspo.tasks.scoring import Scored
+    from gspo.train.batch import prepare
+    from gspo.train.run import build_run
+    from gspo.train.steplog import step_row
+    from gspo.train.trainer import step_generator, update
+
+    (tmp_path / "editing_agent.py").write_text(EDITING_AGENT)
+    cfg = TrainConfig(model="tiny-tool", task="arithmetic", env=f"{tmp_path / 'editing_agent.py'}:rollout",
+                      algorithm=algorithm, turn_advantages=turn_advantages, prompts_per_step=2, group_size=2,
+                      max_new_tokens=6, num_minibatches=2, output_dir=str(tmp_path / "run"), progress=False)
+    run = build_run(cfg)
+    examples = run.task.train_batch(1, 2, 0)
+    ro, texts, ids, ep = rollout(run, examples, 1)
+    assert ep.agent.extra_sequences.tolist() == [1, 1, 1, 1] and ep.turns.tolist() == [3, 3, 3, 3]
+    rewards, parts = score(run.rewards, examples, texts, ids, 2, ep)
+    assert rewards.tolist() == [0.0, 1.0, 0.0, 1.0]
+    batch = prepare(run, ro, Scored(rewards=rewards, parts=parts, examples=examples, completions=texts, episodes=ep))
+    b = batch.rollout
+    assert b.prompt_ids.shape[0] == 8 and batch.episode_of.tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    for e in range(4):  # the episode's row: its first call; its later one: the second call, a user turn, the third
+        assert b.env_mask[e].sum() == 0 and b.completion_mask[e].sum() > 0
+        model_cols, env_cols = b.completion_mask[4 + e], b.env_mask[4 + e]
+        assert env_cols.sum() > 0 and model_cols.sum() > 0 and (model_cols * env_cols).sum() == 0
+        on = model_cols.bool()
+        assert (b.logp[4 + e][on] < 0).all() and (b.logp[4 + e][~on] == 0).all()  # the recorded log-probs
+    turn = ep.agent.extra_turn_index  # (4, T): the extra rows' calls are the episode's second and third (1 and 2)
+    assert set(turn[b.completion_mask[4:].bool()].tolist()) == {1, 2}
+    adv = batch.advantages
+    # the group's episode rewards (0, 1): mean 0.5, sample std 0.7071, so (j - 0.5) / 0.7071 = -/+ 0.7071
+    if algorithm == "gspo":
+        assert adv.tolist() == pytest.approx([-0.7071, 0.7071] * 4, abs=1e-3)  # rows 4..7: their episode's
+    elif turn_advantages:  # rewards to go per call (0 + j + 0, j + 0, 0) less the group's 0.5, over 0.7071
+        want = {(j, k): ((j if k < 2 else 0) - 0.5) / 0.7071 for j in (0, 1) for k in (0, 1, 2)}
+        for r in range(8):
+            e, on = r % 4, b.completion_mask[r].bool()
+            calls = ep.turn_index[e] if r < 4 else turn[e]
+            got = {int(k): float(a) for k, a in zip(calls[on], adv[r][on])}
+            assert got == pytest.approx({k: want[(e % 2, k)] for k in got}, abs=1e-3)
+        assert set(got) == {1, 2}  # the later sequence holds calls 1 (+0.7071 for j = 1) and 2 (-0.7071)
+    else:  # PPO: GAE over each row's own values, with its episode's reward at its end
+        assert adv.shape == b.completion_mask.shape and (adv[4:] * b.completion_mask[4:]).abs().sum() > 0
+    history = update(run, batch, step_generator(0, 1, "minibatches"))  # 8 rows in 2 minibatches of 4
+    assert len(history) == 2 and all(math.isfinite(h["policy/entropy"]) and h["grad_norm"] > 0 for h in history)
+    row = step_row(run, 1, batch, history)
+    tokens = [float(b.completion_mask[e].sum() + b.completion_mask[4 + e].sum()) for e in range(4)]
+    assert row["agent/extra_sequences"] == 1.0 and row["episode/model_tokens"] == pytest.approx(sum(tokens) / 4)
+    assert row["completion/mean_length"] == pytest.approx(float(b.lengths[:4].float().mean()))

@@ -324,7 +324,8 @@ def test_an_episode_ended_by_the_turn_limit_is_flagged_not_truncated(tok):
         ro, ep = run_episodes(sampler, tok, [ex], EpisodeSpec(CountingEnv, max_turns=max_turns), params)
         assert ep.turns.tolist() == [max_turns] * 2 and ep.turn_limit.tolist() == [limited] * 2
         assert not ro.truncated.any()
-        m = episode_metrics(SimpleNamespace(episodes=ep, rollout=ro), max_turns, SimpleNamespace(gather=lambda t: t))
+        batch = SimpleNamespace(episodes=ep, rollout=ro, episode_of=None)
+        m = episode_metrics(batch, max_turns, SimpleNamespace(gather=lambda t: t))
         assert m["episode/turn_limit_frac"] == float(limited) and m["episode/turns"] == max_turns
         assert m["episode/turn_1_reward"] == 0.25 and m.get("episode/turn_2_reward") == (None if limited else 0.5)
 

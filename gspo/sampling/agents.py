@@ -24,9 +24,9 @@ Recorded token for token: the row of an episode is its first call's prompt, then
 sampled tokens (trained) and, between them, the tokens of what came back (tool results, user
 turns: read, never trained). Calls whose messages extend the previous call (gspo.sampling.endpoint)
 form that one sequence. A call with another history (the agent edited or dropped earlier
-messages) starts a new sequence: in this version the row is the episode's first sequence, the
-later ones are left out of the update and counted (`agent/extra_sequences`), and share the
-episode's reward in no row.
+messages) starts a new sequence: the episode's row is its first sequence, and each later one is
+a row of its own after the batch's episodes (`AgentStats.extra`), trained with its episode's
+advantage (gspo.train.batch.prepare appends them; `agent/extra_sequences` counts them per episode).
 
 Faults never hang a step. An agent that raises, returns something that is not a reward, or
 outlives the episode deadline (--episode-timeout seconds) fails its episode: one line on stderr
@@ -59,11 +59,16 @@ def agent_name(agent) -> str:
 
 @dataclass
 class AgentStats:
-    """Per episode (B,): failed, and sequences beyond the first (left out); late calls in all."""
+    """Per episode (B,): failed, and its sequences beyond the first; late calls in all; the later
+    sequences of the episodes that did not fail, laid out as E rows of the episodes' width
+    (`extra`, None: none), the episode of each (E,) and the call each column belongs to (E, T)."""
 
     failed: torch.Tensor
     extra_sequences: torch.Tensor
     late_calls: int = 0
+    extra: Rollout | None = None
+    extra_of: torch.Tensor | None = None
+    extra_turn_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -194,54 +199,72 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
     return assemble(results, tokenizer, G, len(endpoint.late_calls))
 
 
-def first_sequence(calls: list[Call]) -> list[Call]:
-    """The calls of the episode's first sequence: the first call and each one extending it."""
-    out = calls[:1]
-    for call in calls[1:]:
-        if not call.extends:
-            break
-        out.append(call)
+def sequences(calls: list[Call]) -> list[tuple[int, list[Call]]]:
+    """The episode's calls as sequences, (index of its first call, its calls) each: a call that
+    extends the previous one joins its sequence, any other starts a new one."""
+    out = []
+    for k, call in enumerate(calls):
+        if k == 0 or not call.extends:
+            out.append((k, []))
+        out[-1][1].append(call)
     return out
 
 
-def _segments(calls: list[Call], train: bool) -> list:
-    """(ids, log-probs or None, call) after the first prompt: each call's sampled tokens and the
-    tokens between (what came back, never trained); `train` False: all of them untrained."""
+def _segments(calls: list[Call], train: bool, first: int = 0) -> list:
+    """(ids, log-probs or None, call index) after the first prompt: each call's sampled tokens and
+    the tokens between (what came back, never trained); `train` False: all of them untrained.
+    `first`: the episode's index of the sequence's first call."""
     out, before = [], len(calls[0].prompt_ids)
     for k, call in enumerate(calls):
         if k:
-            out.append((call.prompt_ids[before:], None, k - 1))
-        out.append((call.completion_ids, call.logprobs if train else None, k))
+            out.append((call.prompt_ids[before:], None, first + k - 1))
+        out.append((call.completion_ids, call.logprobs if train else None, first + k))
         before = len(call.prompt_ids) + len(call.completion_ids)
     return out
 
 
 def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[Rollout, Episodes]:
-    """The episodes laid out as run_episodes lays them (a failed one's tokens untrained)."""
-    pad = tokenizer.pad_token_id
-    seqs = [first_sequence(r.calls) for r in results]
+    """The episodes laid out as run_episodes lays them (a failed one's tokens untrained), each
+    one's first sequence its row; the later sequences of those that did not fail laid out with
+    them, after them, and kept in the episodes' AgentStats.extra."""
+    pad, B = tokenizer.pad_token_id, len(results)
+    split = [sequences(r.calls) for r in results]
+    seqs = [s[0][1] if s else [] for s in split]
+    later = [(b, k, calls) for b, (s, r) in enumerate(zip(split, results)) if r.failure is None for k, calls in s[1:]]
     segs = [_segments(s, r.failure is None) if s else [] for s, r in zip(seqs, results)]
-    B = len(results)
+    segs += [_segments(calls, True, k) for _, k, calls in later]
     ids, model, env, logp, turn_index = lay_out(segs, pad)
-    prompt_ids, prompt_mask = left_pad([s[0].prompt_ids if s else [pad] for s in seqs], pad, torch.device("cpu"))
+    prompt_ids, prompt_mask = left_pad([s[0].prompt_ids if s else [pad] for s in seqs]
+                                       + [calls[0].prompt_ids for _, _, calls in later], pad, torch.device("cpu"))
     if any(not s for s in seqs):  # an episode without a call: an empty prompt, one masked pad
         prompt_mask[[b for b, s in enumerate(seqs) if not s]] = 0
     lengths = torch.tensor([sum(len(i) for i, _, _ in row) for row in segs])
-    last = [s[-1] if s else None for s in seqs]
+    last = [s[-1] if s else None for s in seqs] + [calls[-1] for _, _, calls in later]
     truncated = torch.tensor([bool(c is not None and c.truncated) for c in last])
-    ro = Rollout(prompt_ids, prompt_mask, ids, model, logp, lengths, truncated, G, None, env)
-    finals = [c.completion_ids if c is not None else [] for c in last]
-    tool_calls = [sum(len((c.reply or {}).get("tool_calls") or []) for c in s) for s in seqs]
+    every = Rollout(prompt_ids, prompt_mask, ids, model, logp, lengths, truncated, G, None, env)
+    ro, extra = every.map(lambda t: t[:B]), (every.map(lambda t: t[B:]) if later else None)
+    finals = [c.completion_ids if c is not None else [] for c in last[:B]]
+    tool_calls = [sum(len((c.reply or {}).get("tool_calls") or []) for c in r.calls) for r in results]
     ep = Episodes(final_texts=tokenizer.batch_decode(finals, skip_special_tokens=True), final_ids=finals,
-                  transcripts=[tokenizer.decode([t for i, _, _ in row for t in i]) for row in segs],
-                  turn_index=turn_index, turn_rewards=[r.rewards for r in results],
-                  turns=torch.tensor([len(s) for s in seqs]), tool_calls=torch.tensor(tool_calls),
+                  transcripts=[tokenizer.decode([t for i, _, _ in row for t in i]) for row in segs[:B]],
+                  turn_index=turn_index[:B], turn_rewards=[r.rewards for r in results],
+                  turns=torch.tensor([len(r.calls) for r in results]), tool_calls=torch.tensor(tool_calls),
                   tool_errors=torch.zeros(B, dtype=torch.long), turn_limit=torch.zeros(B, dtype=torch.bool),
                   agent=AgentStats(failed=torch.tensor([r.failure is not None for r in results]),
-                                   extra_sequences=torch.tensor([max(_sequences(r.calls) - 1, 0) for r in results]),
-                                   late_calls=late))
+                                   extra_sequences=torch.tensor([max(len(s) - 1, 0) for s in split]), late_calls=late,
+                                   extra=extra, extra_of=torch.tensor([b for b, _, _ in later]) if later else None,
+                                   extra_turn_index=turn_index[B:] if later else None))
     return ro, ep
 
 
-def _sequences(calls: list[Call]) -> int:
-    return sum(1 for k, c in enumerate(calls) if k == 0 or not c.extends)
+def with_extra_sequences(ro: Rollout, episodes: Episodes | None) -> tuple[Rollout, torch.Tensor | None]:
+    """`ro` (B episodes) with the agents' later sequences (AgentStats.extra, E rows) appended, on
+    its device, and the episode of each of the B + E rows; (ro, None) when there are none."""
+    stats = episodes.agent if episodes is not None else None
+    if stats is None or stats.extra is None:
+        return ro, None
+    B, dev = ro.prompt_ids.shape[0], ro.prompt_ids.device
+    extra = stats.extra.map(lambda t: t.to(dev))
+    both = {f.name: torch.cat([getattr(ro, f.name), getattr(extra, f.name)]) for f in dataclasses.fields(Rollout)
+            if isinstance(getattr(ro, f.name), torch.Tensor)}
+    return dataclasses.replace(ro, **both), torch.cat([torch.arange(B), stats.extra_of])

@@ -72,7 +72,6 @@ class Call:
 class _Episode:
     calls: list[Call] = field(default_factory=list)
     open: bool = True
-    budget: int = 0  # tokens after the first prompt (0: none)
 
 
 @dataclass
@@ -95,8 +94,8 @@ class _Pending:
 @dataclass(frozen=True)
 class Limits:
     """max_new_tokens: the run's cap per call; stop_token_ids: what ends a completion; max_calls:
-    calls per episode at most (0: none); max_episode_tokens: the episode's token budget after its
-    first prompt (0: none); window: seconds a request waits for others to batch with;
+    calls per episode at most (0: none); max_episode_tokens: the token budget of each of the
+    episode's sequences after its first prompt (0: none); window: seconds a request waits for others to batch with;
     episode_timeout: the agent's seconds for an episode (0: none; gspo.sampling.agents)."""
 
     max_new_tokens: int
@@ -152,7 +151,7 @@ class Endpoint:
 
     def open_episode(self, key: int) -> str:
         with self._lock:
-            self.episodes[key] = _Episode(budget=self.max_episode_tokens)
+            self.episodes[key] = _Episode()
         return f"http://127.0.0.1:{self.port}/e/{key}/v1"
 
     def close_episode(self, key: int) -> list[Call]:
@@ -293,13 +292,12 @@ class Endpoint:
             raise RequestError(400, f"max_tokens: expected a positive integer (got {asked!r})", "invalid_value",
                                "max_tokens")
         cap = min(self.max_new_tokens, asked or self.max_new_tokens)
-        if ep.budget and ep.calls and extends:
-            first = ep.calls[0]
-            start = len(first.prompt_ids)
-            left = ep.budget - (len(prompt) - start)
+        if self.max_episode_tokens and ep.calls and extends:  # the sequence's tokens after its first prompt
+            first = next(c for c in reversed(ep.calls) if not c.extends)  # an episode's first call extends nothing
+            left = self.max_episode_tokens - (len(prompt) - len(first.prompt_ids))
             if left < 1:
-                raise RequestError(400, f"this episode used its {ep.budget} tokens (--max-episode-tokens)",
-                                   "episode_budget")
+                raise RequestError(400, f"this episode used its {self.max_episode_tokens} tokens "
+                                   "(--max-episode-tokens)", "episode_budget")
             cap = min(cap, left)
         return cap
 

@@ -61,6 +61,14 @@ class Example:
     def is_chat(self) -> bool:
         return isinstance(self.prompt, list)
 
+    def row(self) -> dict[str, Any]:
+        """The dataset row as an environment's reset(**row) gets it: `prompt`, every other column,
+        and `answer` (unless None or a column already holds one)."""
+        row = {"prompt": self.prompt, **self.columns}
+        if self.answer is not None:
+            row.setdefault("answer", self.answer)
+        return row
+
 
 # ----------------------------------------------------------------------------------------------
 # Reading records

@@ -79,10 +79,7 @@ def openenv_environment(factory, action_cls, name: str | None = None, action_as_
 
         def reset(self, example) -> None:
             self.env = factory()
-            row = {"prompt": example.prompt, **example.columns}
-            if example.answer is not None:
-                row.setdefault("answer", example.answer)
-            fields, _, _ = unpack(self.env.reset(**_accepted(self.env.reset, row)))
+            fields, _, _ = unpack(self.env.reset(**_accepted(self.env.reset, example.row())))
             self.first = fields
 
         def step(self, text: str) -> Step:

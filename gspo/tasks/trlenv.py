@@ -98,10 +98,7 @@ def trl_environment(factory) -> type:
         def reset(self, example) -> None:
             self.env = factory()
             self.tools = tool_methods(self.env)  # the episode's own instance answers its tool calls
-            row = {"prompt": example.prompt, **example.columns}
-            if example.answer is not None:
-                row.setdefault("answer", example.answer)
-            out = self.env.reset(**row)
+            out = self.env.reset(**example.row())
             if out is not None and not isinstance(out, str):
                 raise EnvError(f"reset returned {type(out).__name__}; TRL's reset returns None or a string")
             self.prompt_suffix = out

@@ -24,6 +24,7 @@ from gspo.dist import parallel
 from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.models.moe import expert_counts
 from gspo.models.sequences import Rollout
+from gspo.sampling.agents import with_extra_sequences
 from gspo.sampling.episodes import Episodes
 from gspo.tasks.scoring import Scored
 from gspo.train.critic import estimator_name
@@ -68,6 +69,7 @@ class Batch:
     is_weights: Tensor | None = None  # (B, T) --rollout-is: π_old/π_rollout, truncated or masked
     is_metrics: dict | None = None  # their statistics over the global batch (gspo.algo.corrections)
     episodes: Episodes | None = None  # multi-turn: turns, tool calls, the environment's rewards
+    episode_of: Tensor | None = None  # (B + E,) agents' later sequences, rows B..: the episode of each row
 
     def rows(self, idx: Tensor, ps: slice, ts: slice) -> Rows:
         """The per-row tensors of rows `idx`, cut to prompt columns `ps` and completion columns
@@ -90,16 +92,20 @@ def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
     """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
     reference's, and the advantages (`advantages`: group-relative over the global batch, per
     turn with --turn-advantages; or PPO's GAE over the model's tokens of an episode). run: a
-    gspo.train.run.Run; scored: the rewards and rows. The no-grad passes run in
+    gspo.train.run.Run; scored: the rewards and rows. An agent's later sequences (a history it
+    edited, gspo.sampling.agents) become rows after the B episodes', each with its episode's
+    advantage (`episode_of`); rewards, examples and completions stay per episode. The no-grad passes run in
     micro-batches of the token budget, under mixed precision when on, with FSDP's parameters
     gathered (each process runs its own number of passes)."""
     cfg, dist = run.cfg, run.dist
+    ro, episode_of = with_extra_sequences(ro, scored.episodes)  # (B + E) rows, or ro and None
     if cfg.loss.mask_truncated_completions:  # cut by max_new_tokens: out of the loss, still in the group's statistics
         ro.completion_mask = ro.completion_mask * (~ro.truncated)[:, None]
     split = Split(cfg.policy.micro_batch_tokens, max(1, ro.prompt_ids.shape[0] // cfg.loss.num_minibatches), run.packed)
     batch = Batch(rollout=ro, rewards=scored.rewards, all_rewards=dist.gather(scored.rewards),
                   reward_parts=scored.parts, advantages=None, old_logp=None, ref_logp=None,
-                  examples=scored.examples, completions=scored.completions, episodes=scored.episodes)
+                  examples=scored.examples, completions=scored.completions, episodes=scored.episodes,
+                  episode_of=episode_of)
     batch.old_logp, batch.routing = _old_logprobs(run, batch, split)  # (B, T), (B, P+T, L, k)
     batch.ref_logp = _ref_logprobs(run, ro, split)  # (B, T)
     batch.advantages, batch.old_values, batch.returns = advantages(run, batch, split)
@@ -113,28 +119,33 @@ def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
 def advantages(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The step's advantages by the run's estimator (gspo.train.critic.estimator_name), this
     process's rows: group-relative ones over the global batch, (B,) or with --turn-advantages
-    (B, T), each model turn's tokens its turn's; GAE's (B, T) over the critic's values. Returns
-    (advantages, the critic's old values, returns), the last two None without a critic."""
+    (B, T), each model turn's tokens its turn's; GAE's (B, T) over the critic's values. An agent's
+    later sequences (`batch.episode_of`) get their episode's: its group-relative advantage, its
+    call's with --turn-advantages, or GAE's with its episode's reward. Returns (advantages, the
+    critic's old values, returns), the last two None without a critic."""
     cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    of = batch.episode_of if batch.episode_of is not None else slice(None)  # each row's episode
     estimator = ESTIMATORS[estimator_name(cfg)]
     if estimator.needs_values:
         old_values = run.critic.old_values(run, ro, split)  # (B, T)
         kl = batch.old_logp - batch.ref_logp if cfg.ppo.reward_kl_coef > 0 else None  # (B, T)
         adv, returns = estimator.fn(AdvantageInputs(
-            batch.rewards, values=old_values, mask=ro.completion_mask, kl=kl, kl_coef=cfg.ppo.reward_kl_coef,
+            batch.rewards[of], values=old_values, mask=ro.completion_mask, kl=kl, kl_coef=cfg.ppo.reward_kl_coef,
             gamma=cfg.ppo.gamma, lam=cfg.ppo.gae_lambda, whiten=cfg.ppo.whiten_advantages, all_sum=dist.all_sum))
         return adv, old_values, returns
     B, episodes = batch.rewards.shape[0], batch.episodes
     mine = slice(dist.rank * B, (dist.rank + 1) * B)  # this process's rows
     if episodes is None or not cfg.episodes.turn_advantages:
         adv, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size))
-        return adv[mine].to(ro.logp.device), None, None  # (B,)
+        return adv[mine][of].to(ro.logp.device), None, None  # (B,) or (B + E,)
     final = (batch.rewards - episodes.env_reward).to(torch.float64)  # (B,) the task's rewards, at the episode's end
     to_go = final[:, None] + episodes.rewards_to_go(run.max_turns)  # (B, K) R_{i,k}
     per_turn, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size,
                                                to_go=dist.gather(to_go)))
     index = episodes.turn_index.cpu()  # (B, T)
-    return (per_turn[mine].gather(1, index.clamp(min=0)) * (index >= 0)).float().to(ro.logp.device), None, None
+    if batch.episode_of is not None:  # the later sequences': their calls' indices in their episodes
+        index = torch.cat([index, episodes.agent.extra_turn_index.cpu()])  # (B + E, T)
+    return (per_turn[mine][of].gather(1, index.clamp(min=0)) * (index >= 0)).float().to(ro.logp.device), None, None
 
 
 def _old_logprobs(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:

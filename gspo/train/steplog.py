@@ -27,7 +27,7 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
     """The step's row of metrics.jsonl (without timings), over the global batch: batch-level
     values gathered from every process, then the step's means of the updates' `history`.
     run: a gspo.train.run.Run; batch: a gspo.train.batch.Batch."""
-    cfg, dist, ro = run.cfg, run.dist, batch.rollout
+    cfg, dist, ro = run.cfg, run.dist, episode_rows(batch)
     groups = batch.all_rewards.view(-1, cfg.sampling.group_size)  # (N_all, G)
     lengths = dist.gather(ro.lengths.float())  # (B_all,)
     all_parts = {name: dist.gather(torch.tensor(v, dtype=torch.float64)) for name, v in batch.reward_parts.items()}
@@ -41,7 +41,7 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
         "completion/mean_length": float(lengths.mean()),
         "completion/max_length": float(lengths.max()),
         "completion/truncated_frac": float(dist.gather(ro.truncated.float()).mean()),
-        **(mismatch(ro.logp, batch.old_logp, ro.completion_mask, dist.gather)
+        **(mismatch(batch.rollout.logp, batch.old_logp, batch.rollout.completion_mask, dist.gather)
            if cfg.loss.old_logp == "recompute" else {}),
         **{k: float(v) for k, v in (batch.is_metrics or {}).items()},
         "lr": run.optimizer.param_groups[0]["lr"],
@@ -50,6 +50,13 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
         metrics.update(episode_metrics(batch, run.max_turns, dist))
     metrics.update(run.critic.step_metrics(batch, dist))  # PPO: value/mean, value/explained_variance
     return metrics
+
+
+def episode_rows(batch):
+    """The batch's rollout, its rows those of its episodes (rows B.., an agent's later sequences,
+    left out): what the step's completion/* metrics describe."""
+    ro, B = batch.rollout, batch.rewards.shape[0]
+    return ro if batch.episode_of is None else ro.map(lambda t: t[:B])
 
 
 def mismatch(sampled: Tensor, recomputed: Tensor, mask: Tensor, gather=None) -> dict[str, float]:
@@ -69,9 +76,12 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
     """Multi-turn episodes over the global batch: turns, tool calls and the share that failed,
     the share of episodes ended by the turn limit, model and environment tokens per episode, and
     the environment's mean reward at each turn (over the episodes that reached it)."""
-    ep, ro = batch.episodes, batch.rollout
-    rows = torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ep.turn_limit, ro.completion_mask.sum(1).cpu(),
-                        ro.env_mask.sum(1).cpu()], 1).double()  # (B, 6)
+    ep, ro, of = batch.episodes, batch.rollout, batch.episode_of
+    tokens = torch.stack([ro.completion_mask.sum(1), ro.env_mask.sum(1)], 1).cpu().double()  # (B + E, 2)
+    if of is not None:  # an agent's later sequences: their tokens counted in their episode's
+        tokens = torch.zeros(len(ep.turns), 2, dtype=torch.float64).index_add(0, of, tokens)
+    rows = torch.cat([torch.stack([ep.turns, ep.tool_calls, ep.tool_errors, ep.turn_limit], 1).double(),
+                      tokens], 1)  # (B, 6)
     turns, calls, errors, limited, model_tokens, env_tokens = dist.gather(rows).unbind(1)  # (B_all,) each
     by_turn = torch.full((len(ep.turn_rewards), max_turns), float("nan"), dtype=torch.float64)  # (B, K)
     for b, rewards in enumerate(ep.turn_rewards):
@@ -92,7 +102,7 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
 
 def agent_metrics(stats, dist) -> dict[str, float]:
     """Agents (gspo.sampling.agents) over the global batch: the share of failed episodes, the
-    sequences left out per episode (calls on an edited history), the calls after an episode ended."""
+    sequences per episode beyond the first (calls on an edited history), the calls after an episode ended."""
     rows = dist.gather(torch.stack([stats.failed, stats.extra_sequences], 1).double())  # (B_all, 2)
     late = dist.gather(torch.tensor([[float(stats.late_calls)]], dtype=torch.float64))  # (world, 1)
     return {"agent/failed_frac": float(rows[:, 0].mean()), "agent/extra_sequences": float(rows[:, 1].mean()),

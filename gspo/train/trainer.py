@@ -323,7 +323,7 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
     history = []
     for _ in range(cfg.loss.epochs):
         order = torch.randperm(B_all, generator=generator)  # (B_all,) the same on every process
-        minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.split(B_all // cfg.loss.num_minibatches)]
+        minibatches = [g[(g >= lo) & (g < lo + B)] - lo for g in order.tensor_split(cfg.loss.num_minibatches)]
         counts = torch.tensor([[float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())]
                                for idx in minibatches], dtype=torch.float64)  # (M, 2) what the losses average over
         totals = [Totals(*t) for t in dist.all_sum(counts).clamp(min=1).tolist()]  # the global minibatches' counts
