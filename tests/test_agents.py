@@ -159,7 +159,7 @@ def test_the_token_budget_counts_from_each_sequences_own_first_prompt(tiny):
         first = [{"role": "user", "content": "2+40="}]
         _, r1 = post(url, "chat/completions", {"messages": first})
         long = first + [r1["choices"][0]["message"], {"role": "user", "content": "x " * 40}]
-        code, r2 = post(url, "chat/completions", {"messages": long})  # 3 sampled + ~90 new tokens > 60 (a tokenizer of characters)
+        code, r2 = post(url, "chat/completions", {"messages": long})  # 3 sampled + ~90 new > 60
         assert code == 400 and r2["error"]["code"] == "episode_budget"
         edited = [{"role": "user", "content": "a longer question: " + "y " * 40}]  # ~95 tokens more than `first`
         _, r3 = post(url, "chat/completions", {"messages": edited})
@@ -467,3 +467,32 @@ def test_an_edited_history_is_a_row_of_its_own_trained_with_its_episodes_advanta
     tokens = [float(b.completion_mask[e].sum() + b.completion_mask[4 + e].sum()) for e in range(4)]
     assert row["agent/extra_sequences"] == 1.0 and row["episode/model_tokens"] == pytest.approx(sum(tokens) / 4)
     assert row["completion/mean_length"] == pytest.approx(float(b.lengths[:4].float().mean()))
+
+
+def test_a_sampler_that_fails_stops_the_step_in_one_line_without_waiting_out_the_deadline(tiny):
+    # the engine's fault, not the agents': an agent that retries a failing endpoint (as verifiers'
+    # harness does) once waited out its 300 s deadline, and the step trained on failed episodes
+    from gspo.tasks.env import EnvError
+
+    _, tok = tiny
+
+    class Broken:
+        def sample(self, *args, **kwargs):
+            raise RuntimeError("Check failed: thread_num\n(2 vs. 1)")
+
+    async def agent(client, example):
+        while True:
+            try:
+                await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "q"}])
+            except Exception:
+                await asyncio.sleep(0.05)
+
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
+    params = sampling_params(tok, stop=stop, group_size=2, max_new_tokens=4)
+    examples = [Example(prompt="1+1=", answer="2")]
+    t0 = time.perf_counter()
+    with pytest.raises(EnvError) as e:
+        run_agent_episodes(Broken(), tok, examples, EpisodeSpec(agent, max_turns=4, timeout=60.0), params, Draws())
+    assert time.perf_counter() - t0 < 10
+    assert str(e.value) == ("agent agent: the sampler behind the endpoint failed: RuntimeError: Check failed: "
+                            "thread_num (2 vs. 1)")

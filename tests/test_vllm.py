@@ -295,13 +295,18 @@ def test_multi_turn_episodes_sample_on_vllm(tmp_path):
 def test_an_agent_samples_through_the_endpoint_on_vllm(tmp_path):
     # agent code (examples/agents/calculator_agent.py) against the OpenAI endpoint, the engine behind it:
     # the endpoint's batch thread calls the engine; the calls' tokens and log-probs are the engine's, and the
-    # trainer's recomputation over the recorded episodes matches them as it does for gspo's own episodes
+    # trainer's recomputation over the recorded episodes matches them as it does for gspo's own episodes.
+    # Without OMP_NUM_THREADS, as a user runs it: gspo picks 1 thread of 2 cores, and the batch thread
+    # once ran at OpenMP's default of 2, which vLLM's CPU attention refused on every call (a failed
+    # episode each: "Check failed: input->metadata->thread_num == thread_num (2 vs. 1)")
     run = tmp_path / "run"
     agent = f"{Path(__file__).parents[1] / 'examples' / 'agents' / 'calculator_agent.py'}:rollout"
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
     r = gspo("train", "--task", "calculator", "--env", agent, *FAST, "--steps", "2", "--rollout-engine", "vllm",
-             "--old-logp", "recompute", "--output-dir", str(run))
+             "--old-logp", "recompute", "--output-dir", str(run), env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "agent rollout() over an OpenAI endpoint on 127.0.0.1" in r.stdout
+    assert "CPU thread" in r.stdout and "OMP_NUM_THREADS" not in r.stdout  # gspo's own choice of threads
     m = rows(run)
     assert len(m) == 2 and all(x["mismatch/token_abs"] < 1e-4 for x in m), [x["mismatch/token_abs"] for x in m]
     assert all(x["agent/failed_frac"] == 0.0 and x["agent/extra_sequences"] == 0.0 for x in m)

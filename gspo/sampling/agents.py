@@ -41,10 +41,12 @@ import contextlib
 import dataclasses
 import math
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from gspo.config.checks import one_line
 from gspo.models.sequences import Rollout, left_pad
 from gspo.sampling.endpoint import Call, Endpoint, Limits, in_process
 from gspo.sampling.episodes import Episodes, lay_out, run_episodes
@@ -80,15 +82,25 @@ class AgentResult:
     failure: str | None = None
 
 
-def run_agents(agent, examples: list, urls: list[str], limits: Limits, ended=lambda i: None,
-               transport=None) -> list[tuple[list[float], str | None]]:
+@dataclass
+class Hooks:
+    """What run_agents tells its caller and asks it: `ended(i)` as soon as episode i's agent
+    returned, failed or ran out of time; `transport` the clients' httpx transport
+    (gspo.sampling.endpoint.in_process; None: over the socket); `broken()` an exception that ends
+    every episode still running (the sampler behind the endpoint failed), else None."""
+
+    ended: Callable[[int], object] = lambda i: None
+    transport: object = None
+    broken: Callable[[], BaseException | None] = field(default=lambda: None)
+
+
+def run_agents(agent, examples: list, urls: list[str], limits: Limits,
+               hooks: Hooks | None = None) -> list[tuple[list[float], str | None]]:
     """Each episode's agent run to its end in one event loop, within `limits.episode_timeout`
-    seconds (0: none): (rewards, failure) per episode; `ended(i)` as soon as episode i's agent
-    returned, failed or ran out of time; `transport`: the clients' httpx transport
-    (gspo.sampling.endpoint.in_process; None: over the socket). An agent with a
+    seconds (0: none): (rewards, failure) per episode (`hooks`: Hooks). An agent with a
     `session(limits)` (an async context manager) holds it around the rollout's episodes; one with
     a `concurrency` (an int) runs that many episodes at a time."""
-    timeout = limits.episode_timeout
+    timeout, hooks = limits.episode_timeout, hooks or Hooks()
     try:
         import openai
     except ImportError:
@@ -111,22 +123,38 @@ def run_agents(agent, examples: list, urls: list[str], limits: Limits, ended=lam
         except Exception as e:
             return [0.0], f"raised {type(e).__name__}: {e}"
         finally:
-            ended(i)  # a call from now on is late
+            hooks.ended(i)  # a call from now on is late
 
     async def every():
         # one HTTP client for every episode: making one each (its TLS context) took 50 ms an episode
-        kw = {"transport": transport} if transport is not None else {}
+        kw = {"transport": hooks.transport} if hooks.transport is not None else {}
         session = getattr(agent, "session", None)
         async with (session(limits) if session is not None else contextlib.nullcontext()), \
                 openai.DefaultAsyncHttpxClient(timeout=timeout or None, **kw) as http:
             gate = asyncio.Semaphore(getattr(agent, "concurrency", None) or max(1, len(urls)))
-            return await asyncio.gather(*(one(i, ex, url, http, gate)
-                                          for i, (ex, url) in enumerate(zip(examples, urls))))
+            tasks = [asyncio.ensure_future(one(i, ex, url, http, gate))
+                     for i, (ex, url) in enumerate(zip(examples, urls))]
+            return await _unless_broken(tasks, hooks.broken)
 
     try:
         return asyncio.run(every())
     except Exception as e:  # the episodes' own faults are caught in one(): this is the session's or the client's
         raise EnvError(f"agent {agent_name(agent)}: {type(e).__name__}: {e}") from e
+
+
+async def _unless_broken(tasks: list, broken) -> list:
+    """The tasks' results once all are done; if `broken()` says so first, the ones still running
+    are cancelled and fail (an agent whose harness retries a failing endpoint would otherwise
+    wait out its deadline)."""
+    pending = tasks
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+        if pending and broken() is not None:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            break
+    return [t.result() if not t.cancelled() else ([0.0], "cancelled: the sampler failed") for t in tasks]
 
 
 def httpx_of_openai():
@@ -163,9 +191,17 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
     B = len(examples) * G
     offset, total = draws.rows or (0, B)
 
-    def sample(prompts, max_tokens, rows):
-        ro = sampler.sample(prompts, dataclasses.replace(params, group_size=1, max_new_tokens=max_tokens),
-                            rows=(torch.tensor([offset + r for r in rows]), total))
+    threads, failed = torch.get_num_threads(), []
+
+    def sample(prompts, max_tokens, rows):  # on the endpoint's thread
+        if torch.get_num_threads() != threads:  # a new thread has OpenMP's default; vLLM's CPU attention checks it
+            torch.set_num_threads(threads)
+        try:
+            ro = sampler.sample(prompts, dataclasses.replace(params, group_size=1, max_new_tokens=max_tokens),
+                                rows=(torch.tensor([offset + r for r in rows]), total))
+        except Exception as e:  # the callers get a 500; the step stops (below)
+            failed.append(e)
+            raise
         out = []
         for j in range(len(prompts)):
             n = int(ro.lengths[j])
@@ -178,9 +214,12 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
     try:
         urls = [endpoint.open_episode(b) for b in range(B)]
         calls = {}
-        outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, limits,
-                              ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)),
-                              transport=in_process(endpoint, httpx_of_openai()))
+        hooks = Hooks(ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)),
+                      transport=in_process(endpoint, httpx_of_openai()), broken=lambda: failed[0] if failed else None)
+        outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, limits, hooks)
+        if failed:  # the engine's fault, not the agents': no step trains on episodes that could not sample
+            raise EnvError(f"agent {agent_name(agent)}: the sampler behind the endpoint failed: "
+                           f"{type(failed[0]).__name__}: {one_line(failed[0])}")
         results = [AgentResult(calls[b], *outcomes[b]) for b in range(B)]
     finally:
         endpoint.stop()
