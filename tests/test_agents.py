@@ -496,3 +496,69 @@ def test_a_sampler_that_fails_stops_the_step_in_one_line_without_waiting_out_the
     assert time.perf_counter() - t0 < 10
     assert str(e.value) == ("agent agent: the sampler behind the endpoint failed: RuntimeError: Check failed: "
                             "thread_num (2 vs. 1)")
+
+
+def _counting(sample, seen: list):
+    """`sample`, appending each call's number of prompts to `seen`."""
+    return lambda prompts, *a, **kw: seen.append(len(prompts)) or sample(prompts, *a, **kw)
+
+
+def test_what_a_call_samples_depends_on_its_episode_and_call_not_on_its_batch(tiny):
+    # call k of episode b draws turn k's uniforms at row b (as run_episodes draws turn k): the same
+    # tokens whether the episodes' calls were batched together or one by one (an agent that waits)
+    model, tok = tiny
+
+    def agent_waiting(pause):
+        async def agent(client, example):
+            b = int(str(client.base_url).rstrip("/").split("/")[-2])
+            msgs = [{"role": "user", "content": example.prompt}]
+            for _ in range(2):
+                await asyncio.sleep(pause * b)  # pause > 0: each episode's call comes alone
+                r = await client.chat.completions.create(model="policy", messages=msgs)
+                msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+            return 0.0
+        return agent
+
+    stop = (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
+    params = sampling_params(tok, stop=stop, group_size=4, max_new_tokens=8)
+    examples = [Example(prompt="3+4=", answer="7")]
+    draws = Draws(generator_for=lambda k: torch.Generator().manual_seed(100 + k))
+    runs = []
+    for pause in (0.0, 0.3):
+        sampler, seen = PolicySampler(model), []
+        sampler.sample = _counting(sampler.sample, seen)
+        torch.manual_seed(pause * 1000)  # the global generator differs between the two runs
+        ro, _ = run_agent_episodes(sampler, tok, examples, EpisodeSpec(agent_waiting(pause), max_turns=4, timeout=60.0),
+                                   params, draws)
+        runs.append((ro, seen))
+    (a, batched), (b, alone) = runs
+    assert max(batched) == 4 and max(alone) == 1  # 2 batches of 4 calls, then 8 calls of 1
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    assert len({tuple(r[:3].tolist()) for r in a.completion_ids}) > 1  # the four episodes sampled differently
+
+
+def test_an_agent_run_with_staleness_and_a_correction_resumes_to_the_uninterrupted_run(tmp_path):
+    # item 6 of the agents issue: checkpoints, the in-process asynchronous pipeline (--max-staleness)
+    # and a mismatch correction (--rollout-is) with agent rollouts. The checkpoint at step 1 holds the
+    # batch sampled ahead (agent episodes, extra rows and all); a resume from it ends where the
+    # uninterrupted run did, metric for metric and weight for weight
+    from tests.test_async import _truncated_copy, gspo, same, same_weights
+    from tests.test_distributed import metrics, weights
+
+    (tmp_path / "editing_agent.py").write_text(EDITING_AGENT)  # rewards 0 and 1 in each group; an edited history
+    run = tmp_path / "a"
+    r = gspo("--model", "tiny-tool", "--task", "arithmetic", "--env", f"{tmp_path / 'editing_agent.py'}:rollout",
+             "--steps", "3", "--save-every", "1", "--max-staleness", "1", "--rollout-is", "token",
+             "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "6", "--eval-size", "0",
+             "--no-progress", "--seed", "5", "--output-dir", str(run))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "agent rollout() over an OpenAI endpoint" in r.stdout
+    cut = _truncated_copy(run, tmp_path / "b", 1)
+    r = gspo("--resume", str(cut))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = metrics(run), metrics(cut)
+    assert [x["step"] for x in b] == [1, 2, 3] and [x["async/staleness_max"] for x in a] == [0, 1, 1]
+    assert all(x["agent/extra_sequences"] == 1.0 and x["grad_norm"] > 0 and "is/weight_mean" in x for x in a)
+    same(a, b, ignore=("async/trainer_idle_seconds", "async/sample_seconds", "async/worker_idle_seconds",
+                       "async/overlap", "async/weight_sync_seconds", "async/ready_batches"))
+    same_weights(weights(run), weights(cut))

@@ -28,10 +28,16 @@ messages) starts a new sequence: the episode's row is its first sequence, and ea
 a row of its own after the batch's episodes (`AgentStats.extra`), trained with its episode's
 advantage (gspo.train.batch.prepare appends them; `agent/extra_sequences` counts them per episode).
 
+Randomness: an episode's call k draws turn k's uniforms of the step at the episode's row, as
+run_episodes draws turn k (`_Sampling`): the endpoint's batching, which depends on when calls
+arrive, does not change what a call samples.
+
 Faults never hang a step. An agent that raises, returns something that is not a reward, or
 outlives the episode deadline (--episode-timeout seconds) fails its episode: one line on stderr
 naming the episode and the cause, reward 0, its tokens left out of the update (`agent/failed_frac`).
 A call after an episode ended gets an OpenAI-shaped 409 error and a line (`agent/late_calls`).
+The sampler failing behind the endpoint is the run's fault: the episodes still running are
+cancelled and the step stops with one line (EnvError).
 """
 
 from __future__ import annotations
@@ -191,23 +197,7 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
     B = len(examples) * G
     offset, total = draws.rows or (0, B)
 
-    threads, failed = torch.get_num_threads(), []
-
-    def sample(prompts, max_tokens, rows):  # on the endpoint's thread
-        if torch.get_num_threads() != threads:  # a new thread has OpenMP's default; vLLM's CPU attention checks it
-            torch.set_num_threads(threads)
-        try:
-            ro = sampler.sample(prompts, dataclasses.replace(params, group_size=1, max_new_tokens=max_tokens),
-                                rows=(torch.tensor([offset + r for r in rows]), total))
-        except Exception as e:  # the callers get a 500; the step stops (below)
-            failed.append(e)
-            raise
-        out = []
-        for j in range(len(prompts)):
-            n = int(ro.lengths[j])
-            out.append((ro.completion_ids[j, :n].tolist(), ro.logp[j, :n].tolist(), bool(ro.truncated[j])))
-        return out
-
+    sample = _Sampling(sampler, params, draws, (offset, total))
     limits = Limits(params.max_new_tokens, params.stop_token_ids, spec.max_turns, spec.max_tokens,
                     episode_timeout=spec.timeout)
     endpoint = Endpoint(sample, tokenizer, MODEL_NAME, limits).start()
@@ -215,11 +205,11 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
         urls = [endpoint.open_episode(b) for b in range(B)]
         calls = {}
         hooks = Hooks(ended=lambda b: calls.setdefault(b, endpoint.close_episode(b)),
-                      transport=in_process(endpoint, httpx_of_openai()), broken=lambda: failed[0] if failed else None)
+                      transport=in_process(endpoint, httpx_of_openai()), broken=sample.failure)
         outcomes = run_agents(agent, [examples[b // G] for b in range(B)], urls, limits, hooks)
-        if failed:  # the engine's fault, not the agents': no step trains on episodes that could not sample
+        if (e := sample.failure()) is not None:  # the engine's fault, not the agents': nothing trains on it
             raise EnvError(f"agent {agent_name(agent)}: the sampler behind the endpoint failed: "
-                           f"{type(failed[0]).__name__}: {one_line(failed[0])}")
+                           f"{type(e).__name__}: {one_line(e)}")
         results = [AgentResult(calls[b], *outcomes[b]) for b in range(B)]
     finally:
         endpoint.stop()
@@ -236,6 +226,44 @@ def run_agent_episodes(sampler, tokenizer, examples: list, spec, params, draws) 
     for line in endpoint.late_calls:
         print(f"gspo: agent {name}: {line}", file=sys.stderr)
     return assemble(results, tokenizer, G, len(endpoint.late_calls))
+
+
+class _Sampling:
+    """The endpoint's `sample(prompts, max_tokens, rows)` over a run's sampler, on the endpoint's
+    thread: with the run's torch thread count (a new thread has OpenMP's default, and vLLM's CPU
+    attention refuses a count other than the one its metadata was built with); each episode's
+    call k drawn from turn k's generator at the episode's row (`draws`, as run_episodes draws turn
+    k), so what a call samples depends on the step, the episode and the call, not on which other
+    calls were batched with it; the first exception kept (`failure()`), then raised to the callers."""
+
+    def __init__(self, sampler, params, draws, rows: tuple[int, int]):
+        self.sampler, self.params, self.draws, (self.offset, self.total) = sampler, params, draws, rows
+        self.threads, self.calls, self.failed = torch.get_num_threads(), {}, []
+
+    def failure(self) -> BaseException | None:
+        return self.failed[0] if self.failed else None
+
+    def __call__(self, prompts: list, max_tokens: int, rows: list[int]) -> list:
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        ks = []
+        for r in rows:  # the episodes' call numbers
+            ks.append(self.calls.get(r, 0))
+            self.calls[r] = ks[-1] + 1
+        params = dataclasses.replace(self.params, group_size=1, max_new_tokens=max_tokens)
+        out = [None] * len(prompts)
+        try:
+            for k in sorted(set(ks)):  # one sampler call per call number (one in all when the episodes go in step)
+                idx = [j for j, kj in enumerate(ks) if kj == k]
+                ro = self.sampler.sample([prompts[j] for j in idx], params, generator=self.draws.generator_for(k),
+                                         rows=(torch.tensor([self.offset + rows[j] for j in idx]), self.total))
+                for i, j in enumerate(idx):
+                    n = int(ro.lengths[i])
+                    out[j] = (ro.completion_ids[i, :n].tolist(), ro.logp[i, :n].tolist(), bool(ro.truncated[i]))
+        except Exception as e:  # the callers get a 500; run_agent_episodes stops the step
+            self.failed.append(e)
+            raise
+        return out
 
 
 def sequences(calls: list[Call]) -> list[tuple[int, list[Call]]]:
