@@ -50,7 +50,7 @@ class Scripted:
     def __init__(self, tok, reply):
         self.tok, self.reply, self.end = tok, reply, tok.convert_tokens_to_ids("<|im_end|>")
 
-    def sample(self, prompts, params, rows):
+    def sample(self, prompts, params, generator=None, rows=None):  # the Sampler interface (no randomness)
         outs = [self.tok(self.reply(self.tok.decode(p)), add_special_tokens=False)["input_ids"] + [self.end]
                 for p in prompts]
         n = max(map(len, outs))
