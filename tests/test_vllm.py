@@ -313,6 +313,22 @@ def test_an_agent_samples_through_the_endpoint_on_vllm(tmp_path):
     assert m[0]["episode/turns"] > 1.2 and m[0]["episode/env_tokens"] > 10 and m[0]["episode/tool_calls"] > 0.2
 
 
+def test_a_verifiers_environment_plays_its_episodes_on_vllm(tmp_path):
+    # verifiers' harness (a subprocess) calls the endpoint through its interception server; the
+    # engine samples behind it: a multi-turn Env with a scripted user turn (tests/vf_tasksets)
+    pytest.importorskip("verifiers", minversion="0.4")
+    run = tmp_path / "run"
+    tasksets = str(Path(__file__).parent / "vf_tasksets")
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tasksets, env.get("PYTHONPATH")) if p)
+    r = gspo("train", "--task", "verifiers:gspo-vf-chat", "--model", "tiny-tool", "--rollout-engine", "vllm",
+             "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+             "--eval-size", "2", "--no-progress", "--output-dir", str(run), env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (m,) = rows(run)
+    assert m["agent/failed_frac"] == 0.0 and m["episode/turns"] == 2.0 and m["episode/env_tokens"] > 0
+
+
 @pytest.mark.slow
 def test_a_vllm_engine_samples_multi_turn_episodes_in_a_rollout_worker(tmp_path):
     # --rollout-workers 1: the engine lives in the worker's process and gets each step's weights
