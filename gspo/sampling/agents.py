@@ -48,7 +48,7 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -97,7 +97,7 @@ class Hooks:
 
     ended: Callable[[int], object] = lambda i: None
     transport: object = None
-    broken: Callable[[], BaseException | None] = field(default=lambda: None)
+    broken: Callable[[], BaseException | None] = lambda: None
 
 
 def run_agents(agent, examples: list, urls: list[str], limits: Limits,

@@ -296,7 +296,7 @@ class Endpoint:
             first = next(c for c in reversed(ep.calls) if not c.extends)  # an episode's first call extends nothing
             left = self.max_episode_tokens - (len(prompt) - len(first.prompt_ids))
             if left < 1:
-                raise RequestError(400, f"this episode used its {self.max_episode_tokens} tokens "
+                raise RequestError(400, f"this sequence of the episode used its {self.max_episode_tokens} tokens "
                                    "(--max-episode-tokens)", "episode_budget")
             cap = min(cap, left)
         return cap
