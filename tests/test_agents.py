@@ -49,13 +49,17 @@ class FakeSampler:
         return [(ids, [-0.5] * len(ids), len(ids) < len(self.ids)) for _ in prompts]
 
 
+KEY = "the-runs-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
 def endpoint_for(tok, sampler, **kw):
     stop = (tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id)
-    return Endpoint(sampler, tok, "policy", Limits(kw.pop("max_new_tokens", 16), stop, **kw)).start()
+    return Endpoint(sampler, tok, "policy", Limits(kw.pop("max_new_tokens", 16), stop, **kw), secret=KEY).start()
 
 
-def post(url, route, body):
-    r = httpx.post(f"{url}/{route}", json=body, timeout=30)
+def post(url, route, body, key=KEY):
+    r = httpx.post(f"{url}/{route}", json=body, timeout=30, headers={"Authorization": f"Bearer {key}"} if key else {})
     return r.status_code, r.json()
 
 
@@ -70,7 +74,7 @@ def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
     ep = endpoint_for(tok, fake)
     try:
         url = ep.open_episode(3)
-        models = httpx.get(f"{url}/models").json()
+        models = httpx.get(f"{url}/models", headers=AUTH).json()
         assert models["data"][0]["id"] == "policy" and models["object"] == "list"
         messages = [{"role": "user", "content": "2+40="}]
         status, r = post(url, "chat/completions", {"model": "policy", "messages": messages, "logprobs": True})
@@ -99,7 +103,7 @@ def test_a_streamed_call_is_sampled_whole_and_sent_as_events_over_either_transpo
     ep = endpoint_for(tok, fake)
     try:
         messages = [{"role": "user", "content": "2+40="}]
-        raw = httpx.post(f"{ep.open_episode(0)}/chat/completions", timeout=30,
+        raw = httpx.post(f"{ep.open_episode(0)}/chat/completions", timeout=30, headers=AUTH,
                          json={"messages": messages, "stream": True, "stream_options": {"include_usage": True}})
         assert raw.headers["content-type"] == "text/event-stream"
         events = [line[len("data: "):] for line in raw.text.split("\n\n") if line]
@@ -112,7 +116,7 @@ def test_a_streamed_call_is_sampled_whole_and_sent_as_events_over_either_transpo
 
         async def streamed(url, transport):  # the OpenAI client reads it as any stream, in process too
             kw = {"http_client": openai.DefaultAsyncHttpxClient(transport=transport)} if transport else {}
-            client = openai.AsyncOpenAI(base_url=url, api_key="x", **kw)
+            client = openai.AsyncOpenAI(base_url=url, api_key=KEY, **kw)
             stream = await client.chat.completions.create(model="policy", messages=messages, stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
@@ -185,7 +189,7 @@ def test_errors_are_openai_shaped_and_a_late_call_is_refused(tiny):
             got, r = post(url, "chat/completions", body)
             assert got == status and r["error"]["param"] == param and r["error"]["type"] == "invalid_request_error"
             assert set(r["error"]) == {"message", "type", "param", "code"}
-        assert httpx.post(f"{url}/chat/completions", content=b"{not json", timeout=10).status_code == 400
+        assert httpx.post(f"{url}/chat/completions", content=b"{not json", timeout=10, headers=AUTH).status_code == 400
         assert post(url.replace("/e/1/", "/e/9/"), "chat/completions", {"messages": msgs})[0] == 404
         assert post(url, "chat/completions", {"messages": msgs})[0] == 200
         assert post(url, "completions", {"prompt": "hi"})[0] == 200
@@ -301,7 +305,8 @@ def test_faults_fail_their_episode_in_one_line_and_the_rest_train(tiny, capsys):
         if b == 2:  # a call after its episode ended, from a thread the agent left behind
             url = str(client.base_url).rstrip("/")
             threading.Thread(target=lambda: late.update(r=post(url, "chat/completions",
-                                                                {"messages": [{"role": "user", "content": "x"}]})),
+                                                                {"messages": [{"role": "user", "content": "x"}]},
+                                                                key=client.api_key)),
                              daemon=True).start()
             return [1.0, 2.0]  # two per-call rewards for one call
         await asyncio.sleep(0.5)  # episode 3 outlives 2's return, so the endpoint is up for the late call

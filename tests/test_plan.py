@@ -14,7 +14,7 @@ SMALL = dict(steps=1, prompts_per_step=2, group_size=2, eval_size=4, max_new_tok
 KEYS = {"engine", "processes", "parallel", "weights_dtype", "compute_dtype", "autocast", "sampler", "sampler_dtype",
         "old_logp", "packing", "packing_why", "micro_batch_tokens", "lm_head", "lm_head_chunk", "decode",
         "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "agent",
-        "rollouts", "warnings", "threads", "model", "objective"}
+        "rollouts", "warnings", "threads", "model", "objective", "integrity"}
 
 
 def plan_of(tmp_path, **kw) -> dict:
@@ -35,6 +35,7 @@ def test_default_run(tmp_path):
     assert p["lm_head"] == "chunked" and p["lm_head_chunk"] >= 16
     assert (p["decode"], p["decode_why"]) == ("fast", None)  # the built-in tiny is a dense Qwen3
     assert (p["lora"], p["moe"], p["routing_replay"], p["env"], p["max_turns"]) == (None, False, False, None, 1)
+    assert p["integrity"] == {"on_breach": "stop", "tolerance": {"row": 1e-3, "mean": 1e-4}}  # gspo's, float32
     assert p["warnings"] == []
 
 
@@ -44,6 +45,10 @@ def test_bfloat16_samples_with_a_copy_and_recomputes_old_logp(tmp_path):
     assert p["sampler"].startswith("a bfloat16 copy of the policy") and p["sampler_dtype"] == "bfloat16"
     assert p["old_logp"] == "recompute"  # auto: the sampler's bf16 log-probs are not the trainer's
     assert "compute bfloat16 (autocast)" in describe(p) and "a training forward" in describe(p)
+    assert p["integrity"]["tolerance"] == {"row": 2.0, "mean": 0.25}  # sampler and trainer both compute in bfloat16
+    p = plan_of(tmp_path, rollout_dtype="bfloat16")  # a bfloat16 sampler, a float32 trainer: a gap, not a breach
+    assert p["integrity"] == {"on_breach": "stop", "tolerance": None}
+    assert "log-probs not checked (the sampler's precision is not the trainer's" in describe(p)
 
 
 def test_packing_on(tmp_path):

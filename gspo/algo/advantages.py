@@ -36,7 +36,8 @@ Tensor = torch.Tensor
 ADV_SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6,
+                     valid: Tensor | None = None) -> Tensor:
     """Â_i = (r_i - mean_group(r)) / (std + eps), one per response; `(B,)` in, `(B,)` out.
 
     scale:
@@ -45,6 +46,9 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         "none":  no scaling, only the group mean is subtracted (Dr. GRPO).
     The std is the sample standard deviation (Bessel's correction, as torch.std, TRL and verl).
     A group whose rewards are all equal carries no signal: its advantages are exactly 0.
+    valid: (B,) bool, the responses that count (None: all). The others (an agent's failed
+    episodes) are left out of their group's mean and std and get 0; a group with fewer than 2
+    valid responses has no baseline and gets 0 throughout.
     """
     if scale not in ADV_SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(ADV_SCALES)}")
@@ -58,11 +62,12 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
         )
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contain NaN or inf")
-    adv = _relative(rewards[:, None], rewards, group_size, scale, eps)[:, 0]  # (B,)
+    adv = _relative(rewards[:, None], rewards, group_size, scale, eps, valid)[:, 0]  # (B,)
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
-def turn_advantages(returns: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6) -> Tensor:
+def turn_advantages(returns: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-6,
+                    valid: Tensor | None = None) -> Tensor:
     """Per-turn advantages of multi-turn episodes: (B, K) in, (B, K) out, float64.
 
     returns[i, k] = R_{i,k}, episode i's reward from its turn k on (the final reward plus the
@@ -71,16 +76,20 @@ def turn_advantages(returns: Tensor, group_size: int, *, scale: str = "group", e
     group's baseline, the same for every turn (it depends on the other episodes, not on what
     this one does in turn k, so the estimate stays unbiased), scaled as `group_advantages`.
     With rewards only at the end, R_{i,k} = R_i and every turn gets the episode's advantage.
-    A group whose episode rewards are all equal gets 0 in every turn.
+    A group whose episode rewards are all equal gets 0 in every turn. valid: as group_advantages.
     """
     if scale not in ADV_SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; valid scales: {', '.join(ADV_SCALES)}")
-    return _relative(returns, returns[:, 0], group_size, scale, eps)
+    return _relative(returns, returns[:, 0], group_size, scale, eps, valid)
 
 
-def _relative(values: Tensor, episode: Tensor, group_size: int, scale: str, eps: float) -> Tensor:
+def _relative(values: Tensor, episode: Tensor, group_size: int, scale: str, eps: float,
+              valid: Tensor | None = None) -> Tensor:
     """(values - mean_group(episode)) / (std + eps), values (B, K), episode (B,), in float64;
-    0 throughout a group whose `episode` values are all equal."""
+    0 throughout a group whose `episode` values are all equal; `valid` (B,) bool: only those
+    rows count (_relative_among), None: all."""
+    if valid is not None and not bool(valid.all()):
+        return _relative_among(values, episode, group_size, scale, eps, valid)
     r = episode.reshape(-1, group_size).to(torch.float64)  # (B/G, G)
     v = values.reshape(r.shape[0], group_size, -1).to(torch.float64)  # (B/G, G, K)
     centered = v - r.mean(-1)[:, None, None]  # (B/G, G, K)
@@ -90,6 +99,30 @@ def _relative(values: Tensor, episode: Tensor, group_size: int, scale: str, eps:
         centered = centered / (episode.to(torch.float64).std() + eps)
     flat = (r.amax(-1) == r.amin(-1))[:, None, None]  # (B/G, 1, 1) no spread in the group
     return torch.where(flat, torch.zeros_like(centered), centered).reshape(values.shape)  # (B, K)
+
+
+def _relative_among(values: Tensor, episode: Tensor, group_size: int, scale: str, eps: float,
+                    valid: Tensor) -> Tensor:
+    """_relative over the valid rows alone: each group's mean and sample std over its valid
+    rows (n of them), 0 for the others, and 0 throughout a group with n < 2 or no spread; the
+    "batch" scale is the std of every valid row."""
+    r = episode.reshape(-1, group_size).to(torch.float64)  # (B/G, G)
+    v = values.reshape(r.shape[0], group_size, -1).to(torch.float64)  # (B/G, G, K)
+    m = valid.reshape(r.shape).to(torch.float64)  # (B/G, G) 1: counts
+    n = m.sum(-1)  # (B/G,)
+    mean = (r * m).sum(-1) / n.clamp(min=1)  # (B/G,) mean over the group's valid rows
+    centered = v - mean[:, None, None]  # (B/G, G, K)
+    if scale == "group" and group_size > 1:
+        std = ((r - mean[:, None]).square() * m).sum(-1).div((n - 1).clamp(min=1)).sqrt()  # (B/G,) Bessel
+        centered = centered / (std + eps)[:, None, None]
+    elif scale == "batch":
+        kept = episode.to(torch.float64)[valid]  # (n_valid,)
+        centered = centered / ((kept.std() if kept.numel() > 1 else kept.new_zeros(())) + eps)
+    high = torch.where(m > 0, r, -torch.inf).amax(-1)  # (B/G,) over the valid rows
+    low = torch.where(m > 0, r, torch.inf).amin(-1)  # (B/G,)
+    flat = ((high == low) | (n < 2))[:, None, None]  # (B/G, 1, 1) no spread, or no baseline
+    out = torch.where(flat, torch.zeros_like(centered), centered) * m[:, :, None]  # (B/G, G, K) 0 off the valid rows
+    return out.reshape(values.shape)  # (B, K)
 
 
 def at_last_token(rewards: Tensor, mask: Tensor) -> Tensor:
@@ -195,6 +228,7 @@ class AdvantageInputs:
     lam: float = 0.95
     whiten: bool = True
     all_sum: Callable[[Tensor], Tensor] | None = None
+    valid: Tensor | None = None  # (N,) bool: rows in their group's baseline (None: all; not an agent's failed episode)
 
 
 @dataclass(frozen=True)
@@ -222,8 +256,8 @@ def register_estimator(name: str, *, summary: str, needs_values: bool = False):
 
 def _relative_to_group(inp: AdvantageInputs, scale: str) -> Tensor:
     if inp.to_go is not None:
-        return turn_advantages(inp.to_go, inp.group_size, scale=scale)  # (N, K)
-    return group_advantages(inp.rewards, inp.group_size, scale=scale)  # (N,)
+        return turn_advantages(inp.to_go, inp.group_size, scale=scale, valid=inp.valid)  # (N, K)
+    return group_advantages(inp.rewards, inp.group_size, scale=scale, valid=inp.valid)  # (N,)
 
 
 @register_estimator("group", summary="(r - group mean) / group std: the paper's Â_i (GRPO, GSPO)")

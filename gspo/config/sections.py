@@ -289,6 +289,10 @@ class Sampling:
     rollout_dtype: Literal["same", "float32", "bfloat16", "float16"] = opt("same",
         "Sample with a copy of the policy in this dtype, synced every step, to emulate an inference engine's "
         "precision (same = sample with the policy itself).")
+    integrity: Literal["stop", "warn"] = opt("stop",
+        "What a breach of the integrity check does (a trained token that no sampler drew in that context, or "
+        "an on-policy log-ratio past its tolerance; docs/agents.md, Integrity): stop the run before the step's "
+        "update, or warn in one line and train on.", resume=True)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from gspo.models.sequences import Rollout
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
 from gspo.sampling.agents import play
 from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec
+from gspo.sampling.integrity import Receipts, Recorded
 from gspo.sampling.rollout import cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.tasks.scoring import Scored
 
@@ -72,6 +73,7 @@ class Produced:
     seconds: float  # sampling and scoring time
     worker: int = -1  # the rollout worker that made it; -1: the trainer's process
     idle: float = 0.0  # the worker's wait for this request
+    receipts: Receipts | None = None  # what its samplers drew (gspo.sampling.integrity; None: a batch from before)
 
     def on(self, device) -> Produced:
         """The same batch with its rollout's tensors on `device`."""
@@ -89,53 +91,60 @@ def produce(side: SamplingSide, step: int, version: int) -> Produced:
     """Batch `step`, sampled with the weights `side` holds now (policy version `version`), scored."""
     cfg = side.cfg
     t0 = time.perf_counter()
-    ro, scored = _round(side, step, 0)
+    receipts = Receipts()  # every sample of every round: what the integrity check reads (gspo.sampling.integrity)
+    ro, scored = _round(side, step, 0, receipts)
     groups = {"groups/dropped": 0.0, "groups/resampled": 0.0, "groups/rounds": 1.0}
     if cfg.async_rl.drop_uniform_groups:
-        ro, scored, groups = _drop_uniform(side, step, ro, scored)
+        ro, scored, groups = _drop_uniform(side, step, (ro, scored), receipts)
     versions = torch.where(ro.completion_mask.cpu() > 0, version, -1).to(torch.int32)
-    return Produced(step, version, ro, scored, versions, groups, time.perf_counter() - t0)
+    return Produced(step, version, ro, scored, versions, groups, time.perf_counter() - t0, receipts=receipts)
 
 
-def _round(side: SamplingSide, step: int, r: int) -> tuple[Rollout, Scored]:
+def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = None) -> tuple[Rollout, Scored]:
     """Sampling round `r` of batch `step`: round 0 is the step's prompts; later rounds (refills
     for uniform groups) draw fresh ones, and fresh uniforms."""
     cfg, dist = side.cfg, side.dist
     n = cfg.sampling.prompts_per_step // dist.world
     seed = cfg.run.seed if r == 0 else cfg.run.seed + 1_000_003 * r
     examples = side.task.train_batch(step, cfg.sampling.prompts_per_step, seed)[dist.rank * n:(dist.rank + 1) * n]
-    ro, completions, completion_ids, episodes = rollout(side, examples, step, "" if r == 0 else f"-round-{r}")
-    rewards, parts = score_completions(side.rewards, examples, completions, completion_ids, cfg.sampling.group_size,
-                                       TrainerState(step - 1, cfg.run.steps, episodes.envs if episodes else None))
+    ro, completions, completion_ids, episodes = rollout(side, examples, step, "" if r == 0 else f"-round-{r}",
+                                                        receipts)
+    state = TrainerState(step - 1, cfg.run.steps)
+    if episodes is not None:  # a failed episode (an agent's) is never scored
+        rewards, parts = score_episodes(side.rewards, examples, episodes, cfg.sampling.group_size, state)
+    else:
+        rewards, parts = score_completions(side.rewards, examples, completions, completion_ids,
+                                           cfg.sampling.group_size, state)
     rewards, parts = with_env_rewards(rewards, parts, episodes)  # (B,)
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
 
-def rollout(run: SamplingSide, examples: list, step: int,
-            purpose: str = "") -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
+def rollout(run: SamplingSide, examples: list, step: int, purpose: str = "",
+            receipts: Receipts | None = None) -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
     """Sample cfg.sampling.group_size completions per example with the run's sampler, from the current
     policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
     an environment) the episodes (gspo.sampling.episodes: the texts are then each episode's final model
     turn). Several processes: these are rows (offset, total) of the global batch (see
-    gspo.sampling.rollout.generate). purpose: a refill round's suffix of the generators' purpose."""
+    gspo.sampling.rollout.generate). purpose: a refill round's suffix of the generators' purpose.
+    receipts: where every sample leaves what it drew (gspo.sampling.integrity; None: nowhere)."""
     cfg, dist, G = run.cfg, run.dist, run.cfg.sampling.group_size
     params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.sampling.max_new_tokens,
                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                              min_new_tokens=cfg.sampling.min_new_tokens)
     run.sampler.sync(run.policy)
+    sampler = Recorded(run.sampler, receipts) if receipts is not None else run.sampler
     rows = (dist.rank * len(examples) * G, cfg.sampling.prompts_per_step * G)
     if run.env is not None:
         spec = EpisodeSpec.from_config(cfg, run.env, run.max_turns)
         draws = Draws(lambda turn: step_generator(cfg.run.seed, step, (f"sample-turn-{turn}" if turn else "sample")
                                                   + purpose), rows, dist)
         try:
-            ro, ep = play(run.sampler, run.tokenizer, examples, spec, params, draws)  # an environment's or an agent's
+            ro, ep = play(sampler, run.tokenizer, examples, spec, params, draws)  # an environment's or an agent's
         finally:  # an environment that raised mid-rollout leaves no kept KV cache (gspo.sampling.turncache) behind
             run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep
     prompts = encode_prompts(run.tokenizer, [ex.prompt for ex in examples], cfg.data.max_prompt_length)
-    ro = run.sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample" + purpose),
-                            rows=rows)
+    ro = sampler.sample(prompts, params, generator=step_generator(cfg.run.seed, step, "sample" + purpose), rows=rows)
     run.sampler.end_rollout()  # vLLM: sleeps after the last sample
     ro = cut_at_stop_strings(ro, run.tokenizer, cfg.sampling.stop_string)
     texts, ids = decode_completions(run.tokenizer, ro)
@@ -147,9 +156,37 @@ def score(rewards: list[Reward], examples, completions: list[str], completion_id
     """Weighted reward of each completion (B,) and each reward's values; row b is example b // G.
     Episodes: plus the environment's rewards over the episode (its own part, `env`). (A training
     step's rewards also get the trainer's state, the steps done and the run's steps, as TRL's do.)"""
-    total, parts = score_completions(rewards, examples, completions, completion_ids, group_size,
-                                     TrainerState(environments=episodes.envs if episodes else None))
+    if episodes is not None:
+        total, parts = score_episodes(rewards, examples, episodes, group_size, TrainerState())
+    else:
+        total, parts = score_completions(rewards, examples, completions, completion_ids, group_size, TrainerState())
     return with_env_rewards(total, parts, episodes)
+
+
+def score_episodes(rewards: list[Reward], examples: list, episodes: Episodes, group_size: int,
+                   state: TrainerState) -> tuple[list[float], dict]:
+    """The rewards of each episode's final model turn (`score_completions`, the episodes'
+    environments as `environments=`), row b of example b // group_size. A failed episode (an
+    agent's: it raised, ran out of time, or broke the contract) is never scored: its total is 0
+    and each reward's value NaN (does not apply), and the rewards are called on the others alone."""
+    B = len(episodes.final_texts)
+    failed = episodes.agent.failed.tolist() if episodes.agent is not None else [False] * B
+    envs = episodes.envs
+    if not any(failed):
+        return score_completions(rewards, examples, episodes.final_texts, episodes.final_ids, group_size,
+                                 dataclasses.replace(state, environments=envs))
+    keep = [b for b in range(B) if not failed[b]]
+    total, parts = [0.0] * B, {r.name: [float("nan")] * B for r in rewards}
+    if keep:
+        sub = dataclasses.replace(state, environments=[envs[b] for b in keep] if envs is not None else None)
+        kept, kept_parts = score_completions(rewards, [examples[b // group_size] for b in keep],
+                                             [episodes.final_texts[b] for b in keep],
+                                             [episodes.final_ids[b] for b in keep], 1, sub)
+        for j, b in enumerate(keep):
+            total[b] = kept[j]
+            for name, values in kept_parts.items():
+                parts[name][b] = values[j]
+    return total, parts
 
 
 def with_env_rewards(total: list[float], parts: dict, episodes: Episodes | None) -> tuple[Tensor, dict]:
@@ -172,16 +209,19 @@ def uniform_groups(rewards: Tensor, group_size: int) -> Tensor:
     return g.amax(1) == g.amin(1)
 
 
-def _drop_uniform(side: SamplingSide, step: int, ro: Rollout, scored: Scored) -> tuple[Rollout, Scored, dict]:
+def _drop_uniform(side: SamplingSide, step: int, first: tuple[Rollout, Scored],
+                  receipts: Receipts) -> tuple[Rollout, Scored, dict]:
     """Replace uniform groups by groups with signal from further rounds; mask out what remains.
-    Every process runs as many rounds (sampling may be collective: FSDP gathers)."""
+    Every process runs as many rounds (sampling may be collective: FSDP gathers). `first`: the
+    first round's (rollout, scored)."""
     cfg, dist, G = side.cfg, side.dist, side.cfg.sampling.group_size
+    ro, scored = first
     flat = uniform_groups(scored.rewards, G).tolist()  # (N,) the first round's groups without signal
     pool, spare = [(ro, scored)], []  # the rounds' (rollout, scored); (round, group) of the refills' groups with signal
     for r in range(1, cfg.async_rl.resample_rounds + 1):
         if dist.max_int(max(0, sum(flat) - len(spare))) == 0:
             break
-        pool.append(_round(side, step, r))
+        pool.append(_round(side, step, r, receipts))
         spare += [(r, g) for g, u in enumerate(uniform_groups(pool[-1][1].rewards, G).tolist()) if not u]
     replaced = min(sum(flat), len(spare))
     picks = [spare.pop(0) if u and spare else (0, g) for g, u in enumerate(flat)]

@@ -108,6 +108,14 @@ def import_vllm():
     return vllm
 
 
+def _vocab_size(llm) -> int:
+    """The engine's vocabulary (its model config's), 0 where the engine does not say."""
+    try:
+        return int(llm.llm_engine.model_config.get_vocab_size())
+    except Exception:  # an engine (or a test's fake) without that interface
+        return 0
+
+
 class VLLMSampler:
     """A colocated vLLM engine behind the gspo.sampling.rollout.Sampler interface.
 
@@ -151,6 +159,8 @@ class VLLMSampler:
         finally:
             keep.restore()
         self.vllm = vllm
+        self.max_model_len = max_model_len  # a prompt and its completion at most (the endpoint refuses longer)
+        self.vocab_size = _vocab_size(self.llm)  # token ids a prompt may hold are below it (0: unknown)
         self.moe_repack = device.type == "cpu"
         self.end_rollout()  # the training phase keeps the memory until the first rollout
 

@@ -70,6 +70,9 @@ class Batch:
     is_metrics: dict | None = None  # their statistics over the global batch (gspo.algo.corrections)
     episodes: Episodes | None = None  # multi-turn: turns, tool calls, the environment's rewards
     episode_of: Tensor | None = None  # (B + E,) agents' later sequences, rows B..: the episode of each row
+    groups_dropped: int = 0  # groups an agent's failures left without a baseline (< 2 survivors): out of the loss
+    log_gap: Tensor | None = None  # (B + E,) while the first on-policy minibatch runs: each of its rows' mean
+    #   |log π_train - log π_sampler| (NaN elsewhere), for gspo.train.integrity.check_ratio
 
     def rows(self, idx: Tensor, ps: slice, ts: slice) -> Rows:
         """The per-row tensors of rows `idx`, cut to prompt columns `ps` and completion columns
@@ -99,13 +102,19 @@ def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
     gathered (each process runs its own number of passes)."""
     cfg, dist = run.cfg, run.dist
     ro, episode_of = with_extra_sequences(ro, scored.episodes)  # (B + E) rows, or ro and None
+    relative = not ESTIMATORS[estimator_name(cfg)].needs_values  # a group baseline (GAE's is the critic)
+    gone = without_baseline(scored.episodes, cfg.sampling.group_size) if relative else None  # (B,) or None
+    if gone is not None:
+        rows = gone if episode_of is None else gone[episode_of.cpu()]  # (B + E,) a dropped group's rows
+        ro.completion_mask = ro.completion_mask * (~rows).to(ro.completion_mask)[:, None]
     if cfg.loss.mask_truncated_completions:  # cut by max_new_tokens: out of the loss, still in the group's statistics
         ro.completion_mask = ro.completion_mask * (~ro.truncated)[:, None]
     split = Split(cfg.policy.micro_batch_tokens, max(1, ro.prompt_ids.shape[0] // cfg.loss.num_minibatches), run.packed)
     batch = Batch(rollout=ro, rewards=scored.rewards, all_rewards=dist.gather(scored.rewards),
                   reward_parts=scored.parts, advantages=None, old_logp=None, ref_logp=None,
                   examples=scored.examples, completions=scored.completions, episodes=scored.episodes,
-                  episode_of=episode_of)
+                  episode_of=episode_of,
+                  groups_dropped=baseless_groups(scored.episodes, cfg.sampling.group_size) if relative else 0)
     batch.old_logp, batch.routing = _old_logprobs(run, batch, split)  # (B, T), (B, P+T, L, k)
     batch.ref_logp = _ref_logprobs(run, ro, split)  # (B, T)
     batch.advantages, batch.old_values, batch.returns = advantages(run, batch, split)
@@ -135,17 +144,48 @@ def advantages(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | N
         return adv, old_values, returns
     B, episodes = batch.rewards.shape[0], batch.episodes
     mine = slice(dist.rank * B, (dist.rank + 1) * B)  # this process's rows
+    valid = survivors(episodes, dist)  # (B_all,) an agent's failed episodes out of their group's baseline; None: all
     if episodes is None or not cfg.episodes.turn_advantages:
-        adv, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size))
+        adv, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size, valid=valid))
         return adv[mine][of].to(ro.logp.device), None, None  # (B,) or (B + E,)
     final = (batch.rewards - episodes.env_reward).to(torch.float64)  # (B,) the task's rewards, at the episode's end
     to_go = final[:, None] + episodes.rewards_to_go(run.max_turns)  # (B, K) R_{i,k}
     per_turn, _ = estimator.fn(AdvantageInputs(batch.all_rewards, group_size=cfg.sampling.group_size,
-                                               to_go=dist.gather(to_go)))
+                                               to_go=dist.gather(to_go), valid=valid))
     index = episodes.turn_index.cpu()  # (B, T)
     if batch.episode_of is not None:  # the later sequences': their calls' indices in their episodes
         index = torch.cat([index, episodes.agent.extra_turn_index.cpu()])  # (B + E, T)
     return (per_turn[mine][of].gather(1, index.clamp(min=0)) * (index >= 0)).float().to(ro.logp.device), None, None
+
+
+def survivors(episodes: Episodes | None, dist) -> Tensor | None:
+    """(B_all,) bool: the global batch's episodes that did not fail (an agent's); None when none failed
+    anywhere (every process asks: the gather is collective)."""
+    stats = episodes.agent if episodes is not None else None
+    if stats is None:
+        return None
+    ok = dist.gather(~stats.failed.cpu())  # (B_all,)
+    return None if bool(ok.all()) else ok
+
+
+def without_baseline(episodes: Episodes | None, group_size: int) -> Tensor | None:
+    """(B,) bool: the surviving episodes of groups that failures left with fewer than 2 survivors
+    (no baseline: out of the loss); None when no episode failed."""
+    stats = episodes.agent if episodes is not None else None
+    if stats is None or not bool(stats.failed.any()):
+        return None
+    failed = stats.failed.cpu().view(-1, group_size)  # (B/G, G)
+    thin = (failed.any(1) & ((~failed).sum(1) < 2))[:, None]  # (B/G, 1)
+    return (thin & ~failed).flatten()  # (B,)
+
+
+def baseless_groups(episodes: Episodes | None, group_size: int) -> int:
+    """How many groups failures left with fewer than 2 survivors (none at all included)."""
+    stats = episodes.agent if episodes is not None else None
+    if stats is None:
+        return 0
+    failed = stats.failed.cpu().view(-1, group_size)  # (B/G, G)
+    return int((failed.any(1) & ((~failed).sum(1) < 2)).sum())
 
 
 def _old_logprobs(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:

@@ -29,6 +29,7 @@ from gspo.io.reporting import bar_wanted
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
 from gspo.sampling.agents import play
 from gspo.sampling.episodes import Draws, EpisodeSpec
+from gspo.sampling.produce import score_episodes
 from gspo.sampling.rollout import (
     PolicySampler,
     cut_at_stop_strings,
@@ -83,7 +84,8 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
     lo, hi = dist.share(len(all_examples)) if dist is not None else (0, len(all_examples))
     examples = all_examples[lo:hi]
     first = rewards[0].name if rewards else "environment"  # none: the environment's own reward (an agent's)
-    sums = dict.fromkeys(("acc", "scored", "total", "env", "pass_k", "sample_acc", "sample_scored", "nonbinary"), 0.0)
+    sums = dict.fromkeys(("acc", "scored", "total", "env", "pass_k", "sample_acc", "sample_scored", "nonbinary",
+                          "failed"), 0.0)
     gen = torch.Generator().manual_seed(o.seed)
     stop = o.stop or stop_token_ids(tokenizer, model)
     greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=o.max_new_tokens, temperature=0.0)
@@ -92,18 +94,23 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
     shown = _Shown(o, len(examples))
     for start in shown.bar(range(0, len(examples), batch_size)):
         chunk = examples[start:start + batch_size]
-        texts, ids, env_reward, envs = _complete(model, tokenizer, chunk, greedy, None, episode)
-        weighted, per = score_completions(rewards, chunk, texts, ids, 1, with_environments(trainer_state, envs))
-        values = [v for v in per[first] if v == v] if rewards else list(env_reward)  # NaN: does not apply
+        texts, ids, env_reward, ep = _complete(model, tokenizer, chunk, greedy, None, episode)
+        weighted, per = _score(rewards, chunk, (texts, ids, ep), 1, trainer_state)
+        failed = ep.agent.failed.tolist() if ep is not None and ep.agent is not None else [False] * len(texts)
+        # NaN: does not apply; a failed episode (never scored) counts as wrong
+        values = [0.0 if f else v for v, f in zip(per[first], failed) if f or v == v] if rewards else list(env_reward)
+        sums["failed"] += sum(failed)
         sums["acc"] += sum(values)
         sums["scored"] += len(values)
         sums["total"] += sum(weighted) + sum(env_reward)
         sums["env"] += sum(env_reward)
         sums["nonbinary"] += sum(v not in (0.0, 1.0) for v in values)  # 0: a verifier, accuracy is a share correct
         if k > 0:
-            texts, ids, env_k, envs = _complete(model, tokenizer, chunk, sampled, gen, episode)
-            _, per = score_completions(rewards, chunk, texts, ids, k, with_environments(trainer_state, envs))
+            texts, ids, env_k, ep = _complete(model, tokenizer, chunk, sampled, gen, episode)
+            _, per = _score(rewards, chunk, (texts, ids, ep), k, trainer_state)
             r = torch.tensor(per[first] if rewards else list(env_k)).view(len(chunk), k)  # (rows, k); NaN: n/a
+            if ep is not None and ep.agent is not None:  # a failed episode counts as a wrong sample
+                r[ep.agent.failed.view(len(chunk), k)] = 0.0
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
             sums["sample_acc"] += float(r.nan_to_num(0.0).sum())
             sums["sample_scored"] += float((r == r).sum())
@@ -141,6 +148,8 @@ def _result(sums: dict, *, n: int, k: int, metric: str, env: bool = False) -> di
            "reward": sums["total"] / n, "n": n, "metric": metric, "binary": sums["nonbinary"] == 0}
     if env:
         out["reward_env"] = sums["env"] / n
+    if sums.get("failed"):
+        out["failed"] = int(sums["failed"])  # an agent's episodes that failed: counted wrong, never scored
     if k > 0:
         out[f"pass@{k}"] = sums["pass_k"] / n
         out["sample_accuracy"] = sums["sample_acc"] / sums["sample_scored"] if sums["sample_scored"] else None
@@ -152,15 +161,24 @@ def with_environments(state: TrainerState | None, envs: list | None) -> TrainerS
     return dataclasses.replace(state or TrainerState(), environments=envs)
 
 
-def _complete(model, tokenizer, examples, params, generator,
-              episode: EpisodeSpec) -> tuple[list[str], list[list[int]], list[float], list | None]:
-    """The texts and token ids the rewards score, the environment's reward of each, and the
-    environments (reward functions' `environments=`): single-turn completions (no environment:
-    0, None), or (episode.env) the final model turn of each episode and the sum of its turn rewards."""
+def _score(rewards: list[Reward], examples: list, done: tuple, k: int, state: TrainerState | None):
+    """(weighted, per reward) of completions `done` = (texts, ids, episodes or None), k per
+    example: an agent's failed episodes never scored (gspo.sampling.produce.score_episodes)."""
+    texts, ids, ep = done
+    if ep is not None:
+        return score_episodes(rewards, examples, ep, k, state or TrainerState())
+    return score_completions(rewards, examples, texts, ids, k, with_environments(state, None))
+
+
+def _complete(model, tokenizer, examples, params, generator, episode: EpisodeSpec) -> tuple:
+    """(texts, token ids, environment reward, episodes): the texts and token ids the rewards
+    score, the environment's reward of each, and the episodes (gspo.sampling.episodes.Episodes;
+    None without an environment): single-turn completions (no environment: 0), or
+    (episode.env) the final model turn of each episode and the sum of its turn rewards."""
     if episode.env is not None:
         _, ep = play(PolicySampler(model), tokenizer, examples, episode, params,  # an environment's or an agent's
                      Draws(generator_for=lambda turn: generator))
-        return ep.final_texts, ep.final_ids, ep.env_reward.tolist(), ep.envs
+        return ep.final_texts, ep.final_ids, ep.env_reward.tolist(), ep
     prompts = encode_prompts(tokenizer, [ex.prompt for ex in examples], episode.max_prompt_length)
     ro = cut_at_stop_strings(generate(model, prompts, params, generator=generator), tokenizer, episode.stop_strings)
     texts, ids = decode_completions(tokenizer, ro)

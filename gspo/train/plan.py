@@ -42,6 +42,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `env` | the multi-turn environment's class name, or None (single-turn completions) |
 | `max_turns` | model turns per episode at most (1 without an environment; an agent's calls per episode) |
 | `agent` | None, or `{"timeout"}`: `env` is agent code (gspo.sampling.agents) talking to the policy through an OpenAI endpoint on loopback, each episode within `timeout` seconds (0: none) |
+| `integrity` | `{"on_breach", "tolerance"}`: what a breach of the integrity check does (`--integrity`: `"stop"` or `"warn"`) and the first on-policy minibatch's log-ratio bounds, `{"row", "mean"}` (gspo.sampling.integrity.tolerance; None where the sampler's precision is not the trainer's) |
 | `rollouts` | `{"max_staleness", "workers", "devices", "mode"}`: batches sampled up to K versions late, by N rollout workers on these devices; mode `"this process"`, `"processes"` (each trainer process starts its N) or `"ranks"` (the torchrun world's last N ranks) (gspo.sampling.pipeline) |
 | `warnings` | the run's start-up notes (`run.notes`: every fallback from what was asked), plus any the plan finds |
 
@@ -64,6 +65,7 @@ from gspo.io.words import plural
 from gspo.models import gguf as gguf_models
 from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.sampling import fastdecode
+from gspo.sampling.integrity import tolerance
 from gspo.sampling.rollout import PolicySampler
 from gspo.tasks.env import is_agent
 from gspo.train.critic import estimator_name
@@ -94,11 +96,7 @@ def plan(run: Run) -> dict:
     chunked = _chunked_head(run.policy, fsdp)
     vocab = _base(run.policy).get_output_embeddings().weight.shape[0] if chunked else None
     warnings = list(run.notes)
-    old_logp = cfg.loss.old_logp
-    if old_logp == "sampling" and run.env is not None and cfg.moe.routing_replay:  # gspo.train.batch.prepare
-        old_logp = "recompute"
-        warnings.append("old_logp: sampling, but multi-turn episodes record no experts while sampling: Routing "
-                        "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
+    old_logp = _old_logp(run, warnings)
     return {
         "objective": _objective(cfg),
         "model": _model(run),
@@ -130,8 +128,26 @@ def plan(run: Run) -> dict:
         "agent": ({"timeout": cfg.episodes.episode_timeout} if run.env is not None and is_agent(run.env)
                   else None),  # gspo.sampling.agents: the env is agent code, over the OpenAI endpoint
         "max_turns": run.max_turns,
+        "integrity": _integrity(cfg, engine, sampler_dtype),
         "warnings": warnings,
     }
+
+
+def _integrity(cfg: TrainConfig, engine: str, sampler_dtype: str) -> dict:
+    """What a breach does and the on-policy log-ratio check's bounds (None: not checked)."""
+    tol = tolerance(engine, sampler_dtype, cfg.policy.dtype)
+    return {"on_breach": cfg.sampling.integrity,
+            "tolerance": {"row": tol.row, "mean": tol.mean} if tol is not None else None}
+
+
+def _old_logp(run: Run, warnings: list) -> str:
+    """Where π_old comes from, as the run will do it (a note added to `warnings` where that is not as asked)."""
+    cfg = run.cfg
+    if cfg.loss.old_logp == "sampling" and run.env is not None and cfg.moe.routing_replay:  # gspo.train.batch.prepare
+        warnings.append("old_logp: sampling, but multi-turn episodes record no experts while sampling: Routing "
+                        "Replay takes a recomputation's (old log-probs recomputed by a training forward)")
+        return "recompute"
+    return cfg.loss.old_logp
 
 
 def _objective(cfg: TrainConfig) -> dict:
@@ -189,6 +205,12 @@ def describe(p: dict, warnings: bool = True) -> str:
         by = {"ranks": f"the torchrun world's last {r['workers']} rank(s)",
               "processes": f"{r['workers']} worker process(es) per trainer process"}.get(r["mode"], "this process")
         lines.append(f"  rollouts: at most {r['max_staleness']} version(s) stale, sampled by {by}")
+    if (i := p.get("integrity")) is not None:
+        ratio = (f"an on-policy step's log-probs against the sampler's (mean gap at most {i['tolerance']['row']:g} "
+                 f"a row, {i['tolerance']['mean']:g} over the minibatch)" if i["tolerance"]
+                 else "log-probs not checked (the sampler's precision is not the trainer's: mismatch/* measures it)")
+        lines.append(f"  integrity: every trained token checked against what the samplers drew; {ratio}; a breach "
+                     f"{'stops the run' if i['on_breach'] == 'stop' else 'is said, its rows left out'}")
     if warnings:
         lines += [f"  warning: {' '.join(w.split())}" for w in p["warnings"]]
     return "\n".join(lines)

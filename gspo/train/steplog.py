@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gspo.algo.metrics import step_means
+from gspo.train.batch import survivors
 
 if TYPE_CHECKING:
     from gspo.train.run import Run
@@ -28,14 +29,11 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
     values gathered from every process, then the step's means of the updates' `history`.
     run: a gspo.train.run.Run; batch: a gspo.train.batch.Batch."""
     cfg, dist, ro = run.cfg, run.dist, episode_rows(batch)
-    groups = batch.all_rewards.view(-1, cfg.sampling.group_size)  # (N_all, G)
     lengths = dist.gather(ro.lengths.float())  # (B_all,)
     all_parts = {name: dist.gather(torch.tensor(v, dtype=torch.float64)) for name, v in batch.reward_parts.items()}
     metrics = {
         "step": step,
-        "reward/mean": float(batch.all_rewards.mean()),
-        "reward/std": float(batch.all_rewards.std()) if batch.all_rewards.numel() > 1 else 0.0,
-        "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean()),
+        **reward_stats(batch.all_rewards, survivors(batch.episodes, dist), cfg.sampling.group_size),
         **{f"reward/{name}/mean": float(v.nanmean()) for name, v in all_parts.items()},  # None rewards left out
         **step_means(history),
         "completion/mean_length": float(lengths.mean()),
@@ -50,6 +48,24 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
         metrics.update(episode_metrics(batch, run.max_turns, dist))
     metrics.update(run.critic.step_metrics(batch, dist))  # PPO: value/mean, value/explained_variance
     return metrics
+
+
+def reward_stats(rewards: Tensor, valid: Tensor | None, group_size: int) -> dict[str, float]:
+    """reward/mean, reward/std and reward/flat_group_frac over the global batch's rewards (B_all,),
+    counting only `valid` rows (an agent's episodes that did not fail; None: all): a group is
+    flat when its valid rewards are all equal or fewer than 2 are valid."""
+    if valid is None:
+        groups = rewards.view(-1, group_size)  # (N_all, G)
+        return {"reward/mean": float(rewards.mean()),
+                "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
+                "reward/flat_group_frac": float((groups.amax(1) == groups.amin(1)).float().mean())}
+    kept, groups, ok = rewards[valid], rewards.view(-1, group_size), valid.view(-1, group_size)  # (n,), (N, G) x2
+    high = torch.where(ok, groups, -torch.inf).amax(1)  # (N_all,)
+    low = torch.where(ok, groups, torch.inf).amin(1)
+    flat = (high == low) | (ok.sum(1) < 2)
+    return {"reward/mean": float(kept.mean()) if kept.numel() else 0.0,
+            "reward/std": float(kept.std()) if kept.numel() > 1 else 0.0,
+            "reward/flat_group_frac": float(flat.float().mean())}
 
 
 def episode_rows(batch):
@@ -96,14 +112,19 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
         "episode/env_tokens": float(env_tokens.mean()),
         **{f"episode/turn_{k + 1}_reward": float(by_turn[:, k].nanmean()) for k in range(max_turns)
            if not by_turn[:, k].isnan().all()},
-        **(agent_metrics(ep.agent, dist) if ep.agent is not None else {}),
+        **(agent_metrics(ep.agent, dist, batch.groups_dropped) if ep.agent is not None else {}),
     }
 
 
-def agent_metrics(stats, dist) -> dict[str, float]:
+def agent_metrics(stats, dist, groups_dropped: int) -> dict[str, float]:
     """Agents (gspo.sampling.agents) over the global batch: the share of failed episodes, the
-    sequences per episode beyond the first (calls on an edited history), the calls after an episode ended."""
+    groups their failures left with fewer than 2 survivors (out of the loss, gspo.train.batch),
+    the sequences per episode beyond the first (concurrent calls, forks, edited histories), the
+    calls after an episode ended, the requests refused for want of the run's key, and the
+    episodes cut at a deadline still running in the background (their threads)."""
     rows = dist.gather(torch.stack([stats.failed, stats.extra_sequences], 1).double())  # (B_all, 2)
-    late = dist.gather(torch.tensor([[float(stats.late_calls)]], dtype=torch.float64))  # (world, 1)
-    return {"agent/failed_frac": float(rows[:, 0].mean()), "agent/extra_sequences": float(rows[:, 1].mean()),
-            "agent/late_calls": float(late.sum())}
+    counts = dist.gather(torch.tensor([[float(stats.late_calls), float(stats.refused), float(groups_dropped),
+                                        float(getattr(stats, "left_behind", 0))]], dtype=torch.float64))  # (world, 4)
+    return {"agent/failed_frac": float(rows[:, 0].mean()), "agent/groups_dropped": float(counts[:, 2].sum()),
+            "agent/extra_sequences": float(rows[:, 1].mean()), "agent/late_calls": float(counts[:, 0].sum()),
+            "agent/refused_requests": float(counts[:, 1].sum()), "agent/left_behind": float(counts[:, 3].sum())}

@@ -41,7 +41,7 @@ import torch
 from gspo.algo.aggregation import agg_count
 from gspo.algo.corrections import weight_collapse
 from gspo.algo.losses import policy_loss
-from gspo.algo.metrics import Mean, combine, reduce_across
+from gspo.algo.metrics import Max, Mean, combine, reduce_across
 from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
 from gspo.dist import distributed, parallel
@@ -58,6 +58,7 @@ from gspo.tasks.scoring import RewardError
 from gspo.train import checkpoint as ckpt
 from gspo.train.batch import Batch, expert_load, prepare
 from gspo.train.evaluation import EvalOptions, evaluate
+from gspo.train.integrity import Watch, check_ratio, check_tokens, first_minibatch
 from gspo.train.lifecycle import Guard, Interrupted
 from gspo.train.plan import describe, plan
 from gspo.train.run import AlreadyComplete, Run, build_run
@@ -278,11 +279,14 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
     produced, async_metrics = run.pipeline.take(step)  # sampled now, or K versions ago (gspo.sampling.pipeline)
     t_rollout = time.perf_counter() - t0
     batch = prepare(run, produced.rollout, produced.scored)
+    checked = check_tokens(run, step, batch, produced)  # every trained token one a sampler drew, where it drew it
     t1 = time.perf_counter()
     t_prepare = t1 - t0 - t_rollout
-    history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"))
+    watch = first_minibatch(run, produced, step)  # on-policy: the first minibatch's log-probs against the sampler's
+    history = update(run, batch, step_generator(cfg.run.seed, step, "minibatches"), watch)
     t_update = time.perf_counter() - t1
     metrics = step_row(run, step, batch, history)
+    metrics.update(checked)
     if run.progress.clip is not None:  # --target-clip-frac: the range this step used, then the next step's
         metrics["clip/eps_low"], metrics["clip/eps_high"] = run.progress.clip.eps_low, run.progress.clip.eps_high
         run.progress.clip.update(metrics.get("clip/frac", float("nan")))
@@ -304,10 +308,12 @@ def train_step(run: Run, step: int) -> tuple[dict, Batch]:
 # ----------------------------------------------------------------------------------------------
 
 
-def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
+def update(run: Run, batch: Batch, generator: torch.Generator, watch: Watch | None = None) -> list[dict]:
     """`epochs` passes of clipped policy-gradient updates over `num_minibatches` minibatches
     (PPO: and value-loss updates of the critic on the same minibatches); returns each
-    update's metrics, those of the global minibatch.
+    update's metrics, those of the global minibatch. `watch` (an on-policy batch): the first
+    minibatch's log-probs are checked against the sampler's before its optimizer step
+    (gspo.train.integrity.check_ratio; integrity/log_ratio_* in the first update's metrics).
 
     Each minibatch runs in micro-batches within the token budget, its loss scaled so that the
     accumulated gradient is that of the whole minibatch's loss. Several processes: the
@@ -328,7 +334,12 @@ def update(run: Run, batch: Batch, generator: torch.Generator) -> list[dict]:
                                for idx in minibatches], dtype=torch.float64)  # (M, 2) what the losses average over
         totals = [Totals(*t) for t in dist.all_sum(counts).clamp(min=1).tolist()]  # the global minibatches' counts
         for idx, total in zip(minibatches, totals):
+            first = not history and watch is not None  # on-policy: nothing has moved the weights yet
+            batch.log_gap = torch.full((B,), float("nan"), device=mask.device) if first else None
             metrics = accumulate(run, batch, idx, total)
+            worst, mean = check_ratio(run, batch, watch) if first else (float("nan"), float("nan"))  # weights unmoved
+            batch.log_gap = None
+            metrics["integrity/log_ratio_row_max"], metrics["integrity/log_ratio_mean"] = Max(worst), Max(mean)
             metrics.update(optimizer_step(run))
             history.append(metrics)
     return reduce_across(history, dist)
@@ -389,6 +400,11 @@ def _loss(run: Run, batch: Batch, m: MicroBatch, total: Totals,
         opsm_delta=cfg.corrections.opsm_delta, max_len=cfg.sampling.max_new_tokens,
     )
     metrics["policy/entropy"] = Mean(entropy.sum() / mask.sum().clamp(min=1), mask.sum())
+    if batch.log_gap is not None:  # the first on-policy minibatch: each row's mean |log π_train - log π_sampler|
+        with torch.no_grad():
+            gap = ((logp.detach().float() - rows.rollout_logp.float()).abs() * mask).sum(-1)  # (b,)
+            n = mask.sum(-1)  # (b,) its trained tokens
+            batch.log_gap[m.idx[n > 0]] = (gap / n.clamp(min=1))[n > 0].to(batch.log_gap.dtype)
     loss = loss * agg_scale
     aux, moe_metrics = run.routing.terms(cap, rows.routing, m.rollout.attention_mask * m.live,
                                          cfg.moe.router_aux_loss_coef, load=load, dist=run.dist)
