@@ -3,14 +3,20 @@ returning an Observation that carries reward and done, pydantic actions) and its
 (StepResult(observation, reward, done)), defined here as OpenEnv's template writes them."""
 
 import json
+import re
 from dataclasses import dataclass
 
 import pytest
+import torch
 from pydantic import BaseModel
 
 import gspo
+from gspo.models.loading import load_policy
+from gspo.models.sequences import Rollout, left_pad
+from gspo.sampling.episodes import EpisodeSpec, run_episodes, start_env
+from gspo.sampling.rollout import PolicySampler, sampling_params
 from gspo.tasks.data import Example
-from gspo.tasks.env import tool_schemas
+from gspo.tasks.env import EnvError, tool_schemas
 from gspo.tasks.openenv import openenv_environment
 
 
@@ -171,3 +177,222 @@ def test_the_real_openenv_in_process_and_served_on_loopback():
             env.finish()
     finally:
         server.should_exit = True
+
+
+# ------------------------------------------------------------------------------------------------
+# The reset observation reaches the model: the task stated only at reset
+# ------------------------------------------------------------------------------------------------
+
+
+class SayAction(BaseModel):
+    """Say the number."""
+
+    n: int
+    metadata: dict = {}
+
+
+class SayObservation(BaseModel):  # reset sets `task`, a step sets `result` (reasoning-gym's shape: None when unset)
+    task: str | None = None
+    result: str | None = None
+    done: bool = False
+    reward: float | None = None
+    metadata: dict = {}
+
+
+class SayTheNumber:  # server shape: the target comes from the seed, and only reset's observation tells it
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self.target, self.said = 10 + int(seed), []
+        return SayObservation(task=f"call step with n {self.target}", reward=0.0)
+
+    def step(self, action: SayAction, timeout_s=None):
+        self.said.append(action.n)
+        won = action.n == self.target
+        return SayObservation(result="right" if won else "wrong", done=won, reward=float(won))
+
+
+class SayTheNumberClient:  # client shape: StepResult(observation as a dict, reward, done)
+    def __init__(self):
+        self.server = SayTheNumber()
+
+    def reset(self, **kwargs):
+        return StepResult(self.server.reset(**kwargs).model_dump(exclude={"reward", "done", "metadata"}), 0.0)
+
+    def step(self, action):
+        obs = self.server.step(action)
+        return StepResult(obs.model_dump(exclude={"reward", "done", "metadata"}), obs.reward, obs.done)
+
+    @property
+    def target(self):
+        return self.server.target
+
+
+class ReadingSampler:
+    """A Sampler whose model reads its prompt: it calls `step` with the number the prompt states
+    (`call step with n N`), or answers `none` when there is none; records every prompt it got."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.prompts = tokenizer, []
+
+    def sync(self, policy):
+        pass
+
+    def sample(self, prompts, params, *, generator=None, rows=None):
+        G, turns = params.group_size, []
+        for ids in prompts:
+            self.prompts.append(list(ids))
+            said = re.findall(r"call step with n (\d+)", self.tok.decode(ids))
+            turn = call_n(int(said[-1])) if said else "none"
+            turns += [self.tok(turn, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]] * G
+        p_ids, p_mask = left_pad(prompts, self.tok.pad_token_id)
+        c_ids, c_mask = left_pad([t[::-1] for t in turns], self.tok.pad_token_id)  # right-padded, once flipped
+        B = len(turns)
+        return Rollout(p_ids.repeat_interleave(G, 0), p_mask.repeat_interleave(G, 0), c_ids.flip(1),
+                       c_mask.flip(1).float(), -0.5 * c_mask.flip(1).float(),
+                       torch.tensor([len(t) for t in turns]), torch.zeros(B, dtype=torch.bool), G)
+
+
+def call_n(n) -> str:
+    return "<tool_call>" + json.dumps({"name": "step", "arguments": {"n": n}}) + "</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def tiny_tool():
+    torch.manual_seed(0)
+    return load_policy("tiny-tool")
+
+
+def chat(content: str) -> str:
+    """The tiny-tool template's rendering of a one-user-message prompt with the `step` tool."""
+    return ("<|im_start|>system\ntools: step(n)<|im_end|>\n<|im_start|>user\n" + content
+            + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("factory", [SayTheNumber, SayTheNumberClient])
+@pytest.mark.parametrize("prompt, seen", [
+    ([{"role": "user", "content": ""}], chat("call step with n {t}")),  # the task is stated only at reset
+    ([{"role": "user", "content": "play:"}], chat("play:\n\ncall step with n {t}")),  # after a blank line
+    ("", "call step with n {t}"),  # a plain-text prompt: the text, no chat template
+    ("play:\n", "play:\n\ncall step with n {t}"),
+])
+def test_the_reset_observation_is_the_first_message_the_model_reads(tiny_tool, factory, prompt, seen):
+    _, tok = tiny_tool
+    Env = openenv_environment(factory, SayAction)
+    examples = [Example(prompt, None, {"seed": s}, f"row {s}") for s in (3, 5)]
+    sampler = ReadingSampler(tok)
+    params = sampling_params(tok, stop=(tok.eos_token_id,), group_size=2, max_new_tokens=80)
+    ro, ep = run_episodes(sampler, tok, examples, EpisodeSpec(Env, max_turns=2), params)
+    expected = [seen.format(t=10 + s) for s in (3, 5) for _ in range(2)]  # each episode's, its row's task
+    for b in range(4):
+        ids = ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist()
+        assert tok.decode(ids) == expected[b]
+        assert ids == tok(expected[b], add_special_tokens=False)["input_ids"]  # token for token
+    assert sampler.prompts == [ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist() for b in range(4)]
+    # the model read the task and played it: one call with the row's number, won, the episode over
+    assert [e.target for e in ep.envs] == [13, 13, 15, 15]
+    assert [sum(r) for r in ep.turn_rewards] == [1.0] * 4 and ep.turns.tolist() == [1] * 4
+    assert ep.tool_calls.tolist() == [1] * 4 and not ep.turn_limit.any()
+
+
+def test_the_policy_samples_its_first_turn_after_the_observation(tiny_tool):
+    model, tok = tiny_tool
+    Env = openenv_environment(SayTheNumber, SayAction)
+    params = sampling_params(tok, group_size=2, max_new_tokens=8, temperature=0.0)
+    ro, _ = run_episodes(PolicySampler(model), tok, [Example([{"role": "user", "content": ""}], None, {"seed": 7},
+                                                             "row 0")], EpisodeSpec(Env), params)
+    want = tok(chat("call step with n 17"), add_special_tokens=False)["input_ids"]
+    assert [ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist() for b in range(2)] == [want, want]
+
+
+def test_an_observation_with_nothing_to_say_leaves_the_prompt_the_rows(tiny_tool):
+    _, tok = tiny_tool
+
+    class Ready(BaseModel):  # echo's reset today: an Observation with no fields of its own
+        done: bool = False
+        reward: float | None = None
+        metadata: dict = {}
+
+    class Echo(SayTheNumber):
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            super().reset(seed)
+            return Ready(reward=0.0, metadata={"status": "ready", "message": "echo environment ready"})
+
+    Env = openenv_environment(Echo, SayAction)
+    row = Example([{"role": "user", "content": "call step with n 13"}], None, {"seed": 3}, "row 0")
+    env = Env()
+    env.reset(row)
+    assert getattr(env, "prompt_suffix", None) is None
+    sampler = ReadingSampler(tok)
+    params = sampling_params(tok, stop=(tok.eos_token_id,), group_size=2, max_new_tokens=80)
+    run_episodes(sampler, tok, [row], EpisodeSpec(Env), params)
+    assert len(sampler.prompts) == 1  # the group shares its prompt: sampled once, G completions
+    assert tok.decode(sampler.prompts[0]) == chat("call step with n 13")
+
+
+def test_how_a_reset_observation_reads():
+    from gspo.tasks.openenv import prompt_suffix, reset_message
+
+    assert reset_message({}) is None
+    assert reset_message({"question": None, "score": None}) is None
+    assert reset_message({"question": "what is 2+2?", "score": None, "correct_answer": None}) == "what is 2+2?"
+    assert reset_message({"feedback": ""}) == ""  # nothing to say: no suffix (prompt_suffix below)
+    board = {"board": "x.o", "moves": 3, "hint": None}  # several fields: JSON, as a step's result is shown
+    assert reset_message(board) == '{"board": "x.o", "moves": 3}'
+    assert reset_message({"count": 3}) == '{"count": 3}'  # one field, not a string: JSON too
+    assert prompt_suffix([{"role": "user", "content": ""}], "task") == "task"
+    assert prompt_suffix([{"role": "system", "content": "s"}, {"role": "user", "content": "go"}], "task") == "\n\ntask"
+    assert prompt_suffix("go\n", "task") == "\ntask" and prompt_suffix("go\n\n", "task") == "task"
+    assert prompt_suffix("go", "") is None and prompt_suffix("go", None) is None
+
+
+def test_reset_text_chooses_the_text():
+    class Arena(BaseModel):  # TextArena's observation: `prompt` and the game's messages
+        prompt: str
+        messages: list = []
+        current_player_id: int = 0
+        done: bool = False
+        reward: float | None = None
+        metadata: dict = {}
+
+    class Wordle:
+        def reset(self, seed=None, episode_id=None):
+            return Arena(prompt="guess the word", messages=[{"sender_id": -1, "content": "guess the word"}])
+
+    row = Example([{"role": "user", "content": ""}], None, {}, "row 0")
+    env = openenv_environment(Wordle, SayAction)()
+    env.reset(row)  # several fields: their JSON
+    assert json.loads(env.prompt_suffix) == {"prompt": "guess the word", "current_player_id": 0,
+                                              "messages": [{"sender_id": -1, "content": "guess the word"}]}
+    env = openenv_environment(Wordle, SayAction, reset_text=lambda obs: obs["prompt"])()
+    env.reset(row)
+    assert env.prompt_suffix == "guess the word"
+    env = openenv_environment(Wordle, SayAction, reset_text=lambda obs: None)()
+    env.reset(row)
+    assert env.prompt_suffix is None
+    Bad = openenv_environment(Wordle, SayAction, reset_text=lambda obs: obs["messages"])
+    with pytest.raises(EnvError, match=r"^env Wordle: reset on row 0 raised EnvError: reset_text returned list"):
+        start_env(Bad, row)
+
+
+def test_a_dataset_whose_rows_are_seeds_trains_on_the_tasks_reset_states(tmp_path):
+    # the prompt is TRL's stand-in for an environment that states the task: an empty user message
+    rows = tmp_path / "seeds.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": ""}], "seed": s}) + "\n"
+                            for s in range(4)))
+    seen = []
+
+    def won(environments, **kwargs):  # TRL's pattern: the reward reads the episodes' environments
+        seen.extend(environments)
+        return [float(bool(e.said) and e.said[-1] == e.target) for e in environments]
+
+    cfg = gspo.TrainConfig(model="tiny-tool", steps=1, prompts_per_step=2, group_size=2, max_new_tokens=40,
+                           max_turns=2, eval_size=0, progress=False, output_dir=str(tmp_path / "run"))
+    summary = gspo.Trainer(cfg, train_dataset=str(rows), env=openenv_environment(SayTheNumber, SayAction,
+                                                                                name="Say"),
+                           reward_funcs=[won]).train()
+    assert summary["plan"]["env"] == "Say"
+    assert len(seen) == 4 and {e.target for e in seen} <= {10, 11, 12, 13}
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["episode/turns"] >= 1.0 and "reward/won/mean" in row
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    said = [s["prompt"] for s in samples]  # what the model saw: the task its episode's reset stated
+    assert len(said) == 4 and said == [chat(f"call step with n {e.target}") for e in seen]

@@ -108,6 +108,20 @@ def test_a_string_from_reset_is_appended_to_the_prompt(tiny):
         assert "12*34= use the tool.<|im_end|>" in prompt
 
 
+def test_reset_states_the_task_in_an_empty_prompt_as_trl_joins_it(tiny):
+    # TRL (grpo_trainer.py): `prompt[-1]["content"] + observation`, no separator, its stand-in prompt for an
+    # environment that owns the task `[{"role": "user", "content": ""}]`: the message is reset's string alone
+    model, tok = tiny
+    env = trl_environment(CalculatorToolEnv)
+    params = sampling_params(tok, group_size=2, max_new_tokens=4, temperature=0.0)
+    rows = [Example([{"role": "user", "content": content}], None, {"hint": "12*34="}, "row 0") for content in ("", "x")]
+    ro, _ = run_episodes(PolicySampler(model), tok, rows, EpisodeSpec(env), params)
+    seen = [tok.decode(ro.prompt_ids[b][ro.prompt_mask[b].bool()]) for b in (0, 2)]
+    head, tail = "<|im_start|>system\ntools: calculator(expression)<|im_end|>\n<|im_start|>user\n", \
+        "<|im_end|>\n<|im_start|>assistant\n"
+    assert seen == [head + "12*34=" + tail, head + "x12*34=" + tail]
+
+
 def test_refused_in_one_line():
     class NoDoc:
         def reset(self, **kw):

@@ -12,14 +12,28 @@ done)` (a client's, `EnvClient.sync()` or `GenericEnvClient`). Both are taken, d
 does not import openenv.
 
 How an episode goes: `factory()` makes the episode's environment and `reset` gets the row's
-columns its signature names (a `**kwargs` reset gets them all). The model sees one tool, `step`,
-whose parameters are the action model's fields (its JSON schema); each call runs
-`env.step(Action(**arguments))`, and the observation's fields (all but reward, done and
-metadata), as JSON, come back as the tool's result; the step's reward adds to the turn's; `done`
-ends the episode. A malformed call or an action the model cannot validate is an `error: ...`
-observation (gspo.tasks.env.ToolEnvironment's rule); a model turn without a call ends the
-episode as an answer, which the task's rewards (if any) score. `close()`, if the environment
-has one, runs when the episode ends.
+columns its signature names (a `**kwargs` reset gets them all). Its observation is the start of
+the conversation: rendered as text (`reset_message`), it is appended to the prompt's last
+message (or to a plain-text prompt), after a blank line, or is that message's whole content when
+the row's is empty (`[{"role": "user", "content": ""}]`, TRL's own stand-in prompt when the
+environment states the task). The text is the observation's fields that are set (all but
+reward, done and metadata, and those that are None): none, nothing is added (the prompt is the
+row's, shared by its group); one string field (reasoning-gym's `question`), that string; else
+those fields as JSON, as a step's result is shown. `reset_text=fn` replaces that rule: fn gets
+the observation's fields (a dict) and returns the text, or None for none (TextArena's games:
+`lambda obs: obs["prompt"]`). This is TRL's mechanism (gspo.tasks.trlenv: the string its
+`reset` returns is appended to the last message, `prompt_suffix`), but TRL's string is the
+user's own and joined verbatim, where this text is gspo's and set off by a blank line. Such
+episodes are sampled one prompt each: an environment that draws its own task may give each
+episode of a group a different one (a `seed` column for `reset` keeps a group on one task).
+
+The model sees one tool, `step`, whose parameters are the action model's fields (its JSON
+schema); each call runs `env.step(Action(**arguments))`, and the observation's fields (all but
+reward, done and metadata), as JSON, come back as the tool's result; the step's reward adds to
+the turn's; `done` ends the episode. A malformed call or an action the model cannot validate is
+an `error: ...` observation (gspo.tasks.env.ToolEnvironment's rule); a model turn without a call
+ends the episode as an answer, which the task's rewards (if any) score. `close()`, if the
+environment has one, runs when the episode ends. Reset's own reward and done are not read.
 """
 
 from __future__ import annotations
@@ -29,6 +43,8 @@ import inspect
 import json
 
 from gspo.tasks.env import EnvError, Step, ToolEnvironment
+
+BLANK_LINE = "\n\n"  # between the row's prompt and the reset observation's text
 
 
 def action_tool(action_cls) -> dict:
@@ -67,10 +83,36 @@ def unpack(result) -> tuple[dict, float, bool]:
     return fields, float(reward or 0.0), done
 
 
-def openenv_environment(factory, action_cls, name: str | None = None, action_as_dict: bool = False) -> type:
+def reset_message(fields: dict) -> str | None:
+    """The reset observation's fields (`unpack`'s) as the text the model reads first: those set
+    (not None); none: None; a single string: itself; else their JSON, as a step's result is shown."""
+    shown = {k: v for k, v in fields.items() if v is not None}
+    if not shown:
+        return None
+    (only, *more) = shown.values()
+    return only if not more and isinstance(only, str) else json.dumps(shown, default=str)
+
+
+def prompt_suffix(prompt, text: str | None) -> str | None:
+    """What follows the prompt's last message (or its text) so that `text` ends it: a blank line
+    first, unless that message is empty (then `text` is the whole message) or ends so already."""
+    if not text:
+        return None
+    last = prompt[-1].get("content") if isinstance(prompt, list) and prompt else prompt
+    last = last if isinstance(last, str) else ""
+    if not last.strip():
+        return text
+    ends = len(last) - len(last.rstrip("\n"))
+    return BLANK_LINE[min(ends, 2):] + text
+
+
+def openenv_environment(factory, action_cls, name: str | None = None, action_as_dict: bool = False,
+                        reset_text=None) -> type:
     """A gspo environment class running `factory()`'s OpenEnv environments (module docstring);
-    `action_as_dict`: step gets the validated action as a dict (GenericEnvClient's actions)."""
+    `action_as_dict`: step gets the validated action as a dict (GenericEnvClient's actions);
+    `reset_text`: reset's observation fields (a dict) -> the model's first text (reset_message)."""
     tool = action_tool(action_cls)
+    render = reset_text or reset_message
     label = name or getattr(factory, "__name__", "OpenEnv")
 
     class OpenEnvEnvironment(ToolEnvironment):
@@ -80,7 +122,8 @@ def openenv_environment(factory, action_cls, name: str | None = None, action_as_
         def reset(self, example) -> None:
             self.env = factory()
             fields, _, _ = unpack(self.env.reset(**_accepted(self.env.reset, example.row())))
-            self.first = fields
+            self.first = fields  # the reset observation's fields
+            self.prompt_suffix = prompt_suffix(example.prompt, _text(render, fields))  # gspo.sampling.episodes reads it
 
         def step(self, text: str) -> Step:
             calls = self.find_calls(text)
@@ -123,6 +166,14 @@ def openenv_environment(factory, action_cls, name: str | None = None, action_as_
 
     OpenEnvEnvironment.__name__ = OpenEnvEnvironment.__qualname__ = label
     return OpenEnvEnvironment
+
+
+def _text(render, fields: dict) -> str | None:
+    """The reset observation's text by `render` (reset_message or the user's reset_text), checked."""
+    text = render(fields)
+    if text is not None and not isinstance(text, str):
+        raise EnvError(f"reset_text returned {type(text).__name__}; expected a string or None")
+    return text
 
 
 class _Schema:
