@@ -5,11 +5,16 @@ The tasksets are in tests/vf_tasksets, built from verifiers' classes as their au
 single-turn (gspo_vf_say: say the word), multi-turn (gspo_vf_chat: a scripted user's second turn)
 and tools (gspo_vf_tools: an MCP tool server, `calc_add`). Each episode runs verifiers' `null`
 harness (its chat program, in a local subprocess made by uv) against the endpoint; the first one
-on a machine lets verifiers install uv and the program's packages from the registry.
+on a machine lets verifiers install uv and the program's packages from the registry. Offline is
+every proxy variable pointing at a closed port (loopback exempt); a failing setup is verifiers'
+subprocess runtime failing to prepare the program, as uv does without the index.
 """
 
+import asyncio
 import json
 import os
+import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,8 +29,9 @@ from gspo.models.loading import load_policy  # noqa: E402
 from gspo.sampling.agents import run_agent_episodes  # noqa: E402
 from gspo.sampling.episodes import Draws, EpisodeSpec  # noqa: E402
 from gspo.sampling.rollout import PolicySampler, sampling_params  # noqa: E402
+from gspo.tasks import vfenv  # noqa: E402
 from gspo.tasks.env import EnvError  # noqa: E402
-from gspo.tasks.vfenv import TASK_COLUMN, VerifiersTask  # noqa: E402
+from gspo.tasks.vfenv import KEY_VAR, TASK_COLUMN, VerifiersTask, endpoint_key  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 TASKSETS = Path(__file__).parent / "vf_tasksets"
@@ -89,6 +95,7 @@ def test_a_single_turn_environment_scores_with_its_own_reward(tiny):
     assert prompt == tok(want, add_special_tokens=False)["input_ids"]  # the harness's messages, rendered by gspo
     assert completion == tok("ok", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert ro.completion_mask[0, :n].tolist() == [1.0] * n and ro.logp[0, :n].tolist() == [-0.5] * n
+    assert not [k for k in os.environ if k.startswith(KEY_VAR)]  # the run's key left with its episodes
 
 
 def test_a_multi_turn_environment_is_one_sequence_token_for_token(tiny):
@@ -192,3 +199,174 @@ def test_the_python_api_takes_a_verifiers_env_object(tmp_path):
 
     with pytest.raises(ConfigError, match="a verifiers environment brings its own tasks"):
         gspo.Trainer(cfg, env=env, train_dataset=[{"prompt": "x"}])
+
+
+def test_the_harness_gets_the_key_and_keeps_it_to_itself():
+    from verifiers.v1.runtimes.subprocess import SubprocessConfig, SubprocessRuntime
+
+    async def child_environment():  # what a process verifiers starts (a harness program, a tool server) inherits
+        runtime = SubprocessRuntime(SubprocessConfig())
+        await runtime.start()
+        try:
+            out = await runtime.run([sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"], {})
+            return json.loads(out.stdout)
+        finally:
+            await runtime.stop()
+
+    with endpoint_key("secret-1") as one, endpoint_key("secret-2") as two:  # two runs' secrets in one process
+        assert one != two and os.environ[one] == "secret-1" and os.environ[two] == "secret-2"
+        with endpoint_key("secret-1") as again:  # another episode of the first run
+            assert again == one
+        assert os.environ[one] == "secret-1"  # still held by the first episode
+        inherited = asyncio.run(child_environment())
+        assert inherited and one not in inherited and not {"secret-1", "secret-2"} & set(inherited.values())
+    assert one not in os.environ and two not in os.environ
+
+
+def failing_provisioning(monkeypatch):
+    """verifiers' subprocess runtime as on a machine where its harness's program was never
+    prepared in this process and preparing it fails (uv cannot reach the index) while `on[0]`."""
+    from verifiers.v1.runtimes.base import ProgramResult
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    on, real = [True], SubprocessRuntime.run
+
+    async def run(self, argv, env):
+        if on[0] and argv[:2] == ["sh", "-c"] and "uv sync --script" in argv[2]:
+            await asyncio.sleep(0.3)  # the other episodes wait on verifiers' lock meanwhile
+            return ProgramResult(1, "", "error: the package index is unreachable")
+        return await real(self, argv, env)
+
+    monkeypatch.setattr(SubprocessRuntime, "run", run)
+    monkeypatch.setattr(SubprocessRuntime, "_interpreters", {})
+    monkeypatch.setattr(SubprocessRuntime, "_locks", {})
+    return on
+
+
+def test_a_failed_setup_does_not_poison_the_next_steps(tiny, monkeypatch, capsys):
+    from verifiers.v1.env import Env
+
+    _, tok = tiny
+    say = lambda: VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4}, test_size=2)  # noqa: E731
+    task, other = say(), say()  # `other`: another run of the process (another agent, another event loop)
+    starts, start = [], Env.start
+
+    async def serving_fails_once(self):  # the environment's serving resources fail to start, in the first step
+        starts.append(self)
+        if len(starts) == 1:
+            raise OSError("the tool server did not start")
+        await start(self)
+
+    monkeypatch.setattr(Env, "start", serving_fails_once)
+    with pytest.raises(EnvError, match=r"^agent verifiers:gspo-vf-say: OSError: the tool server did not start$"):
+        play(tiny, task, Scripted(tok, lambda prompt: "ok"))
+    failing = failing_provisioning(monkeypatch)
+    for step in (1, 2):  # the harness's setup fails in every episode, and in the same way in the next step
+        ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"))
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gspo: agent")]
+        assert ep.agent.failed.tolist() == [True] * 4 and len(lines) == 4, (step, lines)
+        assert all("failed to prepare uv script: error: the package index is unreachable" in x for x in lines), lines
+    failing[0] = False  # the index is back: the next run prepares the program and plays
+    ro, ep = play(tiny, other, Scripted(tok, lambda prompt: "ok"))
+    err = capsys.readouterr().err
+    assert "bound to a different event loop" not in err, err[-2000:]
+    assert ep.agent.failed.tolist() == [False] * 4 and ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
+
+
+def test_a_session_left_closing_does_not_take_the_next_ones_environment():
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4}, test_size=2)
+    agent, limits = task.default_env, SimpleNamespace(max_calls=4)
+
+    async def overlapping():  # a step's session still closing (left in the background) while the next one opens
+        async with agent.session(limits):
+            first = agent.env
+            async with agent.session(limits):
+                second = agent.env
+                assert second is not first and second._interception is not first._interception  # served apart
+            assert agent.env is first and first._interception is not None  # still serving the first's episodes
+        assert agent.env is None
+
+    asyncio.run(overlapping())
+
+
+def offline(monkeypatch):
+    """No network but loopback: every proxy variable pointing at a closed port."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
+        monkeypatch.setenv(name.lower(), "http://127.0.0.1:9")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.setenv(name, "127.0.0.1,localhost")
+    for name in ("UV_DEFAULT_INDEX", "UV_INDEX_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_a_harness_that_cannot_be_provisioned_offline_is_refused_in_one_line(tmp_path, monkeypatch):
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    offline(monkeypatch)
+    monkeypatch.setattr(SubprocessRuntime, "_interpreters", {})
+    monkeypatch.setattr(SubprocessRuntime, "scripts_dir", str(tmp_path / "scripts"))  # never prepared here
+    monkeypatch.setenv("UV_CACHE_DIR", str(tmp_path / "uv-cache"))  # nothing in uv's cache
+    with pytest.raises(EnvError) as e:
+        VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4}, test_size=2)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(
+        "task verifiers:gspo-vf-say: verifiers' null harness is not provisioned on this machine and cannot be "
+        "offline: its chat program needs the program's packages in uv's cache (openai, mcp==2.0.0, ")
+    assert "the package index is unreachable (https://pypi.org/simple: " in line
+    assert line.endswith("provision it once with network: python -c 'import gspo.tasks.vfenv as v; v.provision()'")
+
+    # no uv at all (verifiers would install it with pip, from the index)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", "/bin"]))
+    if shutil.which("uv"):
+        pytest.skip("uv is installed system-wide here")
+    with pytest.raises(EnvError, match=r"its chat program needs uv \(not on PATH nor in ~/.local/bin\) and the "
+                                       r"program's packages \(openai, "):
+        VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4}, test_size=2)
+
+
+def test_a_provisioned_harness_plays_offline(tiny, monkeypatch):
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    _, tok = tiny
+    assert os.path.exists(vfenv.provision())  # what the refusal above asks for, with network, once
+    offline(monkeypatch)
+    monkeypatch.setattr(SubprocessRuntime, "_interpreters", {})  # a new process on this machine
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4}, test_size=2)  # not refused
+    # ready from uv's cache, so verifiers does not ask the index for it again (uv would, once its cache is stale)
+    assert list(SubprocessRuntime._interpreters) == [vfenv._script_path()]
+    ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"))
+    assert ep.agent.failed.tolist() == [False] * 4 and ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
+
+
+def old_order(name, seed, steps, n, held, size):
+    """The training order before it was cached: every draw shuffled its epoch's order anew."""
+    out = []
+    for step in steps:
+        train, batch = list(range(held, size)), []
+        for j in range((step - 1) * n, step * n):
+            epoch, k = divmod(j, len(train))
+            order = train[:]
+            random.Random(f"verifiers-{name}-{seed}-{epoch}").shuffle(order)
+            batch.append(order[k])
+        out.append(batch)
+    return out
+
+
+def test_the_task_order_is_shuffled_once_per_epoch(monkeypatch):
+    task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 10}, test_size=2)  # 8 to train on
+    steps = range(1, 7)  # 18 draws of 3: epochs 0, 1 and 2, steps 3 and 6 across a boundary
+    want = old_order("verifiers:gspo-vf-say", 7, steps, 3, 2, 10)
+    shuffles = []
+
+    class Counted(random.Random):
+        def shuffle(self, x):
+            shuffles.append(len(x))
+            super().shuffle(x)
+
+    monkeypatch.setattr(vfenv.random, "Random", Counted)
+    got = [[ex.columns[TASK_COLUMN] for ex in task.train_batch(s, 3, seed=7)] for s in steps]
+    assert got == want
+    assert shuffles == [8, 8, 8]  # once per epoch (the old way: 18, one per draw)
+    assert [ex.columns[TASK_COLUMN] for ex in task.train_batch(6, 3, seed=7)] == want[-1] and len(shuffles) == 3
