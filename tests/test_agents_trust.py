@@ -182,7 +182,9 @@ def test_idle_connections_and_a_malformed_request_cost_a_bounded_thread_and_no_t
         idle = [socket.create_connection(("127.0.0.1", ep.port)) for _ in range(10)]
         time.sleep(0.2)
         assert threading.active_count() - before <= 4  # at most MAX_CONNECTIONS handler threads
-        time.sleep(1.0)  # past IDLE_SECONDS: their threads are gone
+        end = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < end:  # past IDLE_SECONDS: closed
+            time.sleep(0.1)
         assert threading.active_count() <= before
         for s in idle:
             s.close()
@@ -445,7 +447,7 @@ def test_agents_that_block_their_event_loop_end_at_the_deadline_in_one_line_each
     ro, ep = _episodes(PolicySampler(model), tok, agent, timeout=1.0)
     took = time.perf_counter() - t0
     err = capsys.readouterr().err
-    assert took < 1.0 + 2.0, took  # the deadline, its grace (0.5 s) and the step's own work
+    assert took < 1.0 + 3.0, took  # the deadline, its grace (0.5 s) and the step's own work (before: 11-13 s)
     assert ep.agent.failed.tolist() == [True, True, True, False]
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 3 and all("blocked its event loop past the episode deadline of 1 s" in x for x in lines[:2])
