@@ -8,7 +8,7 @@ A policy is how many intra-op threads torch gets:
 - `all-passive`: the same with `OMP_WAIT_POLICY=PASSIVE` (OpenMP threads sleep at once instead of
   spinning for the next parallel region);
 - `one`: `--threads 1`;
-- `auto`: gspo's default, `--threads 0` (gspo.dist.threads.auto_threads: the cores this process may use,
+- `auto`: gspo's default, `--threads 0` (gspo.processes.threads.auto_threads: the cores this process may use,
   less the load already on them when the run starts, at least 1).
 
 A load is what else the machine runs at the same time:

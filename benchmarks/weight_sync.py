@@ -95,8 +95,8 @@ def build(case: str, layers: int):
         import torch.distributed as td
         from torch.distributed.device_mesh import init_device_mesh
 
-        from gspo.dist.distributed import Dist
-        from gspo.dist.parallel import wrap
+        from gspo.processes.distributed import Dist
+        from gspo.processes.parallel import wrap
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         td.init_process_group("gloo", rank=rank, world_size=world)

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, Interrupted):
             raise
         if int(os.environ.get("RANK", "0")) == 0:  # every process stopped at this step: one says so
-            from gspo.dist.distributed import command_line
+            from gspo.processes.distributed import command_line
 
             resume = command_line([name, "--resume", str(e.run_dir)])  # under torchrun, the torchrun line
             print(f"gspo {name}: {e.line(resume)}", file=sys.stderr, flush=True)
@@ -294,12 +294,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _say_once(line: str) -> None:
-    """gspo.dist.distributed.say_once (it imports torch): only another rank under torchrun needs more
+    """gspo.processes.distributed.say_once (it imports torch): only another rank under torchrun needs more
     than printing the line, as say_once does on rank 0."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
         return
-    from gspo.dist.distributed import say_once
+    from gspo.processes.distributed import say_once
 
     say_once(line)
 
@@ -309,7 +309,7 @@ def entry() -> None:
     code = main()
     if "torch" not in sys.modules:  # help, --version, a usage error: no torch, no gloo threads to outlive
         sys.exit(code)
-    from gspo.dist.distributed import exit_process
+    from gspo.processes.distributed import exit_process
 
     exit_process(code)
 

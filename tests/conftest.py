@@ -6,7 +6,7 @@ import torch
 # Two cores: keep torch from oversubscribing them when pytest-xdist runs two workers.
 THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch.set_num_threads(THREADS)
-# and every run in the tests, here or in a subprocess, takes that count (gspo.dist.threads: OMP_NUM_THREADS is the
+# and every run in the tests, here or in a subprocess, takes that count (gspo.processes.threads: OMP_NUM_THREADS is the
 # user's choice), not one chosen by the load of the moment: runs compared bit for bit must compute alike
 os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 

@@ -1,5 +1,5 @@
 """Rollout workers at the size a user runs them: a worker or a trainer killed, a second Ctrl-C, an
-error in the trainer, each while a batch of megabytes is in flight (gspo.dist.links, gspo.sampling.pipeline).
+error in the trainer, each while a batch of megabytes is in flight (gspo.processes.links, gspo.sampling.pipeline).
 
 Why these sizes. A worker's result carries the batch's dataset rows, completions and reward parts;
 a pipe holds 64 KiB. Each row of the dataset here has a 96 KiB `context` column (a GSM8K row with a

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from gspo.algo.metrics import Max, Mean, Min, reduce_across
-from gspo.dist.distributed import Dist
 from gspo.io.files import read_jsonl
+from gspo.processes.distributed import Dist
 from gspo.train import checkpoint as ckpt
 from tests.conftest import spawn
 
@@ -165,7 +165,7 @@ def test_distributed_run_killed_and_resumed(tmp_path, single, parallel):
 def test_a_failure_is_said_once_and_a_ranks_own_failure_too(monkeypatch, capsys):
     # rank 0 says a failure at once; rank 1 says it only after the grace period, in which
     # torchrun stops it when rank 0 failed alike (so one line), and with its rank when it did not
-    from gspo.dist import distributed
+    from gspo.processes import distributed
 
     monkeypatch.setattr(distributed.time, "sleep", lambda s: waited.append(s))
     waited = []
@@ -261,8 +261,8 @@ def _head_worker(rank: int, init_file: str, out_dir: str, parallel: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     import gspo.models.logprobs as lp
-    from gspo.dist import parallel as par
     from gspo.models.tiny import build_char_tokenizer
+    from gspo.processes import parallel as par
     from gspo.sampling.rollout import generate, sampling_params
     from tests.conftest import random_tiny_model
 
@@ -331,7 +331,7 @@ def test_sigterm_to_one_process_stops_every_process_at_the_same_step(tmp_path, s
 def test_a_torchrun_worker_exits_with_its_status_and_its_output_flushed():
     # under torchrun a worker ends with os._exit (no interpreter finalization, where gloo's
     # threads could abort a run that succeeded): the status and buffered output must survive
-    code = ("import sys; from gspo.dist.distributed import exit_process; print('out', end=''); "
+    code = ("import sys; from gspo.processes.distributed import exit_process; print('out', end=''); "
             "print('err', end='', file=sys.stderr); exit_process(3)")
     for env in ({**ENV, "TORCHELASTIC_RUN_ID": "x"}, ENV):
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)

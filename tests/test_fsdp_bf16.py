@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from gspo.dist.distributed import Dist
 from gspo.io.files import read_jsonl
+from gspo.processes.distributed import Dist
 from gspo.train import checkpoint as ckpt
 from tests.conftest import spawn
 from tests.test_distributed import metrics, one_process, torchrun
@@ -64,9 +64,9 @@ def _bf16_sampler_worker(rank: int, init_file: str, out_dir: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     import gspo.sampling.rollout as rollout_module
-    from gspo.dist.parallel import wrap
     from gspo.models.loading import load_policy
     from gspo.models.logprobs import TokenLogprobs
+    from gspo.processes.parallel import wrap
 
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

@@ -1,4 +1,4 @@
-"""The transport between a trainer and its local rollout workers (gspo.dist.links), through real spawned
+"""The transport between a trainer and its local rollout workers (gspo.processes.links), through real spawned
 processes, and the worker's side of a run (gspo.sampling.pipeline): sizes, deaths, the spool, the bound.
 
 The sizes: 64 KiB is what a Linux pipe holds; the results here are 8 MiB (128 times that), as a
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gspo.dist import links
-from gspo.dist.links import LocalLink, WorkerDied
+from gspo.processes import links
+from gspo.processes.links import LocalLink, WorkerDied
 
 BIG = 8 * 2**20  # bytes of payload: 128 pipes' worth
 
@@ -219,7 +219,7 @@ def test_sending_weights_is_not_counted_as_waiting():
     # model's transfer), then finds the batch already there: it waited ~0 s, it synced ~0.4 s
     from types import SimpleNamespace
 
-    from gspo.dist.distributed import Dist
+    from gspo.processes.distributed import Dist
     from gspo.sampling.pipeline import WorkerPipeline
 
     batch = SimpleNamespace(step=1, version=0, versions=torch.zeros(2, 3, dtype=torch.int32), seconds=1.0, idle=0.0,

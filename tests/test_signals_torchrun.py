@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from gspo.dist import distributed
 from gspo.io.files import read_jsonl
+from gspo.processes import distributed
 from gspo.train import checkpoint as ckpt
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -1,4 +1,5 @@
-"""The CPU threads a run takes (gspo.dist.threads): `--threads N`, OMP_NUM_THREADS, or half the cores, fewer when busy.
+"""The CPU threads a run takes (gspo.processes.threads): `--threads N`, OMP_NUM_THREADS, or half
+the cores, fewer when busy.
 
 Beside a competing load, all-cores intra-op threads wait for the scheduler at every barrier (1.9x
 to 4.1x slower steps on 2 cores: docs/performance.md); the default takes at most half the cores
@@ -14,8 +15,8 @@ import time
 import pytest
 import torch
 
-from gspo.dist import threads
-from gspo.dist.threads import busy_cores, choose_threads
+from gspo.processes import threads
+from gspo.processes.threads import busy_cores, choose_threads
 
 BUSY = "while True:\n    pass\n"
 

@@ -116,8 +116,8 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     import torch.distributed as td
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gspo.dist.distributed import Dist
-    from gspo.dist.parallel import wrap
+    from gspo.processes.distributed import Dist
+    from gspo.processes.parallel import wrap
 
     torch.set_num_threads(1)
     td.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

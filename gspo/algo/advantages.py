@@ -183,7 +183,7 @@ def masked_whiten(values: Tensor, mask: Tensor, *, eps: float = 1e-8, shift_mean
                   all_sum=None) -> Tensor:
     """Normalise `(B, T)` values to zero mean and unit variance over masked positions (PPO).
 
-    all_sum: sums a tensor over processes (gspo.dist.distributed.Dist.all_sum), so that the mean
+    all_sum: sums a tensor over processes (gspo.processes.distributed.Dist.all_sum), so that the mean
     and variance are those of the global batch when each process holds a part of it.
     """
     total = all_sum or (lambda t: t)

@@ -44,7 +44,7 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = 
 def agg_count(mask: Tensor, mode: str) -> Tensor:
     """What `aggregate` divides by: completion tokens ("token-mean") or responses with at least
     one completion token (the seq-mean modes). Distributed training sums these over processes
-    to normalise by the global minibatch (gspo.dist.distributed)."""
+    to normalise by the global minibatch (gspo.processes.distributed)."""
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
     if mode == "token-mean":

@@ -104,7 +104,7 @@ def combine(parts: list[dict]) -> dict:
 
 def reduce_across(history: list[dict], dist) -> list[dict]:
     """The global value of every per-update metric, the same on every process (`dist`: a
-    gspo.dist.distributed.Dist; the identity on one process)."""
+    gspo.processes.distributed.Dist; the identity on one process)."""
     for h in history[:1]:
         for key, value in h.items():
             _kind(key, value)  # every metric declares its reduction, in one process too

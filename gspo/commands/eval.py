@@ -122,7 +122,7 @@ def cmd_eval(args: list[str]) -> int:
         raise UsageError(f"--threads: must be >= 0 (0: half the cores, fewer when busy), got {a.threads}")
     import torch
 
-    from gspo.dist.threads import choose_threads, restored
+    from gspo.processes.threads import choose_threads, restored
 
     threads, _ = choose_threads(a.threads)
     with restored():  # gspo.cli.main called from Python: the caller's count back

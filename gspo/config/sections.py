@@ -413,7 +413,7 @@ class RunOptions:
     device: str = opt("cpu", "Device for the policy: cpu, cuda, cuda:N, or auto (cuda when available).", resume=True)
     threads: int = opt(0, "CPU threads for torch (0: half the cores, fewer when other processes keep them busy, at "
                           "least 1; OMP_NUM_THREADS, if set, instead; the count is in the plan and config.yaml: "
-                          "gspo.dist.threads).", ge=0, resume=True)
+                          "gspo.processes.threads).", ge=0, resume=True)
     parallel: Literal["ddp", "fsdp"] = opt("ddp",
         "Under torchrun (several processes): ddp replicates the model, fsdp shards parameters, gradients and "
         "optimizer state (FSDP2).")

@@ -212,7 +212,7 @@ class Routing:
         The balance loss is this micro-batch's part of the global minibatch's (`balance_loss`):
         `load` = the minibatch's (expert counts (L, E), real tokens) over every process; None: this
         forward is the whole minibatch on this process, its counts are summed over processes
-        (`dist`: a gspo.dist.distributed.Dist; None: one process), whose gradient average the loss undoes."""
+        (`dist`: a gspo.processes.distributed.Dist; None: one process), whose gradient average the loss undoes."""
         b, S = tokens.shape
         n = float(tokens.sum())
         metrics = {}

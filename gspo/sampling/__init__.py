@@ -2,5 +2,5 @@
 turn cache, a step's batch produced and scored, and the pipeline of batches (in process or rollout
 workers).
 
-May import: gspo.rewards, gspo.tasks, gspo.models, gspo.dist, gspo.algo, gspo.config, gspo.io.
+May import: gspo.rewards, gspo.tasks, gspo.models, gspo.processes, gspo.algo, gspo.config, gspo.io.
 """

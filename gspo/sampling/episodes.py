@@ -84,7 +84,7 @@ class EpisodeSpec:
 class Draws:
     """How this process draws its episodes (module docstring, Randomness): `generator_for(turn)`
     the generator of each turn; `rows` (offset, total): these are rows offset... of `total` across
-    processes (None: all of them); `dist` (gspo.dist.distributed.Dist): every process samples every turn."""
+    processes (None: all of them); `dist` (gspo.processes.distributed.Dist): every process samples every turn."""
 
     generator_for: Callable[[int], torch.Generator | None] = lambda turn: None
     rows: tuple[int, int] | None = None

@@ -42,7 +42,7 @@ model's routing is recorded for that step once, from the computation whose logit
 (gspo.models.moe.held). The log-probs it records equal a full-sequence recomputation to 1e-5
 (tests/test_rollout.py).
 
-FSDP. A sharded model is decoded with its parameters gathered (gspo.dist.parallel.gathered): the
+FSDP. A sharded model is decoded with its parameters gathered (gspo.processes.parallel.gathered): the
 compact step then reads plain tensors, in the MixedPrecisionPolicy's dtype; `describe` says
 which path a run takes.
 """

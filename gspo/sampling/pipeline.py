@@ -25,7 +25,7 @@ Without torchrun the trainer starts N processes (torch.multiprocessing, spawn; t
 --rollout-devices, default the trainer's) and talks to them through queues; under torchrun the
 world's last N ranks are the workers (torchrun's rendezvous, across machines too), the trainer
 processes the others, with their collectives on a group of their own, and the rollouts travel
-on a gloo group (gspo.dist.links). Each worker builds the sampling side of the run from the trainer's
+on a gloo group (gspo.processes.links). Each worker builds the sampling side of the run from the trainer's
 configuration (`sampling_side`: the task, the tokenizer, its own copy of the policy, the
 rewards, the sampler: gspo's or a vLLM engine) and serves requests, in order:
 
@@ -59,10 +59,10 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from gspo.config import TrainConfig
-from gspo.dist import distributed
-from gspo.dist.distributed import Dist
-from gspo.dist.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.models.loading import DTYPES, cast_parameters, disable_dropout, resolve_device
+from gspo.processes import distributed
+from gspo.processes.distributed import Dist
+from gspo.processes.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.sampling.produce import Produced, SamplingSide, produce
 from gspo.sampling.rollout import Sampler, stop_token_ids
 from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
@@ -360,4 +360,4 @@ class WorkerPipeline(Pipeline):
 
     def close(self) -> None:
         self.link.close()
-        gc.collect()  # the queues' semaphores released before an os._exit (gspo.dist.distributed.exit_process)
+        gc.collect()  # the queues' semaphores released before an os._exit (gspo.processes.distributed.exit_process)

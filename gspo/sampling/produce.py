@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from gspo.config import TrainConfig
-    from gspo.dist.distributed import Dist
+    from gspo.processes.distributed import Dist
     from gspo.sampling.rollout import Sampler
     from gspo.tasks.base import Task
 

@@ -36,9 +36,9 @@ from typing import Protocol
 
 import torch
 
-from gspo.dist import parallel
 from gspo.models.moe import NO_ROUTING
 from gspo.models.sequences import Rollout, left_pad, position_ids_from_mask
+from gspo.processes import parallel
 from gspo.sampling.fastdecode import decoder, describe
 from gspo.sampling.turncache import Start, TurnCache
 

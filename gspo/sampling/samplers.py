@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from gspo.config import ConfigError, TrainConfig
-from gspo.dist.distributed import Dist
 from gspo.models.loading import (
     DTYPES,
     AdapterLoad,
@@ -31,6 +30,7 @@ from gspo.models.loading import (
     unwrap,
 )
 from gspo.models.moe import NO_ROUTING, MoEError, NoRouting, Routing, is_moe
+from gspo.processes.distributed import Dist
 from gspo.rewards.builtin import Reward, load_rewards
 from gspo.sampling.rollout import PolicySampler, Sampler
 from gspo.sampling.vllm_engine import VLLMSampler

@@ -122,7 +122,7 @@ class VLLMSampler:
     engine: the config's vLLM section, its `vllm_max_model_len` resolved (> 0: gspo.train.run uses the
     model's max_position_embeddings for 0); `vllm_sleep` applies where the platform can (CUDA).
     dtype: what the engine computes in ("float32", "bfloat16", "float16"). seed: the engine's.
-    dist (gspo.dist.distributed.Dist): the device (None: the CPU) and, under torchrun, one engine per
+    dist (gspo.processes.distributed.Dist): the device (None: the CPU) and, under torchrun, one engine per
     process. `vllm`: the module to build the engine with (tests pass a fake)."""
 
     def __init__(self, model_dir: str, engine: VLLM, *, dtype: str, seed: int, dist=None, vllm=None):
@@ -286,8 +286,8 @@ def checkpoint_weights(policy, dtype: torch.dtype | None = None):
     holds: at most twice the largest parameter, where building the whole state dict held every
     gathered (FSDP) or merged (LoRA) copy at once. Plain weights already in `dtype` are the
     parameters themselves (no copy)."""
-    from gspo.dist.parallel import full_tensor
     from gspo.models.loading import unwrap
+    from gspo.processes.parallel import full_tensor
 
     model = unwrap(policy)
     lora = {name: m for name, m in model.named_modules() if hasattr(m, "get_delta_weight") and hasattr(m, "base_layer")}
@@ -315,7 +315,7 @@ def _lora_delta(module) -> Tensor:
     A, B = module.lora_A["default"].weight, module.lora_B["default"].weight
     if not hasattr(A, "full_tensor"):
         return module.get_delta_weight("default").float()
-    from gspo.dist.parallel import full_tensor
+    from gspo.processes.parallel import full_tensor
 
     delta = full_tensor(B, torch.float32) @ full_tensor(A, torch.float32)  # (out, r) @ (r, in)
     delta = delta.T if getattr(module, "fan_in_fan_out", False) else delta

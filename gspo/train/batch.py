@@ -20,10 +20,10 @@ import torch
 from gspo.algo.advantages import ESTIMATORS, AdvantageInputs
 from gspo.algo.corrections import rollout_is_weights, spread
 from gspo.algo.metrics import reduce_across
-from gspo.dist import parallel
 from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.models.moe import expert_counts
 from gspo.models.sequences import Rollout
+from gspo.processes import parallel
 from gspo.sampling.agents import with_extra_sequences
 from gspo.sampling.episodes import Episodes
 from gspo.tasks.scoring import Scored

@@ -38,8 +38,8 @@ import torch
 import yaml
 
 from gspo.config import TrainConfig, to_dict
-from gspo.dist import parallel
 from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
+from gspo.processes import parallel
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

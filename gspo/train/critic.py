@@ -29,10 +29,10 @@ import torch
 from gspo.algo.advantages import ESTIMATORS
 from gspo.algo.losses import LOSSES
 from gspo.config import TrainConfig
-from gspo.dist import parallel
 from gspo.models.loading import DTYPES, disable_dropout, unwrap
 from gspo.models.logprobs import Split, forward_logprobs, passes
 from gspo.models.value import Critic, ValueHead, explained_variance, value_loss
+from gspo.processes import parallel
 from gspo.train.optim import Trainable, adamw, schedule
 
 if TYPE_CHECKING:

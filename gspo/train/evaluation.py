@@ -76,7 +76,7 @@ class EvalOptions:
 def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions = EvalOptions(),
              dist=None) -> dict:
     """Evaluate on the task's first `options.n` evaluation rows (module docstring; EvalOptions).
-    dist (gspo.dist.distributed.Dist): each process evaluates its contiguous share of the rows and
+    dist (gspo.processes.distributed.Dist): each process evaluates its contiguous share of the rows and
     the sums are added up; every process returns the same result."""
     o = options
     n, k, batch_size, trainer_state, episode = o.n, o.k, o.batch_size, o.trainer_state, o.episode

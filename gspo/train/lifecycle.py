@@ -48,7 +48,7 @@ class Interrupted(Exception):
 
     def line(self, resume: str) -> str:
         """What to tell the user, `resume` the command that continues the run (the CLI's: under
-        torchrun, the torchrun line; gspo.dist.distributed.command_line)."""
+        torchrun, the torchrun line; gspo.processes.distributed.command_line)."""
         name = signal.Signals(self.signum).name
         return f"interrupted by {name} after step {self.step}; checkpoint written; continue with: {resume}"
 

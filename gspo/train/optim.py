@@ -22,7 +22,7 @@ import torch
 
 from gspo.algo.metrics import Mean
 from gspo.config import TrainConfig
-from gspo.dist import parallel
+from gspo.processes import parallel
 
 
 @dataclass

@@ -9,7 +9,7 @@
 holds (gspo.sampling.rollout, gspo.sampling.vllm_engine), whether training forwards pack (`run.packed`, decided
 by gspo.train.run._packing: a refusal is a note), the decode path (gspo.sampling.fastdecode.unsupported), the
 chunked LM head (gspo.models.lmhead.fused_head), the resolved configuration (--old-logp auto is
-resolved by then) and the process layout (gspo.dist.distributed.Dist). It only reads: no forward
+resolved by then) and the process layout (gspo.processes.distributed.Dist). It only reads: no forward
 pass, no collective, cheap enough to call at the start and again for the summary.
 
 Keys (stable; another test checks each configuration's plan against its request):
@@ -20,7 +20,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `model` | `{"name", "gguf", "path"}`: the policy as named; for a .gguf file what its conversion records (gspo.models.gguf: source, architecture, quantization, parameters) and the converted directory |
 | `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
-| `threads` | `{"count", "why"}`: torch's CPU threads in this process and how that count was chosen (gspo.dist.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started) |
+| `threads` | `{"count", "why"}`: torch's CPU threads in this process and how that count was chosen (gspo.processes.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started) |
 | `parallel` | `"none"` (one process), `"ddp"` or `"fsdp"` |
 | `weights_dtype` | the trained weights' dtype (`--param-dtype`), read from the policy |
 | `compute_dtype` | forwards' dtype (`--dtype`) |
@@ -60,10 +60,10 @@ import torch
 from gspo.algo.advantages import ESTIMATORS
 from gspo.algo.losses import LOSSES
 from gspo.config import TrainConfig
-from gspo.dist import distributed
 from gspo.io.words import plural
 from gspo.models import gguf as gguf_models
 from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
+from gspo.processes import distributed
 from gspo.sampling import fastdecode
 from gspo.sampling.integrity import tolerance
 from gspo.sampling.rollout import PolicySampler

@@ -33,13 +33,13 @@ from gspo.algo.clipcontrol import ClipController
 from gspo.algo.losses import LOSSES
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.yamlfile import load_yaml
-from gspo.dist import distributed, parallel
-from gspo.dist.distributed import Dist
-from gspo.dist.threads import choose_threads
 from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS, DTYPES, disable_dropout, enable_checkpointing, load_policy, unwrap
 from gspo.models.logprobs import TokenLogprobs, supports_packing
 from gspo.models.moe import NO_ROUTING, NoRouting, Routing
+from gspo.processes import distributed, parallel
+from gspo.processes.distributed import Dist
+from gspo.processes.threads import choose_threads
 from gspo.rewards.builtin import BUILTIN_REWARDS, Reward
 from gspo.sampling.pipeline import Pipeline
 from gspo.sampling.produce import Produced
@@ -103,7 +103,7 @@ class Run:
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
     env: type | None = None  # multi-turn: the environment class (gspo.tasks.env), one instance per episode
     max_turns: int = 1  # model turns per episode at most
-    threads: str = ""  # why torch has the CPU threads it has (gspo.dist.threads.choose_threads)
+    threads: str = ""  # why torch has the CPU threads it has (gspo.processes.threads.choose_threads)
     progress: Progress = field(default_factory=Progress)
     # where each step's batch comes from (gspo.sampling.pipeline), once the loop starts
     pipeline: Pipeline | None = None
@@ -218,7 +218,7 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist, str]:
     if fresh and not ckpt.is_empty_run_dir(run_dir):
         raise FileExistsError(f"--output-dir {run_dir}: exists and is not empty (use --resume {run_dir} to continue "
                               "it, or choose another --output-dir)")
-    threads, why = choose_threads(cfg.run.threads)  # 0: the cores free now (gspo.dist.threads)
+    threads, why = choose_threads(cfg.run.threads)  # 0: the cores free now (gspo.processes.threads)
     torch.set_num_threads(threads)
     cfg = dataclasses.replace(cfg, threads=threads)  # config.yaml keeps the count: a resume computes alike
     torch.manual_seed(cfg.run.seed)

@@ -23,7 +23,7 @@ forward and adds drift metrics and the balance loss. With an environment (--env,
 task's own) a rollout is a group of multi-turn episodes (gspo.sampling.episodes): the same batch,
 whose environment tokens are context only. Under torchrun every process runs this loop on
 its share of the prompts; the global-batch bookkeeping shows up only as `dist` calls, the
-identity in one process (gspo.dist.distributed, gspo.dist.parallel, gspo.algo.metrics). A step's row of
+identity in one process (gspo.processes.distributed, gspo.processes.parallel, gspo.algo.metrics). A step's row of
 metrics.jsonl is gspo.train.steplog's.
 """
 
@@ -44,12 +44,12 @@ from gspo.algo.losses import policy_loss
 from gspo.algo.metrics import Max, Mean, combine, reduce_across
 from gspo.config import TrainConfig, to_dict
 from gspo.config.yamlfile import load_yaml
-from gspo.dist import distributed, parallel
-from gspo.dist.threads import restored
 from gspo.io.files import append_jsonl, atomic_write_text, json_clean
 from gspo.io.reporting import ProgressBar, Reporter, samples_rows, warn
 from gspo.io.words import plural
 from gspo.models.logprobs import MicroBatch, Split, passes
+from gspo.processes import distributed, parallel
+from gspo.processes.threads import restored
 from gspo.rewards.builtin import TrainerState
 from gspo.sampling.episodes import EpisodeSpec
 from gspo.sampling.pipeline import Pipeline, make_pipeline, serve_rank
@@ -91,7 +91,7 @@ def train(cfg: TrainConfig=None, *, resume=None, log=print, inputs=None, callbac
     checkpoint (gspo.train.lifecycle.Interrupted). inputs: objects in place of names (gspo.train.run.Inputs);
     callbacks: `(step, metrics) -> bool`, True stops the run after that step (gspo.api.Trainer);
     keep: called with the finished run (gspo.api.Trainer keeps its trained policy). The run sets
-    torch's CPU threads (gspo.dist.threads); this process's count is put back when it ends.
+    torch's CPU threads (gspo.processes.threads); this process's count is put back when it ends.
     """
     with restored():
         return _train_in_process(cfg, resume, log, inputs, callbacks, keep)

@@ -1,4 +1,5 @@
-"""How a trainer and its rollout workers talk: pipes and a spool to processes it starts, or messages between ranks of a torchrun world.
+"""How a trainer and its rollout workers talk: pipes and a spool to processes it starts, or messages between
+ranks of a torchrun world.
 
     link = LocalLink(n, target, args)     # the trainer starts n worker processes (torch.multiprocessing, spawn)
     link = RankLink(dist, n)              # the last n ranks of the torchrun world are the workers
@@ -178,7 +179,8 @@ class LocalLink:
         for w, p in enumerate(self.procs):
             if not p.is_alive():
                 code = p.exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+                killed = code is not None and code < 0
+                how = f"killed by {signal.Signals(-code).name}" if killed else f"exit code {code}"
                 raise WorkerDied(w, how, p.pid)
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ What each process does (the trainer's side is in gspo.train.trainer):
 
 Backends: gloo for CPU, NCCL for CUDA, chosen from `--device`. Under torchrun `--device cuda`
 means `cuda:$LOCAL_RANK`. Wrapping models (DDP, FSDP2 sharding), gathering sharded
-parameters and state dicts is gspo.dist.parallel's.
+parameters and state dicts is gspo.processes.parallel's.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+
 from gspo.config import TrainConfig
 
 Tensor = torch.Tensor

@@ -6,7 +6,7 @@
     w = parallel.full_tensor(p, torch.bfloat16)          # one parameter whole (FSDP: gathered), for a weight sync
 
 Every function is the identity (or the module's own state) in one process or under DDP where
-nothing is sharded, so callers have one code path; `dist` is a gspo.dist.distributed.Dist.
+nothing is sharded, so callers have one code path; `dist` is a gspo.processes.distributed.Dist.
 
 - `ddp`: the policy (and a separate critic) replicated, gradients all-reduced by
   `DistributedDataParallel`. Training forwards go through the DDP wrapper; sampling and
