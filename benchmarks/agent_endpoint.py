@@ -6,7 +6,7 @@
 Direct: one sampler.sample call over every prompt (what a single-turn rollout does), with gspo's
 own sampler (PolicySampler) or the vLLM engine (VLLMSampler, float32; run it in the vLLM
 environment, docs/vllm.md).
-Endpoint: gspo.sampling.agents.run_agent_episodes with an agent making one chat call per
+Endpoint: gspo.agents.runner.run_agent_episodes with an agent making one chat call per
 episode through openai.AsyncOpenAI, so the HTTP server, JSON, chat-template rendering, the
 batching window and the event loop are all in the time. Prints completion tokens per second of
 each (median over repeats) and the ratio. Both sample the same prompts with the same settings;
@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from gspo.agents.runner import run_agent_episodes
 from gspo.models.loading import load_policy
-from gspo.sampling.agents import run_agent_episodes
 from gspo.sampling.episodes import Draws, EpisodeSpec
 from gspo.sampling.rollout import PolicySampler, encode_prompts, sampling_params
 from gspo.tasks.data import Example

@@ -23,12 +23,12 @@ In the spirit of TRL's `GRPOTrainer(model=..., reward_funcs=[...], train_dataset
   (gspo.rewards.builtin), and/or learned reward models by directory or Hub id (gspo.rewards.model);
 - `env`: the environment of multi-turn episodes, a class (gspo.tasks.env; one instance per episode)
   or its `path.py:Class` name; or agent code, an `async def rollout(client, example)` talking to
-  the policy through an OpenAI client (gspo.sampling.agents);
+  the policy through an OpenAI client (gspo.agents.runner);
 - `env` also takes a verifiers environment (a `verifiers.v1` Env object): its tasks are the
   prompts, its agent program plays each episode through the endpoint, its rewards score them
-  (gspo.tasks.vfenv);
+  (gspo.agents.vfenv);
 - `environment_factory`: TRL's environments, a class with `reset(**row)` whose other methods are
-  tools (gspo.tasks.trlenv), as GRPOTrainer takes it; `env` takes such a class too;
+  tools (gspo.agents.trlenv), as GRPOTrainer takes it; `env` takes such a class too;
 - `callbacks`: each a callable `(step, metrics) -> bool | None`, or an object with such an
   `on_step_end` method; it sees every step's metrics (the row of metrics.jsonl) and stops the
   run by returning True (a checkpoint is written at that step, then the final evaluation).
@@ -50,12 +50,12 @@ from pathlib import Path
 
 import torch
 
+from gspo.agents.trlenv import adapted, trl_environment
+from gspo.agents.vfenv import VerifiersTask, is_verifiers_env
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.checks import check_value
 from gspo.config.yamlfile import in_memory, load_yaml
 from gspo.sampling.samplers import Inputs
-from gspo.tasks.trlenv import adapted, trl_environment
-from gspo.tasks.vfenv import VerifiersTask, is_verifiers_env
 
 
 class Trainer:
@@ -90,7 +90,7 @@ class Trainer:
         elif env is not None and not isinstance(env, str) and not is_verifiers_env(env):
             env = adapted(env)
         source = None
-        if is_verifiers_env(env):  # its tasks are the prompts, its agent program plays them (gspo.tasks.vfenv)
+        if is_verifiers_env(env):  # its tasks are the prompts, its agent program plays them (gspo.agents.vfenv)
             if train_dataset is not None:
                 raise ConfigError("env: a verifiers environment brings its own tasks; drop train_dataset")
             source = VerifiersTask.from_env(env, test_size=cfg.eval.eval_size)

@@ -63,7 +63,18 @@ CONFIGS = {
     "mask-trunc": ("1", SMALL + ["--mask-truncated-completions", "--max-new-tokens", "3"]),
     "fsdp-lora": ("torchrun", SMALL + ["--parallel", "fsdp", "--lora-r", "4"]),
     "resume": ("1", [a if a != "3" else "2" for a in SMALL]),  # then: --resume RUN --steps 4
+    # agents: an OpenAI-client agent through the endpoint, one whose calls run at once (forked
+    # sequences), a TRL environment_factory class, a verifiers taskset (its harness provisioned)
+    "agent-env": ("1", SMALL + ["--model", "tiny-tool", "--task", "calculator", "--max-turns", "2",
+                                "--env", "examples/agents/calculator_agent.py:rollout"]),
+    "agent-fork": ("1", SMALL + ["--max-new-tokens", "8", "--env", "examples/agents/best_of_two.py:rollout"]),
+    "trl-env": ("1", SMALL + ["--model", "tiny-tool", "--task", "calculator", "--max-turns", "2",
+                              "--env", "examples/agents/calculator_env.py:CalculatorToolEnv"]),
+    "verifiers": ("1", SMALL + ["--model", "tiny-tool", "--task", "verifiers:gspo-calculator", "--max-turns", "2",
+                                "--max-new-tokens", "32"]),
 }
+# extra PYTHONPATH entries (relative to the tree) per configuration
+PATHS = {"verifiers": ["examples/verifiers"]}
 RESUME_MORE = ["--steps", "4"]
 # Timing: what is wall-clock time, not behaviour (metrics.jsonl: time/*_seconds; summary.json: wall_seconds)
 TIMING = re.compile(r"(^|[/_])time([/_]|$)|seconds|wall|elapsed|throughput|tokens_per|_per_s(ec)?$|/s$|_s$")
@@ -137,7 +148,9 @@ def run_one(name: str, tree: Path, work: Path, env: dict, removed: set) -> dict:
     start = time.time()
     rec = {"commands": [" ".join(c[1:]) for c in cmds]}
     for cmd in cmds:
-        p = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+        extra = [str(tree / d) for d in PATHS.get(name, [])]
+        run_env = {**env, "PYTHONPATH": os.pathsep.join([*extra, env["PYTHONPATH"]])} if extra else env
+        p = subprocess.run(cmd, cwd=tree, env=run_env, capture_output=True, text=True)
         if p.returncode != 0:
             rec.update(rc=p.returncode, stderr_tail=p.stderr.splitlines()[-20:])
             break

@@ -1,5 +1,5 @@
-"""Agents: the OpenAI-compatible endpoint over the policy (gspo.sampling.endpoint) and agent code
-run through it (gspo.sampling.agents), token for token.
+"""Agents: the OpenAI-compatible endpoint over the policy (gspo.agents.endpoint) and agent code
+run through it (gspo.agents.runner), token for token.
 
 The model is the built-in tiny-tool (a Qwen-style chat template). The endpoint tests use a fake
 sampler whose tokens are known; the episode tests the real sampler, and check the recorded row
@@ -18,9 +18,9 @@ import httpx
 import pytest
 import torch
 
+from gspo.agents.endpoint import Endpoint, Limits
+from gspo.agents.runner import run_agent_episodes
 from gspo.models.loading import load_policy
-from gspo.sampling.agents import run_agent_episodes
-from gspo.sampling.endpoint import Endpoint, Limits
 from gspo.sampling.episodes import Draws, EpisodeSpec
 from gspo.sampling.rollout import PolicySampler, sampling_params
 from gspo.tasks.data import Example
@@ -95,8 +95,8 @@ def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
 def test_a_streamed_call_is_sampled_whole_and_sent_as_events_over_either_transport(tiny):
     import openai
 
-    from gspo.sampling.agents import httpx_of_openai
-    from gspo.sampling.endpoint import in_process
+    from gspo.agents.endpoint import in_process
+    from gspo.agents.runner import httpx_of_openai
 
     _, tok = tiny
     fake = FakeSampler(tok, "42")
@@ -450,7 +450,7 @@ def test_an_edited_history_is_a_row_of_its_own_trained_with_its_episodes_advanta
         assert env_cols.sum() > 0 and model_cols.sum() > 0 and (model_cols * env_cols).sum() == 0
         on = model_cols.bool()
         assert (b.logp[4 + e][on] < 0).all() and (b.logp[4 + e][~on] == 0).all()  # the recorded log-probs
-    turn = ep.agent.extra_turn_index  # (4, T): the extra rows' calls are the episode's second and third (1 and 2)
+    turn = ep.more_turn_index  # (4, T): the extra rows' calls are the episode's second and third (1 and 2)
     assert set(turn[b.completion_mask[4:].bool()].tolist()) == {1, 2}
     adv = batch.advantages
     # the group's episode rewards (0, 1): mean 0.5, sample std 0.7071, so (j - 0.5) / 0.7071 = -/+ 0.7071

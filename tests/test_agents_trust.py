@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 
+from gspo.agents.endpoint import Endpoint, Limits
+from gspo.agents.runner import assemble, run_agent_episodes
 from gspo.models.loading import load_policy
-from gspo.sampling.agents import assemble, run_agent_episodes
-from gspo.sampling.endpoint import Endpoint, Limits
 from gspo.sampling.episodes import Draws, EpisodeSpec
 from gspo.sampling.integrity import Receipts, Recorded, check_rows
 from gspo.sampling.rollout import PolicySampler, sampling_params
@@ -244,7 +244,7 @@ def test_request_fields_are_checked_by_type_not_by_truthiness(tiny):
 def test_a_reward_may_be_any_real_number_type():
     import numpy as np
 
-    from gspo.sampling.agents import _rewards
+    from gspo.agents.runner import _rewards
 
     assert _rewards(np.float32(0.5)) == [0.5] and _rewards([np.int64(1), torch.tensor(2.0)]) == [1.0, 2.0]
     for bad in (True, "1", torch.tensor([1.0, 2.0]), float("nan"), []):
@@ -253,8 +253,8 @@ def test_a_reward_may_be_any_real_number_type():
 
 
 def test_a_call_its_caller_gave_up_on_is_not_recorded_and_a_retry_continues_the_sequence(tiny):
-    from gspo.sampling.agents import httpx_of_openai
-    from gspo.sampling.endpoint import in_process
+    from gspo.agents.endpoint import in_process
+    from gspo.agents.runner import httpx_of_openai
 
     _, tok = tiny
     ep = endpoint(tok, Slow(tok, "42", pause=0.5))
@@ -360,7 +360,7 @@ def test_every_row_of_any_call_graph_is_what_the_policy_sampled_in_that_context(
     receipts = Receipts()
     ro, ep = _episodes(Recorded(PolicySampler(model), receipts), tok, agent)
     assert not ep.agent.failed.any()
-    rows = ro if ep.agent.extra is None else _with_extra(ro, ep)
+    rows = ep.with_more(ro)[0]
     assert rows.prompt_ids.shape[0] > ro.prompt_ids.shape[0]  # concurrent calls: later sequences
     assert check_rows(rows, receipts) == ([], rows.prompt_ids.shape[0])
     gap = _forward_gap(model, rows)
@@ -370,14 +370,14 @@ def test_every_row_of_any_call_graph_is_what_the_policy_sampled_in_that_context(
 def test_the_check_finds_a_row_laid_out_the_old_way(tiny, monkeypatch):
     # the endpoint's old rule (every call after the first extends the row, in completion order) laid
     # the gather agent's calls into one row: the check names the row and the column
-    from gspo.sampling import agents
+    from gspo.agents import runner
     from gspo.sampling.integrity import NOT_DRAWN
 
     def old_sequences(calls):
         return [(list(range(len(calls))), list(calls))]
 
     model, tok = tiny
-    monkeypatch.setattr(agents, "sequences", old_sequences)
+    monkeypatch.setattr(runner, "sequences", old_sequences)
     receipts = Receipts()
     ro, _ = _episodes(Recorded(PolicySampler(model), receipts), tok, gather_agent)
     breaches, checked = check_rows(ro, receipts)
@@ -548,20 +548,14 @@ def _episodes(sampler, tok, agent, n=2, G=2, timeout=30.0):
                               Draws(generator_for=lambda k: torch.Generator().manual_seed(7 + k)))
 
 
-def _with_extra(ro, ep):
-    from gspo.sampling.agents import with_extra_sequences
-
-    return with_extra_sequences(ro, ep)[0]
-
-
 def _result(calls):
-    from gspo.sampling.agents import AgentResult
+    from gspo.agents.runner import AgentResult
 
     return AgentResult(calls, [1.0])
 
 
 def _rows(ro, ep):
-    rows = _with_extra(ro, ep) if ep.agent.extra is not None else ro
+    rows = ep.with_more(ro)[0]
     out = []
     for b in range(rows.prompt_ids.shape[0]):
         prompt = rows.prompt_ids[b][rows.prompt_mask[b] > 0].tolist()

@@ -113,10 +113,10 @@ def _config(tmp_path, **kw):
 
 
 def test_rows_laid_out_of_their_context_stop_the_step_before_its_update(tmp_path, monkeypatch):
-    from gspo.sampling import agents
+    from gspo.agents import runner
 
     # the endpoint's old rule: every call joins the episode's one row, in the order calls finished
-    monkeypatch.setattr(agents, "sequences", lambda calls: [(list(range(len(calls))), list(calls))])
+    monkeypatch.setattr(runner, "sequences", lambda calls: [(list(range(len(calls))), list(calls))])
     run = build_run(_config(tmp_path))
     before = {k: v.clone() for k, v in run.policy.state_dict().items()}
     with pytest.raises(IntegrityError) as e:
@@ -129,9 +129,9 @@ def test_rows_laid_out_of_their_context_stop_the_step_before_its_update(tmp_path
 
 
 def test_with_warn_the_breach_is_said_and_its_rows_left_out(tmp_path, monkeypatch, capsys):
-    from gspo.sampling import agents
+    from gspo.agents import runner
 
-    monkeypatch.setattr(agents, "sequences", lambda calls: [(list(range(len(calls))), list(calls))])
+    monkeypatch.setattr(runner, "sequences", lambda calls: [(list(range(len(calls))), list(calls))])
     run = build_run(_config(tmp_path, integrity="warn"))
     metrics, batch = train_step(run, 1)
     err = capsys.readouterr().err
@@ -163,8 +163,8 @@ def test_gspo_train_stops_in_one_line_and_writes_nothing_of_the_step(tmp_path):
 
     (tmp_path / "fork.py").write_text(FORK)
     broken = tmp_path / "broken.py"  # the old layout, installed before gspo runs
-    broken.write_text("import runpy, sys\nfrom gspo.sampling import agents\n"
-                      "agents.sequences = lambda calls: [(list(range(len(calls))), list(calls))]\n"
+    broken.write_text("import runpy, sys\nfrom gspo.agents import runner\n"
+                      "runner.sequences = lambda calls: [(list(range(len(calls))), list(calls))]\n"
                       "sys.argv = ['gspo'] + sys.argv[1:]\nfrom gspo.cli import entry\nsys.exit(entry())\n")
     out = tmp_path / "run"
     p = subprocess.run([sys.executable, str(broken), "train", "--model", "tiny-tool", "--task", "arithmetic", "--env",

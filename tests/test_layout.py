@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "gspo"
 # the rooms from the ground floor up; the user's entry points (cli, api, export, __main__) stand on top
 ORDER = ["gspo.io", "gspo.algo", "gspo.config", "gspo.tasks", "gspo.models", "gspo.processes", "gspo.rewards",
-         "gspo.sampling", "gspo.train", "gspo.lab", "gspo.commands", "gspo.export", "gspo.api", "gspo.cli",
-         "gspo.__main__"]
+         "gspo.sampling", "gspo.agents", "gspo.train", "gspo.lab", "gspo.commands", "gspo.export", "gspo.api",
+         "gspo.cli", "gspo.__main__"]
 # public entry points whose parameters mirror a user-facing API (TRL's GRPOTrainer; the loss's tensors)
 PUBLIC = {"api.py:Trainer.__init__", "algo/losses.py:policy_loss"}
 
@@ -93,12 +94,47 @@ def test_every_room_imports_only_rooms_below_it():
 
 
 def test_no_import_circle_between_modules():
-    # what runs: an annotation's import under `if TYPE_CHECKING:` (gspo.train.critic's `run: Run`)
-    # is no arrow here (the room order above still counts it), and a room's face (its __init__)
-    # may name its own members (gspo.config's TrainConfig.from_trl reads gspo.config.trl when
-    # called): that arrow is the room presenting itself, not a circle
-    graph = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in module_imports(runtime=True).items()}
+    # every arrow counts, an annotation's import under `if TYPE_CHECKING:` too: a circle that only a
+    # type checker follows is still a circle in the design (gspo.train's modules read the run through
+    # the small protocols they declare, not gspo.train.run.Run). A room's face (its __init__) may name
+    # its own members (gspo.config's TrainConfig.from_trl reads gspo.config.trl when called): that
+    # arrow is the room presenting itself, not a circle
+    graph = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in module_imports().items()}
     floors(graph)  # raises on a circle, naming it
+
+
+def allowed(room: str) -> set[str]:
+    """The rooms `room`'s docstring says it may import: the gspo rooms its "May import" sentence
+    names (parenthesised reasons left out), every room below it for "everything below", none for
+    "imports nothing"."""
+    init = PACKAGE / room.removeprefix("gspo.") / "__init__.py"
+    doc = " ".join((ast.get_docstring(ast.parse(init.read_text())) or "").split())
+    if "imports nothing" in doc and "May import" not in doc:
+        return set()
+    sentence = doc[doc.index("May import"):]
+    sentence = re.split(r"\.(\s|$)", re.sub(r"\([^)]*\)", "", sentence))[0]
+    named = {n.rstrip(",.:") for n in re.findall(r"gspo\.\w+", sentence)}
+    if "everything below" in sentence:
+        top = max((ORDER.index(n) for n in named if n in ORDER), default=ORDER.index(room) - 1)
+        named |= set(ORDER[:top + 1])
+    return named - {room}
+
+
+def test_every_room_imports_only_what_its_docstring_allows():
+    rooms = [r for r in ORDER if (PACKAGE / r.removeprefix("gspo.") / "__init__.py").exists()]
+    graph = imports()
+    broken = [f"{r} imports {d}, outside its list {sorted(allowed(r))}" for r in rooms
+              for d in sorted(graph.get(r, ())) if d not in allowed(r)]
+    assert not broken, broken
+
+
+def test_the_contract_reader_reads_each_form():
+    assert allowed("gspo.io") == set()  # "imports nothing of gspo"
+    assert allowed("gspo.tasks") == {"gspo.config", "gspo.io"}
+    assert allowed("gspo.rewards") == {"gspo.tasks", "gspo.models", "gspo.config", "gspo.io"}  # reasons skipped
+    assert allowed("gspo.lab") == set(ORDER[:ORDER.index("gspo.train") + 1])  # "gspo.train and everything below it"
+    assert "gspo.lab" not in allowed("gspo.train") and "gspo.agents" in allowed("gspo.train")
+    assert "gspo.train" not in allowed("gspo.agents") and "gspo.sampling" in allowed("gspo.agents")
 
 
 def test_every_room_says_what_lives_there_and_what_it_may_import():
@@ -169,9 +205,9 @@ def test_the_checker_sees_a_circle_an_arrow_up_and_a_function_level_import(tmp_p
         module_imports.cache_clear()
 
 
-def test_an_annotation_import_is_no_circle_but_still_an_arrow(tmp_path, monkeypatch):
-    # `if TYPE_CHECKING:` imports never run: gspo.train.a <-> gspo.train.b through one is no
-    # circle at run time; from a lower room to a higher one it is still an arrow up
+def test_an_annotation_import_is_a_circle_and_an_arrow(tmp_path, monkeypatch):
+    # `if TYPE_CHECKING:` imports never run, but a type checker follows them: gspo.train.a <-> gspo.train.b
+    # through one is a circle here, and from a lower room to a higher one it is an arrow up
     pkg = tmp_path / "gspo"
     for room in ("io", "train"):
         (pkg / room).mkdir(parents=True)
@@ -186,8 +222,13 @@ def test_an_annotation_import_is_no_circle_but_still_an_arrow(tmp_path, monkeypa
     module_imports.cache_clear()
     try:
         assert module_imports()["gspo.train.b"] == {"gspo.train.a"}
-        assert module_imports(runtime=True)["gspo.train.b"] == set()
-        test_no_import_circle_between_modules()  # no circle at run time
+        assert module_imports(runtime=True)["gspo.train.b"] == set()  # what runs: no arrow
+        try:
+            test_no_import_circle_between_modules()
+        except AssertionError as e:
+            assert "import circle: gspo.train.a -> gspo.train.b -> gspo.train.a" in str(e)
+        else:
+            raise AssertionError("the annotation's circle was not found")
         try:
             test_every_room_imports_only_rooms_below_it()
         except AssertionError as e:

@@ -1,4 +1,4 @@
-"""OpenEnv environments through gspo (gspo.tasks.openenv): OpenEnv's server-side shape (reset/step
+"""OpenEnv environments through gspo (gspo.agents.openenv): OpenEnv's server-side shape (reset/step
 returning an Observation that carries reward and done, pydantic actions) and its client shape
 (StepResult(observation, reward, done)), defined here as OpenEnv's template writes them."""
 
@@ -11,13 +11,13 @@ import torch
 from pydantic import BaseModel
 
 import gspo
+from gspo.agents.openenv import openenv_environment
 from gspo.models.loading import load_policy
 from gspo.models.sequences import Rollout, left_pad
 from gspo.sampling.episodes import EpisodeSpec, run_episodes, start_env
 from gspo.sampling.rollout import PolicySampler, sampling_params
 from gspo.tasks.data import Example
 from gspo.tasks.env import EnvError, tool_schemas
-from gspo.tasks.openenv import openenv_environment
 
 
 class GuessAction(BaseModel):  # openenv.core.env_server.types.Action: a pydantic model (metadata: dict)
@@ -329,7 +329,7 @@ def test_an_observation_with_nothing_to_say_leaves_the_prompt_the_rows(tiny_tool
 
 
 def test_how_a_reset_observation_reads():
-    from gspo.tasks.openenv import prompt_suffix, reset_message
+    from gspo.agents.openenv import prompt_suffix, reset_message
 
     assert reset_message({}) is None
     assert reset_message({"question": None, "score": None}) is None

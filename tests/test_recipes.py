@@ -260,8 +260,8 @@ def test_system_prompt_keeps_answers_columns_and_the_task():
 
 
 def test_system_prompt_reaches_training_evaluation_and_gspo_eval(tmp_path):
+    from gspo.agents.side import task_and_rewards
     from gspo.config import TrainConfig
-    from gspo.sampling.samplers import task_and_rewards
     from gspo.train.resolve import resolve
 
     data = tmp_path / "d.jsonl"

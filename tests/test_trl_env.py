@@ -1,4 +1,4 @@
-"""TRL's environment_factory environments through gspo (gspo.tasks.trlenv), against TRL 1.16's convention:
+"""TRL's environment_factory environments through gspo (gspo.agents.trlenv), against TRL 1.16's convention:
 reset(**row) -> None | str appended to the prompt, every other public method a tool (schema from its
 hints and docstring), async tools awaited, get_reward() once per episode with weight 1, reward
 functions given `environments=`, one instance per rollout."""
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gspo
+from gspo.agents.trlenv import tool_methods, trl_environment
 from gspo.config import ConfigError
 from gspo.models.loading import load_policy
 from gspo.sampling.episodes import EpisodeSpec, run_episodes
@@ -19,7 +20,6 @@ from gspo.sampling.rollout import PolicySampler, encode_prompts, sampling_params
 from gspo.tasks.calculator import evaluate_expression
 from gspo.tasks.data import Example
 from gspo.tasks.env import EnvError, tool_schemas
-from gspo.tasks.trlenv import tool_methods, trl_environment
 
 MADE = []  # every instance the factory made, in order
 

@@ -1,4 +1,4 @@
-"""verifiers environments (gspo.tasks.vfenv): verifiers 0.4's own Env, taskset, harness and rewards
+"""verifiers environments (gspo.agents.vfenv): verifiers 0.4's own Env, taskset, harness and rewards
 play gspo's episodes through the endpoint over the policy.
 
 The tasksets are in tests/vf_tasksets, built from verifiers' classes as their authors write them:
@@ -25,13 +25,13 @@ import torch
 
 pytest.importorskip("verifiers.v1")
 
+from gspo.agents import vfenv  # noqa: E402
+from gspo.agents.runner import run_agent_episodes  # noqa: E402
+from gspo.agents.vfenv import KEY_VAR, TASK_COLUMN, VerifiersTask, endpoint_key  # noqa: E402
 from gspo.models.loading import load_policy  # noqa: E402
-from gspo.sampling.agents import run_agent_episodes  # noqa: E402
 from gspo.sampling.episodes import Draws, EpisodeSpec  # noqa: E402
 from gspo.sampling.rollout import PolicySampler, sampling_params  # noqa: E402
-from gspo.tasks import vfenv  # noqa: E402
 from gspo.tasks.env import EnvError  # noqa: E402
-from gspo.tasks.vfenv import KEY_VAR, TASK_COLUMN, VerifiersTask, endpoint_key  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 TASKSETS = Path(__file__).parent / "vf_tasksets"
@@ -314,7 +314,7 @@ def test_a_harness_that_cannot_be_provisioned_offline_is_refused_in_one_line(tmp
         "task verifiers:gspo-vf-say: verifiers' null harness is not provisioned on this machine and cannot be "
         "offline: its chat program needs the program's packages in uv's cache (openai, mcp==2.0.0, ")
     assert "the package index is unreachable (https://pypi.org/simple: " in line
-    assert line.endswith("provision it once with network: python -c 'import gspo.tasks.vfenv as v; v.provision()'")
+    assert line.endswith("provision it once with network: python -c 'import gspo.agents.vfenv as v; v.provision()'")
 
     # no uv at all (verifiers would install it with pip, from the index)
     monkeypatch.setenv("HOME", str(tmp_path))

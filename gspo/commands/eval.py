@@ -132,14 +132,12 @@ def cmd_eval(args: list[str]) -> int:
 
 def _evaluate(a: EvalArgs, threads: int) -> int:
     """cmd_eval on `threads` CPU threads: the JSON line of results on stdout."""
+    from gspo.agents.side import episodes_for, task_and_rewards
     from gspo.io.reporting import line_on_stderr
     from gspo.models.loading import DTYPES, load_policy, quiet_peft, resolve_device
     from gspo.sampling.episodes import EpisodeSpec
     from gspo.sampling.rollout import stop_token_ids
-    from gspo.sampling.samplers import task_and_rewards
     from gspo.tasks.base import for_tokenizer
-    from gspo.tasks.env import episode_env
-    from gspo.tasks.trlenv import adapted
     from gspo.train.evaluation import EvalOptions, evaluate
     from gspo.train.resolve import resolve
 
@@ -150,7 +148,7 @@ def _evaluate(a: EvalArgs, threads: int) -> int:
         model, tok = load_policy(model_path, dtype=DTYPES[cfg.policy.dtype], device=resolve_device(cfg.run.device),
                                  revision=cfg.policy.revision)
     task = for_tokenizer(task, tok)
-    env, max_turns = episode_env(adapted(cfg.episodes.env), task, cfg.episodes.max_turns, tok)
+    env, max_turns, _ = episodes_for(cfg.episodes.env, task, cfg.episodes.max_turns, tok)
     sampling = cfg.sampling
     options = EvalOptions(n=cfg.eval.eval_size, k=a.k, temperature=sampling.temperature,
                           max_new_tokens=sampling.max_new_tokens, seed=a.seed, progress=cfg.run.progress,

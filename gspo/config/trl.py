@@ -45,7 +45,7 @@ TRL_NAMES = {  # TRL name -> gspo field: the same meaning
     "off_policy_mask_threshold": "opsm_delta",
     "vllm_max_model_length": "vllm_max_model_len",
     "vllm_enable_sleep_mode": "vllm_sleep",
-    "max_tool_calling_iterations": "max_turns",  # with environment_factory environments (gspo.tasks.trlenv)
+    "max_tool_calling_iterations": "max_turns",  # with environment_factory environments (gspo.agents.trlenv)
 }
 
 # TRL option -> (gspo field, {TRL value: gspo value}, why the other values do not map)

@@ -102,8 +102,8 @@ def samples_rows(step: int, batch, n: int, tokenizer=None) -> list[dict]:
                      "advantage": float(batch.advantages[i].flatten()[0]),
                      **({"episode": batch.episodes.transcripts[i], "turns": int(batch.episodes.turns[i]),
                          "turn_rewards": batch.episodes.turn_rewards[i]} if batch.episodes is not None else {}),
-                     **({"failed": bool(batch.episodes.agent.failed[i])}  # an agent's: reward 0, never scored
-                        if batch.episodes is not None and batch.episodes.agent is not None else {})})
+                     **({"failed": bool(batch.episodes.failed[i])}  # an agent's: reward 0, never scored
+                        if batch.episodes is not None and batch.episodes.failed is not None else {})})
     return rows
 
 

@@ -70,7 +70,7 @@ class EpisodeSpec:
     max_tokens: int = 0
     stop_strings: tuple[str, ...] = ()
     max_prompt_length: int = 0
-    timeout: float = 0.0  # agents (gspo.sampling.agents): an episode's deadline in seconds (0: none)
+    timeout: float = 0.0  # agents (gspo.agents.runner): an episode's deadline in seconds (0: none)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, env, max_turns: int) -> EpisodeSpec:
@@ -114,8 +114,27 @@ class Episodes:
     tool_calls: Tensor  # (B,) tool calls made
     tool_errors: Tensor  # (B,) of which failed
     turn_limit: Tensor  # (B,) ended by max_turns, the environment not done
-    agent: object = None  # agents (gspo.sampling.agents.AgentStats): failed episodes, extra sequences, late calls
+    agent: object = None  # agents (gspo.agents.runner.AgentStats): what only agents count (late calls, refusals)
     envs: list | None = None  # (B,) the episodes' environments, as reward functions get them (`environments=`)
+    # (B,) bool: episodes that failed (an agent's: it raised, ran out of time, broke the contract): never
+    # scored, out of their group's baseline; None: these episodes cannot fail
+    failed: Tensor | None = None
+    # an episode's later sequences (an agent's forked, concurrent or edited histories: gspo.agents.runner):
+    # E rows laid out as the episodes' rows, trained with their episode's advantage; None: none
+    more: Rollout | None = None
+    more_of: Tensor | None = None  # (E,) the episode of each
+    more_turn_index: Tensor | None = None  # (E, T) the episode's model turn each column belongs to
+
+    def with_more(self, ro: Rollout) -> tuple[Rollout, Tensor | None]:
+        """`ro` (the B episodes' rows) with the later sequences (E rows) appended on its device, and
+        the episode of each of the B + E rows; (ro, None) when there are none."""
+        if self.more is None:
+            return ro, None
+        B, dev = ro.prompt_ids.shape[0], ro.prompt_ids.device
+        more = self.more.map(lambda t: t.to(dev))
+        both = {f.name: torch.cat([getattr(ro, f.name), getattr(more, f.name)]) for f in dataclasses.fields(Rollout)
+                if isinstance(getattr(ro, f.name), torch.Tensor)}
+        return dataclasses.replace(ro, **both), torch.cat([torch.arange(B), self.more_of])
 
     @property
     def env_reward(self) -> Tensor:

@@ -7,7 +7,7 @@
     tolerance("hf", "float32", "float32")         # Tolerance(row=1e-3, mean=1e-4): the first on-policy minibatch's
 
 Why. Between a sampler and the loss sit layers that cut, join and re-lay tokens: multi-turn
-episodes, an agent's calls through the endpoint (gspo.sampling.endpoint), stop strings, token
+episodes, an agent's calls through the endpoint (gspo.agents.endpoint), stop strings, token
 budgets, refill rounds, rollout workers, checkpoints of batches sampled ahead. A bug in any of
 them, or an agent or environment written elsewhere that none of them expected, can put a
 sampled token in a context it was not sampled in. Nothing downstream notices: the loss is

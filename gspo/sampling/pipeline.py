@@ -15,7 +15,7 @@ A checkpoint waits for the batches in flight (`drain`) and saves the sampled bat
 trained with their versions (gspo.train.checkpoint): a resumed run trains what the uninterrupted run
 would, and the bound holds across the resume.
 
-Rollout workeRollout workers (--rollout-workers N) sample in processes of their own:
+Rollout workers (--rollout-workers N) sample in processes of their own:
 
     gspo train --rollout-workers 1 --max-staleness 1       # the trainer starts 1 worker process
     torchrun --nproc-per-node 8 -m gspo train --parallel fsdp --device cuda --rollout-workers 2 --max-staleness 1
@@ -26,8 +26,9 @@ Without torchrun the trainer starts N processes (torch.multiprocessing, spawn; t
 world's last N ranks are the workers (torchrun's rendezvous, across machines too), the trainer
 processes the others, with their collectives on a group of their own, and the rollouts travel
 on a gloo group (gspo.processes.links). Each worker builds the sampling side of the run from the trainer's
-configuration (`sampling_side`: the task, the tokenizer, its own copy of the policy, the
-rewards, the sampler: gspo's or a vLLM engine) and serves requests, in order:
+configuration (`build`, given by the trainer: gspo.agents.side.sampling_side makes the task, the
+tokenizer, its own copy of the policy, the rewards, the sampler: gspo's or a vLLM engine) and serves
+requests, in order:
 
     ("tensor", name, tensor) x the trainable tensors    the weights of the next version, one at a time
     ("sample", step, version)   produce batch `step` (gspo.sampling.produce) for every trainer process's share
@@ -52,51 +53,43 @@ import dataclasses
 import gc
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from gspo.config import TrainConfig
-from gspo.models.loading import DTYPES, cast_parameters, disable_dropout, resolve_device
+from gspo.models.loading import resolve_device
 from gspo.processes import distributed
 from gspo.processes.distributed import Dist
 from gspo.processes.links import LocalLink, RankEnd, RankLink, WorkerDied
 from gspo.sampling.produce import Produced, SamplingSide, produce
-from gspo.sampling.rollout import Sampler, stop_token_ids
-from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
-from gspo.tasks.base import Task, for_tokenizer
-from gspo.tasks.env import episode_env
-from gspo.tasks.trlenv import adapted
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
-    from gspo.rewards.builtin import Reward
 
 Tensor = torch.Tensor
 
 
-class PipelineOwner(SamplingSide, Protocol):
-    """What a pipeline reads of its run (gspo.train.run.Run): the sampling side, and where the run
-    writes (a worker's death says how to resume it)."""
+# a rollout worker's sampling side, built in its own process from the trainer's configuration and
+# device: a module-level function, so that it reaches a spawned process by name
+# (gspo.agents.side.sampling_side)
+Build = Callable[[TrainConfig, torch.device], SamplingSide]
 
-    run_dir: Path
 
-
-def make_pipeline(run: PipelineOwner, pending: list[Produced] = ()) -> Pipeline:
-    """The run's source of batches: its own process (--rollout-workers 0) or rollout workers."""
+def make_pipeline(run: SamplingSide, run_dir: Path, pending: list[Produced] = (),
+                  build: Build | None = None) -> Pipeline:
+    """The run's source of batches: its own process (--rollout-workers 0) or rollout workers, each
+    building its sampling side with `build`. run_dir: where the run writes (a worker's death says
+    how to resume it)."""
     if run.cfg.async_rl.rollout_workers == 0:
         return Pipeline(run, pending)
-    return WorkerPipeline(run, pending)
+    assert build is not None, "rollout workers build their sampling side: make_pipeline(..., build=)"
+    return WorkerPipeline(run, pending, run_dir=run_dir, build=build)
 
 
 class Pipeline:
     """Batches for the steps of a run (gspo.train.run.Run), sampled in the trainer's process with a
     fixed lag of --max-staleness versions. pending: sampled batches a checkpoint saved."""
 
-    def __init__(self, run: PipelineOwner, pending: list[Produced] = ()):
+    def __init__(self, run: SamplingSide, pending: list[Produced] = ()):
         self.run, self.lag = run, run.cfg.async_rl.max_staleness
         self.pending: dict[int, Produced] = {p.step: p for p in pending}
         self.requested = max(self.pending, default=0)  # the newest batch asked for
@@ -184,56 +177,16 @@ class Share(Dist):
         return False
 
 
-@dataclass
-class Side:
-    """What sampling and scoring a batch reads (the attributes gspo.sampling.produce takes from a Run)."""
-
-    cfg: TrainConfig
-    dist: Dist
-    task: Task
-    tokenizer: PreTrainedTokenizerBase
-    policy: torch.nn.Module
-    sampler: Sampler
-    rewards: list[Reward]
-    env: type | None  # multi-turn: the environment class (gspo.tasks.env)
-    max_turns: int
-    stop_ids: tuple[int, ...]
-
-
-def sampling_side(cfg: TrainConfig, device: torch.device) -> Side:
-    """A worker's copy of the run's sampling side, from the trainer's resolved configuration.
-    gspo's sampler without LoRA: the worker's policy is held in the sampling dtype and samples
-    itself (the trainer's process keeps float32 master weights and a copy in that dtype: the same
-    values, rounded alike, at half the memory). Loaded in that dtype, then every parameter cast to
-    it as the trainer's copy casts it (gspo.models.loading.cast_parameters: a loader keeps some models'
-    modules in float32). With LoRA (PEFT keeps the adapters of a bf16 base in float32, unlike the
-    copy) and for a vLLM engine the policy is in --param-dtype."""
-    inputs = Inputs()
-    task = task_for(cfg, inputs)
-    own = cfg
-    if cfg.sampling.rollout_engine == "hf" and cfg.lora.lora_r == 0:
-        dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
-        own = dataclasses.replace(cfg, param_dtype=dtype, dtype=dtype, rollout_dtype="same")
-    policy, tokenizer = load_policy_for(own, None, device, inputs)
-    task = for_tokenizer(task, tokenizer)  # as the trainer's process frames its prompts
-    if own.policy.param_dtype != cfg.policy.param_dtype:  # where the trainer's process makes its low-precision copy
-        cast_parameters(policy, DTYPES[own.policy.param_dtype])
-    disable_dropout(policy)
-    env, max_turns = episode_env(adapted(cfg.episodes.env), task, cfg.episodes.max_turns, tokenizer)
-    sampler, _ = sampler_and_routing(own, policy, Dist(device=device), inputs)
-    rewards = rewards_for(cfg, task, inputs, device)
-    return Side(cfg, Dist(device=device), task, tokenizer, policy, sampler, rewards, env, max_turns,
-                stop_token_ids(tokenizer, policy, cfg.sampling.stop_token))
-
-
-def worker_main(index: int, cfg: TrainConfig, device: str, threads: int, shares: list[tuple[int, int, int | None]],
-                end) -> None:
+def worker_main(index: int, cfg: TrainConfig, device: str, shares: list[tuple[int, int, int | None]],
+                how: tuple[int, Build], end) -> None:
     """A rollout worker: build the sampling side, then serve requests until told to stop.
-    shares: (rank, world, destination) of each trainer process it samples for; end: its link's end."""
+    shares: (rank, world, destination) of each trainer process it samples for; end: its link's end;
+    how: the trainer's number of threads, and what builds the sampling side."""
+    threads, build = how
     end.start()  # SIGINT is the trainer's (it checkpoints, then stops us); we die with the trainer
     try:
         torch.set_num_threads(threads)
-        side = sampling_side(cfg, torch.device(device))
+        side = build(cfg, torch.device(device))
         params = dict(side.policy.named_parameters())
         t0 = time.perf_counter()
         while (msg := end.next(1.0)) is None or msg[0] != "stop":
@@ -256,7 +209,7 @@ def worker_main(index: int, cfg: TrainConfig, device: str, threads: int, shares:
         raise SystemExit(1) from None
 
 
-def serve_rank(cfg_workers: int, device: str) -> dict:
+def serve_rank(cfg_workers: int, device: str, build: Build) -> dict:
     """A rollout rank of a torchrun world (the last --rollout-workers ranks): join the world, get
     the run's configuration from trainer rank 0, serve its requests, leave. Returns {}."""
     world = distributed.world_size_from_env()
@@ -272,7 +225,7 @@ def serve_rank(cfg_workers: int, device: str) -> dict:
         if device is None:  # this rank's own: cuda:LOCAL_RANK, or the CPU
             device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
         try:
-            worker_main(index, cfg, device, threads, [(r, trainers, r) for r in range(trainers)], end)
+            worker_main(index, cfg, device, [(r, trainers, r) for r in range(trainers)], (threads, build), end)
         except SystemExit:
             time.sleep(distributed.RANK_GRACE_S)  # the trainers say the error first
             raise
@@ -288,8 +241,9 @@ def serve_rank(cfg_workers: int, device: str) -> dict:
 class WorkerPipeline(Pipeline):
     """Batches sampled by --rollout-workers processes, each batch by weights at most K versions old."""
 
-    def __init__(self, run: PipelineOwner, pending: list[Produced] = ()):
+    def __init__(self, run: SamplingSide, pending: list[Produced] = (), *, run_dir: Path, build: Build):
         super().__init__(run, pending)
+        self.run_dir = run_dir
         cfg, dist = run.cfg, run.dist
         n, threads = cfg.async_rl.rollout_workers, torch.get_num_threads()
         self.devices = distributed.worker_devices(cfg, dist)
@@ -300,8 +254,8 @@ class WorkerPipeline(Pipeline):
             for w in range(n):  # a rank's own device unless --rollout-devices names one
                 self.link.send(w, ("config", cfg, threads, given[w] if given else None))
         else:
-            self.link = LocalLink(n, worker_main, lambda i: (i, cfg, self.devices[i], threads,
-                                                             [(dist.rank, dist.world, None)]))
+            self.link = LocalLink(n, worker_main, lambda i: (i, cfg, self.devices[i], [(dist.rank, dist.world, None)],
+                                                             (threads, build)))
         self.sent = [-1] * n  # the newest version each worker has
         self.in_flight: dict[int, int] = {}  # step -> worker
 
@@ -352,7 +306,7 @@ class WorkerPipeline(Pipeline):
         who = f"pid {pid}, " if pid is not None else ""
         raise WorkerError(f"rollout worker {w} ({who}{self.devices[w]}) died ({how})"
                           f"{f' while sampling batch {doing[0]}' if doing else ''}; the run stops; continue it with: "
-                          f"{distributed.command_line(['train', '--resume', str(self.run.run_dir)])}")
+                          f"{distributed.command_line(['train', '--resume', str(self.run_dir)])}")
 
     def overlap(self, produced: Produced, waited: float) -> float:
         """The share of the batch's sampling time that ran while the trainer worked."""

@@ -3,10 +3,10 @@
     produced = produce(side, step=5, version=4)   # a Produced: rollout, scored rows, versions
     ro, texts, ids, episodes = rollout(run, examples, step)
 
-`side` is whatever holds the sampling side of a run (gspo.train.run.Run, or a rollout worker's
-gspo.workers.Side): cfg, dist, task, tokenizer, sampler, rewards, env, max_turns, stop_ids,
-policy. What a batch holds is a function of (seed, step) and the weights that sample it:
-the prompts are the task's `train_batch(step)`, the sampling uniforms come from
+`side` is a SamplingSide: the run's (gspo.train.run.Run is one), or a rollout worker's own, built
+from the configuration (gspo.agents.side.sampling_side). What a batch holds is a function of (seed,
+step) and the weights that sample it: the prompts are the task's `train_batch(step)`, the sampling
+uniforms come from
 `step_generator(seed, step, ...)`; so the same batch is produced in the trainer's process or in
 a rollout worker, now or K versions earlier (gspo.sampling.pipeline).
 
@@ -20,15 +20,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from gspo.models.sequences import Rollout
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
-from gspo.sampling.agents import play
-from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec
+from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec, run_episodes
 from gspo.sampling.integrity import Receipts, Recorded
 from gspo.sampling.rollout import cut_at_stop_strings, decode_completions, encode_prompts, sampling_params
 from gspo.tasks.scoring import Scored
@@ -44,20 +44,24 @@ if TYPE_CHECKING:
 Tensor = torch.Tensor
 
 
-class SamplingSide(Protocol):
-    """What sampling and scoring a batch read: a gspo.train.run.Run has it all, and so does a
-    rollout worker's gspo.sampling.pipeline.Side."""
+@dataclass(kw_only=True)
+class SamplingSide:
+    """What sampling and scoring a batch read. A gspo.train.run.Run is one (the trainer's process
+    samples); a rollout worker builds its own from the configuration (gspo.agents.side)."""
 
     cfg: TrainConfig
     dist: Dist
     task: Task
     tokenizer: PreTrainedTokenizerBase
     policy: torch.nn.Module
-    sampler: Sampler
     rewards: list[Reward]
-    env: type | None  # multi-turn: the environment class (gspo.tasks.env)
-    max_turns: int
-    stop_ids: tuple[int, ...]
+    sampler: Sampler | None = None  # who samples rollouts
+    env: type | None = None  # multi-turn: the environment class or agent (gspo.tasks.env), one per episode
+    max_turns: int = 1  # model turns per episode at most
+    stop_ids: tuple[int, ...] = ()  # tokens that end a completion (gspo.sampling.rollout.stop_token_ids)
+    # plays a step's episodes of `env`: (sampler, tokenizer, examples, spec, params, draws) -> (Rollout,
+    # Episodes). An environment's by default (gspo.sampling.episodes); an agent's: gspo.agents.runner
+    play: Callable = run_episodes
 
 
 @dataclass
@@ -139,7 +143,7 @@ def rollout(run: SamplingSide, examples: list, step: int, purpose: str = "",
         draws = Draws(lambda turn: step_generator(cfg.run.seed, step, (f"sample-turn-{turn}" if turn else "sample")
                                                   + purpose), rows, dist)
         try:
-            ro, ep = play(sampler, run.tokenizer, examples, spec, params, draws)  # an environment's or an agent's
+            ro, ep = run.play(sampler, run.tokenizer, examples, spec, params, draws)  # an environment's or an agent's
         finally:  # an environment that raised mid-rollout leaves no kept KV cache (gspo.sampling.turncache) behind
             run.sampler.end_rollout()  # vLLM: sleeps after the last turn's sample
         return ro, ep.final_texts, ep.final_ids, ep
@@ -170,7 +174,7 @@ def score_episodes(rewards: list[Reward], examples: list, episodes: Episodes, gr
     agent's: it raised, ran out of time, or broke the contract) is never scored: its total is 0
     and each reward's value NaN (does not apply), and the rewards are called on the others alone."""
     B = len(episodes.final_texts)
-    failed = episodes.agent.failed.tolist() if episodes.agent is not None else [False] * B
+    failed = episodes.failed.tolist() if episodes.failed is not None else [False] * B
     envs = episodes.envs
     if not any(failed):
         return score_completions(rewards, examples, episodes.final_texts, episodes.final_ids, group_size,

@@ -48,20 +48,16 @@ class Inputs:
     eval_dataset: object = None
     reward_funcs: list | None = None  # callables (completions, **columns) -> list[float], and/or reward names
     env: type | None = None  # the environment class of multi-turn episodes (gspo.tasks.env)
-    task: object = None  # a task object (a verifiers environment's, gspo.tasks.vfenv): replaces --task
+    task: object = None  # a task object (a verifiers environment's, gspo.agents.vfenv): replaces --task
 
     @property
     def model_object(self):
         return self.model if isinstance(self.model, torch.nn.Module) else None
 
 
-def task_and_rewards(cfg: TrainConfig, inputs: Inputs | None = None) -> tuple[object, list[Reward]]:
-    """The task (built-in, the user's dataset file, or in-memory rows; validated) and its rewards."""
-    task = task_for(cfg, inputs or Inputs())
-    return task, rewards_for(cfg, task, inputs or Inputs())
-
-
 def task_for(cfg: TrainConfig, inputs: Inputs):
+    """The task: the API's object (`inputs.task`), in-memory rows, the user's dataset, or a built-in
+    one by name (a verifiers taskset's: gspo.agents.side.task_for), with its system prompt."""
     specs = tuple(inputs.reward_funcs or cfg.rewards.reward)
     task = inputs.task or build_task(cfg.data, specs, cfg.eval.eval_size, train_rows=inputs.train_dataset,
                                      eval_rows=inputs.eval_dataset)

@@ -5,7 +5,7 @@ so a resumed run sees the same prompts), `test_set(n) -> list[Example]` (fixed),
 `default_rewards` / `default_max_new_tokens`. Built-in tasks are named here (`arithmetic`,
 `addition`, `chain` with long answers, and `calculator`, multi-turn with a tool), and any of
 reasoning-gym's generators as `reasoning_gym:NAME` (gspo.tasks.gym), any verifiers taskset as
-`verifiers:ID` (gspo.tasks.vfenv); a user's dataset
+`verifiers:ID` (built by gspo.agents.side, the agents' room); a user's dataset
 (a file, a directory, a Hugging Face Hub id, or rows in memory) becomes a `gspo.tasks.data.DatasetTask`.
 
 The room also holds what tasks stand on: their rows (gspo.tasks.data: Example, your own datasets),
@@ -21,7 +21,6 @@ from gspo.tasks.base import DrawnSplits
 from gspo.tasks.calculator import CalculatorTask
 from gspo.tasks.chain import ChainTask
 from gspo.tasks.gym import GymTask, is_gym, parse_options
-from gspo.tasks.vfenv import VerifiersTask, is_verifiers
 
 TASKS = {
     "arithmetic": lambda: ArithmeticTask(max_digits=3, ops="+-", name="arithmetic"),
@@ -33,12 +32,12 @@ TASKS = {
 
 def get_task(name: str, options: tuple[str, ...] = (), test_size: int = 500, answer_from: str = "tag"):
     """A built-in task by name, reasoning-gym's (`reasoning_gym:NAME`, with its KEY=VALUE options
-    and the rule its verifier's answer is taken by), or a verifiers environment's
-    (`verifiers:TASKSET_ID`, gspo.tasks.vfenv)."""
+    and the rule its verifier's answer is taken by). A verifiers environment's (`verifiers:TASKSET_ID`)
+    is built by gspo.agents.side.task_for."""
     if is_gym(name):
         return GymTask.from_spec(name, parse_options(options), test_size=test_size, answer_from=answer_from)
-    if is_verifiers(name):
-        return VerifiersTask.from_spec(name, parse_options(options), test_size=test_size)
+    if name.startswith("verifiers:"):  # a task whose episodes an agent plays: built by that room
+        raise ValueError(f"task {name!r}: a verifiers taskset is built by gspo.agents.side.task_for")
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
     return TASKS[name]()
@@ -64,5 +63,5 @@ def build_task(data: Data, rewards: tuple = (), eval_size: int = 500, *, train_r
                              eval_size=eval_size, require_answer=any(r in NEEDS_ANSWER for r in names))
 
 
-__all__ = ["TASKS", "ArithmeticTask", "CalculatorTask", "ChainTask", "DrawnSplits", "GymTask", "VerifiersTask",
-           "build_task", "get_task", "is_gym", "is_verifiers"]
+__all__ = ["TASKS", "ArithmeticTask", "CalculatorTask", "ChainTask", "DrawnSplits", "GymTask",
+           "build_task", "get_task", "is_gym"]

@@ -44,13 +44,13 @@ AGENT_MAX_CALLS = 10  # an agent's calls per episode at most, without --max-turn
 
 
 def is_trl_environment(obj) -> bool:
-    """A TRL `environment_factory` class (gspo.tasks.trlenv): `reset` and no `step`."""
+    """A TRL `environment_factory` class (gspo.agents.trlenv): `reset` and no `step`."""
     return (isinstance(obj, type) and callable(getattr(obj, "reset", None))
             and not callable(getattr(obj, "step", None)))
 
 
 def is_agent(obj) -> bool:
-    """Agent code (gspo.sampling.agents) rather than an environment: an `async def` function, or a
+    """Agent code (gspo.agents.runner) rather than an environment: an `async def` function, or a
     class with an `async def rollout`."""
     if inspect.iscoroutinefunction(obj):
         return True
@@ -156,7 +156,7 @@ def tool_schemas(tools: list) -> list[dict] | None:
 
     schemas = []
     for fn in tools:
-        if hasattr(fn, "json_schema"):  # a tool given by its schema (gspo.tasks.openenv's `step`)
+        if hasattr(fn, "json_schema"):  # a tool given by its schema (gspo.agents.openenv's `step`)
             schemas.append(fn.json_schema)
             continue
         try:

@@ -13,7 +13,7 @@ minibatch's updates).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,15 +24,34 @@ from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.models.moe import expert_counts
 from gspo.models.sequences import Rollout
 from gspo.processes import parallel
-from gspo.sampling.agents import with_extra_sequences
 from gspo.sampling.episodes import Episodes
 from gspo.tasks.scoring import Scored
 from gspo.train.critic import estimator_name
 
 if TYPE_CHECKING:
-    from gspo.train.run import Run
+    from gspo.config import TrainConfig
+    from gspo.models.moe import NoRouting, Routing
+    from gspo.processes.distributed import Dist
+    from gspo.train.critic import NoCritic
 
 Tensor = torch.Tensor
+
+
+class Trains(Protocol):
+    """What preparing a batch reads of its run (a gspo.train.run.Run is one): the models its no-grad
+    passes run, and how."""
+
+    cfg: TrainConfig
+    dist: Dist
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    train_model: torch.nn.Module | None
+    routing: Routing | NoRouting
+    critic: NoCritic
+    packed: bool
+    max_turns: int
+
+    def autocast(self): ...
 
 
 @dataclass
@@ -91,17 +110,17 @@ class Batch:
                     is_weights=cut(self.is_weights), rollout_logp=cut(self.rollout.logp))
 
 
-def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
+def prepare(run: Trains, ro: Rollout, scored: Scored) -> Batch:
     """The old policy's log-probs (the sampling pass's, paper §5.4, or recomputed), the
     reference's, and the advantages (`advantages`: group-relative over the global batch, per
     turn with --turn-advantages; or PPO's GAE over the model's tokens of an episode). run: a
-    gspo.train.run.Run; scored: the rewards and rows. An agent's later sequences (a history it
-    edited, gspo.sampling.agents) become rows after the B episodes', each with its episode's
+    gspo.train.run.Run; scored: the rewards and rows. An episode's later sequences (`Episodes.more`:
+    an agent's forked or edited histories) become rows after the B episodes', each with its episode's
     advantage (`episode_of`); rewards, examples and completions stay per episode. The no-grad passes run in
     micro-batches of the token budget, under mixed precision when on, with FSDP's parameters
     gathered (each process runs its own number of passes)."""
     cfg, dist = run.cfg, run.dist
-    ro, episode_of = with_extra_sequences(ro, scored.episodes)  # (B + E) rows, or ro and None
+    ro, episode_of = scored.episodes.with_more(ro) if scored.episodes is not None else (ro, None)  # (B + E) rows
     relative = not ESTIMATORS[estimator_name(cfg)].needs_values  # a group baseline (GAE's is the critic)
     gone = without_baseline(scored.episodes, cfg.sampling.group_size) if relative else None  # (B,) or None
     if gone is not None:
@@ -125,7 +144,7 @@ def prepare(run: Run, ro: Rollout, scored: Scored) -> Batch:
     return batch
 
 
-def advantages(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None, Tensor | None]:
+def advantages(run: Trains, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The step's advantages by the run's estimator (gspo.train.critic.estimator_name), this
     process's rows: group-relative ones over the global batch, (B,) or with --turn-advantages
     (B, T), each model turn's tokens its turn's; GAE's (B, T) over the critic's values. An agent's
@@ -154,41 +173,38 @@ def advantages(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | N
                                                to_go=dist.gather(to_go), valid=valid))
     index = episodes.turn_index.cpu()  # (B, T)
     if batch.episode_of is not None:  # the later sequences': their calls' indices in their episodes
-        index = torch.cat([index, episodes.agent.extra_turn_index.cpu()])  # (B + E, T)
+        index = torch.cat([index, episodes.more_turn_index.cpu()])  # (B + E, T)
     return (per_turn[mine][of].gather(1, index.clamp(min=0)) * (index >= 0)).float().to(ro.logp.device), None, None
 
 
 def survivors(episodes: Episodes | None, dist) -> Tensor | None:
     """(B_all,) bool: the global batch's episodes that did not fail (an agent's); None when none failed
     anywhere (every process asks: the gather is collective)."""
-    stats = episodes.agent if episodes is not None else None
-    if stats is None:
+    if episodes is None or episodes.failed is None:
         return None
-    ok = dist.gather(~stats.failed.cpu())  # (B_all,)
+    ok = dist.gather(~episodes.failed.cpu())  # (B_all,)
     return None if bool(ok.all()) else ok
 
 
 def without_baseline(episodes: Episodes | None, group_size: int) -> Tensor | None:
     """(B,) bool: the surviving episodes of groups that failures left with fewer than 2 survivors
     (no baseline: out of the loss); None when no episode failed."""
-    stats = episodes.agent if episodes is not None else None
-    if stats is None or not bool(stats.failed.any()):
+    if episodes is None or episodes.failed is None or not bool(episodes.failed.any()):
         return None
-    failed = stats.failed.cpu().view(-1, group_size)  # (B/G, G)
+    failed = episodes.failed.cpu().view(-1, group_size)  # (B/G, G)
     thin = (failed.any(1) & ((~failed).sum(1) < 2))[:, None]  # (B/G, 1)
     return (thin & ~failed).flatten()  # (B,)
 
 
 def baseless_groups(episodes: Episodes | None, group_size: int) -> int:
     """How many groups failures left with fewer than 2 survivors (none at all included)."""
-    stats = episodes.agent if episodes is not None else None
-    if stats is None:
+    if episodes is None or episodes.failed is None:
         return 0
-    failed = stats.failed.cpu().view(-1, group_size)  # (B/G, G)
+    failed = episodes.failed.cpu().view(-1, group_size)  # (B/G, G)
     return int((failed.any(1) & ((~failed).sum(1) < 2)).sum())
 
 
-def _old_logprobs(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:
+def _old_logprobs(run: Trains, batch: Batch, split: Split) -> tuple[Tensor, Tensor | None]:
     """log π_old (B, T) and the experts it used (MoE; else None): recorded while sampling, or
     recomputed. Multi-turn episodes record no experts while sampling: Routing Replay takes the
     recomputation's."""
@@ -199,7 +215,7 @@ def _old_logprobs(run: Run, batch: Batch, split: Split) -> tuple[Tensor, Tensor 
         return token_logprobs(run.policy, ro, temperature=cfg.sampling.temperature, split=split, routing=run.routing)
 
 
-def _ref_logprobs(run: Run, ro: Rollout, split: Split) -> Tensor | None:
+def _ref_logprobs(run: Trains, ro: Rollout, split: Split) -> Tensor | None:
     """log π_ref (B, T) when beta > 0 or reward_kl_coef > 0: a frozen copy, or (LoRA) the base
     model with the adapters switched off; under FSDP its parameters gathered (LoRA: through the
     policy's root, which holds the embeddings)."""
@@ -213,7 +229,7 @@ def _ref_logprobs(run: Run, ro: Rollout, split: Split) -> Tensor | None:
 
 
 @torch.no_grad()
-def expert_load(run: Run, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
+def expert_load(run: Trains, batch: Batch, parts: list[Tensor]) -> tuple[Tensor, float]:
     """Global-batch load balancing (arXiv 2501.11873): the routing slots each expert gets over
     the global minibatch, (L, E), and its real tokens, from a no-grad pass over its micro-batches
     (the same forwards, routing replay included), so that each micro-batch's part of the balance

@@ -31,20 +31,60 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 import yaml
 
+from gspo.algo.clipcontrol import ClipController
 from gspo.config import TrainConfig, to_dict
 from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
 from gspo.processes import parallel
+from gspo.sampling.produce import Produced
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from gspo.train.run import Run
+    from gspo.processes.distributed import Dist
+    from gspo.sampling.pipeline import Pipeline
+    from gspo.train.optim import Trainable
+
+@dataclass
+class Progress:
+    """Where a run stands: restored from its checkpoint, advanced step by step, saved in every
+    checkpoint (gspo.train.checkpoint)."""
+
+    start_step: int = 0  # the step this process started after (0, or the checkpoint's)
+    steps_done: int = 0
+    restart: bool = False  # resumed, but killed before its first checkpoint: started over from step 0
+    eval_before: dict | None = None  # the held-out evaluation before step 1
+    evals: list[dict] = field(default_factory=list)  # {"step": s, ...} each evaluation so far
+    t_start: float = field(default_factory=time.time)  # less the checkpoint's wall time, resumed
+    eval_seconds: float = 0.0  # spent evaluating in this process (summary.json's eval_seconds)
+    pending: list[Produced] = field(default_factory=list)  # sampled batches not yet trained, restored
+    pending_dropped: int = 0  # ... saved by another number of processes: sampled again
+    clip: ClipController | None = None  # --target-clip-frac: the clip range of the next step's updates
+    warned: set[str] = field(default_factory=set)  # warnings said once a run (gspo.train.trainer)
+
+
+class Saved(Protocol):
+    """What a checkpoint saves and restores of a run (a gspo.train.run.Run is one)."""
+
+    cfg: TrainConfig
+    dist: Dist
+    policy: torch.nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    run_dir: Path
+    resume_from: Path | None
+    trainables: list[Trainable]
+    critic: object  # gspo.train.critic's: what `saved(dist)` returns goes into the checkpoint
+    progress: Progress
+    pipeline: Pipeline | None
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None: ...
+
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 LOCK = ".lock"
@@ -235,7 +275,7 @@ def config_yaml(cfg: TrainConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
-def save_run(run: Run, step: int) -> None:
+def save_run(run: Saved, step: int) -> None:
     """Checkpoint `step` of a gspo.train.run.Run: weights (and the critic's: gspo.train.critic), each
     trainable's optimizer and scheduler states, loss-scaler and RNG states, and where the run
     stands. Under FSDP the gathers are collectives: every process takes part, rank 0 writes."""
@@ -265,7 +305,7 @@ def save_run(run: Run, step: int) -> None:
     dist.barrier()
 
 
-def start_run(run: Run) -> None:
+def start_run(run: Saved) -> None:
     """A run's first write: its configuration. A restart (resumed, but killed before its first
     checkpoint) drops what it had logged, so the run appends what an uninterrupted one would."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +315,7 @@ def start_run(run: Run) -> None:
     atomic_write_text(run.run_dir / "config.yaml", config_yaml(run.cfg))
 
 
-def restore_run(run: Run) -> None:
+def restore_run(run: Saved) -> None:
     """Continue a gspo.train.run.Run from `run.resume_from` (its weights are loaded already): the
     optimizer, scheduler, loss-scaler and RNG states, and where the run stood; the logs are
     trimmed back to the checkpoint's step so the resumed run appends what an uninterrupted one

@@ -22,7 +22,7 @@ directories gspo has always used) and `step_metrics` (its row of metrics.jsonl).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -35,11 +35,29 @@ from gspo.models.value import Critic, ValueHead, explained_variance, value_loss
 from gspo.processes import parallel
 from gspo.train.optim import Trainable, adamw, schedule
 
-if TYPE_CHECKING:
-    from gspo.train.batch import Rows
-    from gspo.train.run import Run
-
 Tensor = torch.Tensor
+
+if TYPE_CHECKING:
+    from gspo.processes.distributed import Dist
+
+
+class Forwards(Protocol):
+    """What a critic reads of its run (a gspo.train.run.Run is one): where its forwards run."""
+
+    cfg: TrainConfig
+    dist: Dist
+    policy: torch.nn.Module
+    train_model: torch.nn.Module | None  # the log-prob forward, DDP-wrapped or FSDP-sharded: a shared head's root
+
+    def autocast(self): ...
+
+
+class ValueRows(Protocol):
+    """What the value loss reads of a micro-batch's rows (gspo.train.batch.Rows)."""
+
+    old_values: Tensor | None
+    returns: Tensor | None
+
 
 
 def estimator_name(cfg: TrainConfig) -> str:
@@ -92,10 +110,10 @@ class NoCritic:
     def forward(self, mb, hidden: Tensor | None, packed: bool = False) -> Tensor | None:
         return None
 
-    def loss(self, loss: Tensor, values, rows: Rows, mask: Tensor, tok_scale: float) -> tuple[Tensor, None, dict]:
+    def loss(self, loss: Tensor, values, rows: ValueRows, mask: Tensor, tok_scale: float) -> tuple[Tensor, None, dict]:
         return loss, None, {}
 
-    def old_values(self, run: Run, ro, split: Split) -> None:
+    def old_values(self, run: Forwards, ro, split: Split) -> None:
         """No value model: no values (the run's estimator needs none)."""
         return None
 
@@ -112,15 +130,15 @@ class _ValueCritic(NoCritic):
     def __init__(self, cfg: TrainConfig):
         self.clip_range, self.vf_coef = cfg.ppo.value_clip, cfg.ppo.vf_coef
 
-    def _values(self, run: Run, mb, split: Split) -> Tensor:
+    def _values(self, run: Forwards, mb, split: Split) -> Tensor:
         raise NotImplementedError
 
-    def _root(self, run: Run):
+    def _root(self, run: Forwards):
         """What FSDP gathers for the no-grad value pass."""
         return run.train_model
 
     @torch.no_grad()
-    def values(self, run: Run, ro, split: Split) -> Tensor:
+    def values(self, run: Forwards, ro, split: Split) -> Tensor:
         """V(s_t) of every completion token, without gradient, in the micro-batches of `split`. (B, T)"""
         B, T = ro.completion_mask.shape
         out = None
@@ -130,13 +148,13 @@ class _ValueCritic(NoCritic):
             out[m.idx, m.ts] = values
         return out * ro.completion_mask
 
-    def old_values(self, run: Run, ro, split: Split) -> Tensor:
+    def old_values(self, run: Forwards, ro, split: Split) -> Tensor:
         """V(s_t) (B, T) of the batch's tokens before the step's updates: the values its estimator
         reads (GAE) and the value loss's clipping anchor; FSDP's parameters gathered."""
         with run.autocast(), parallel.gathered(self._root(run), run.dist):
             return self.values(run, ro, split)  # (B, T)
 
-    def _value_loss(self, values: Tensor, rows: Rows, mask: Tensor) -> tuple[Tensor, dict]:
+    def _value_loss(self, values: Tensor, rows: ValueRows, mask: Tensor) -> tuple[Tensor, dict]:
         return value_loss(values, rows.old_values, rows.returns, mask, clip_range=self.clip_range)
 
     def step_metrics(self, batch, dist) -> dict:
@@ -168,11 +186,11 @@ class SharedCritic(_ValueCritic):
     def forward(self, mb, hidden: Tensor | None, packed: bool = False) -> Tensor:
         return self.head(hidden)  # (b, T) from the policy's hidden states
 
-    def loss(self, loss: Tensor, values: Tensor, rows: Rows, mask: Tensor, tok_scale: float):
+    def loss(self, loss: Tensor, values: Tensor, rows: ValueRows, mask: Tensor, tok_scale: float):
         vloss, metrics = self._value_loss(values, rows, mask)
         return loss + self.vf_coef * (vloss * tok_scale), None, metrics  # one backward through the shared trunk
 
-    def _values(self, run: Run, mb, split: Split) -> Tensor:
+    def _values(self, run: Forwards, mb, split: Split) -> Tensor:
         hidden = forward_logprobs(run.policy, mb, temperature=run.cfg.sampling.temperature, packed=split.packed,
                                   hidden=True).hidden
         return self.head(hidden)  # (b, t)
@@ -198,14 +216,14 @@ class SeparateCritic(_ValueCritic):
     def forward(self, mb, hidden: Tensor | None, packed: bool = False) -> Tensor:
         return self.train(mb, packed=packed)  # (b, T)
 
-    def loss(self, loss: Tensor, values: Tensor, rows: Rows, mask: Tensor, tok_scale: float):
+    def loss(self, loss: Tensor, values: Tensor, rows: ValueRows, mask: Tensor, tok_scale: float):
         vloss, metrics = self._value_loss(values, rows, mask)
         return loss, vloss * tok_scale, metrics
 
-    def _root(self, run: Run):
+    def _root(self, run: Forwards):
         return self.train
 
-    def _values(self, run: Run, mb, split: Split) -> Tensor:
+    def _values(self, run: Forwards, mb, split: Split) -> Tensor:
         return self.critic(mb, packed=split.packed)  # (b, t)
 
     def saved(self, dist) -> dict:

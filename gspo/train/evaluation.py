@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo.agents.runner import play
 from gspo.io.reporting import bar_wanted
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
-from gspo.sampling.agents import play
 from gspo.sampling.episodes import Draws, EpisodeSpec
 from gspo.sampling.produce import score_episodes
 from gspo.sampling.rollout import (
@@ -96,7 +96,7 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
         chunk = examples[start:start + batch_size]
         texts, ids, env_reward, ep = _complete(model, tokenizer, chunk, greedy, None, episode)
         weighted, per = _score(rewards, chunk, (texts, ids, ep), 1, trainer_state)
-        failed = ep.agent.failed.tolist() if ep is not None and ep.agent is not None else [False] * len(texts)
+        failed = ep.failed.tolist() if ep is not None and ep.failed is not None else [False] * len(texts)
         # NaN: does not apply; a failed episode (never scored) counts as wrong
         values = [0.0 if f else v for v, f in zip(per[first], failed) if f or v == v] if rewards else list(env_reward)
         sums["failed"] += sum(failed)
@@ -109,8 +109,8 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
             texts, ids, env_k, ep = _complete(model, tokenizer, chunk, sampled, gen, episode)
             _, per = _score(rewards, chunk, (texts, ids, ep), k, trainer_state)
             r = torch.tensor(per[first] if rewards else list(env_k)).view(len(chunk), k)  # (rows, k); NaN: n/a
-            if ep is not None and ep.agent is not None:  # a failed episode counts as a wrong sample
-                r[ep.agent.failed.view(len(chunk), k)] = 0.0
+            if ep is not None and ep.failed is not None:  # a failed episode counts as a wrong sample
+                r[ep.failed.view(len(chunk), k)] = 0.0
             sums["pass_k"] += float((r >= 1.0).any(1).sum())
             sums["sample_acc"] += float(r.nan_to_num(0.0).sum())
             sums["sample_scored"] += float((r == r).sum())

@@ -27,11 +27,11 @@ import torch
 
 from gspo.io.reporting import warn
 from gspo.sampling.integrity import Breach, Tolerance, check_rows, tf32_matmuls, tolerance
+from gspo.train.run import Run
 
 if TYPE_CHECKING:
     from gspo.sampling.produce import Produced
     from gspo.train.batch import Batch
-    from gspo.train.run import Run
 
 
 class IntegrityError(ValueError):
@@ -107,7 +107,7 @@ def _cause(batch: Batch) -> str:
         return ("the rows were changed after sampling (a stop-string cut, a refill round, a batch from a rollout "
                 "worker or a checkpoint) or a sampler returned rows out of order")
     if episodes.agent is not None:
-        return ("an agent's calls laid into a row out of the context they were sampled in (gspo.sampling.agents: "
+        return ("an agent's calls laid into a row out of the context they were sampled in (gspo.agents.runner: "
                 "concurrent or forked calls, an edited history), or a call that did not come from the run's agent")
     return ("a multi-turn episode laid out out of its turns' contexts (gspo.sampling.episodes: an environment's "
             "tokens, a cut turn)")

@@ -30,13 +30,23 @@ import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gspo.io.files import read_jsonl
 from gspo.train import checkpoint as ckpt
 
 if TYPE_CHECKING:
-    from gspo.train.run import Run
+    from gspo.processes.distributed import Dist
+
+
+class Place(Protocol):
+    """What a run's life reads of it (a gspo.train.run.Run is one): where it writes, and whether it
+    is resumed."""
+
+    run_dir: Path
+    dist: Dist
+    resume_from: Path | None
+    progress: ckpt.Progress
 
 
 class Interrupted(Exception):
@@ -90,7 +100,7 @@ def check_no_writer(run_dir: Path) -> None:
 class Guard:
     """The lock, the signal handlers and the clean-up of one run (see the module docstring)."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Place):
         self.run, self.lock, self.signum, self.saved = run, None, 0, {}
         self.created = not run.run_dir.exists()
         if run.dist.is_main:

@@ -41,7 +41,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `routing_replay` | Routing Replay forces the old experts in the ratio's forward (bool) |
 | `env` | the multi-turn environment's class name, or None (single-turn completions) |
 | `max_turns` | model turns per episode at most (1 without an environment; an agent's calls per episode) |
-| `agent` | None, or `{"timeout"}`: `env` is agent code (gspo.sampling.agents) talking to the policy through an OpenAI endpoint on loopback, each episode within `timeout` seconds (0: none) |
+| `agent` | None, or `{"timeout"}`: `env` is agent code (gspo.agents.runner) talking to the policy through an OpenAI endpoint on loopback, each episode within `timeout` seconds (0: none) |
 | `integrity` | `{"on_breach", "tolerance"}`: what a breach of the integrity check does (`--integrity`: `"stop"` or `"warn"`) and the first on-policy minibatch's log-ratio bounds, `{"row", "mean"}` (gspo.sampling.integrity.tolerance; None where the sampler's precision is not the trainer's) |
 | `rollouts` | `{"max_staleness", "workers", "devices", "mode"}`: batches sampled up to K versions late, by N rollout workers on these devices; mode `"this process"`, `"processes"` (each trainer process starts its N) or `"ranks"` (the torchrun world's last N ranks) (gspo.sampling.pipeline) |
 | `warnings` | the run's start-up notes (`run.notes`: every fallback from what was asked), plus any the plan finds |
@@ -53,7 +53,6 @@ fall back to Hugging Face's forward; that is said in its own warning when it hap
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -69,9 +68,7 @@ from gspo.sampling.integrity import tolerance
 from gspo.sampling.rollout import PolicySampler
 from gspo.tasks.env import is_agent
 from gspo.train.critic import estimator_name
-
-if TYPE_CHECKING:
-    from gspo.train.run import Run
+from gspo.train.run import Run
 
 
 def plan(run: Run) -> dict:
@@ -126,7 +123,7 @@ def plan(run: Run) -> dict:
         "routing_replay": bool(cfg.moe.routing_replay and run.routing.moe),
         "env": run.env.__name__ if run.env is not None else None,
         "agent": ({"timeout": cfg.episodes.episode_timeout} if run.env is not None and is_agent(run.env)
-                  else None),  # gspo.sampling.agents: the env is agent code, over the OpenAI endpoint
+                  else None),  # gspo.agents.runner: the env is agent code, over the OpenAI endpoint
         "max_turns": run.max_turns,
         "integrity": _integrity(cfg, engine, sampler_dtype),
         "warnings": warnings,

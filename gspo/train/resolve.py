@@ -21,13 +21,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from gspo.agents.vfenv import VerifiersTask, is_verifiers
 from gspo.algo.aggregation import AGG_MODES
 from gspo.algo.losses import LOSSES, own_options
 from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, bounds_error, options
 from gspo.config.checks import check_value
 from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS
-from gspo.tasks import TASKS, GymTask, VerifiersTask, get_task, is_gym, is_verifiers
+from gspo.tasks import TASKS, GymTask, get_task, is_gym
 from gspo.tasks.data import DatasetTask
 
 

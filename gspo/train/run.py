@@ -21,14 +21,13 @@ import copy
 import dataclasses
 import os
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from gspo.agents.side import episodes_for, task_for
 from gspo.algo.clipcontrol import ClipController
 from gspo.algo.losses import LOSSES
 from gspo.config import ConfigError, TrainConfig, options
@@ -40,69 +39,41 @@ from gspo.models.moe import NO_ROUTING, NoRouting, Routing
 from gspo.processes import distributed, parallel
 from gspo.processes.distributed import Dist
 from gspo.processes.threads import choose_threads
-from gspo.rewards.builtin import BUILTIN_REWARDS, Reward
+from gspo.rewards.builtin import BUILTIN_REWARDS
 from gspo.sampling.pipeline import Pipeline
-from gspo.sampling.produce import Produced
-from gspo.sampling.rollout import PolicySampler, Sampler, encode_prompts, fsdp_sampling_note, stop_token_ids
-from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing, task_for
-from gspo.tasks.base import Task, for_tokenizer, prompt_note
+from gspo.sampling.produce import SamplingSide
+from gspo.sampling.rollout import PolicySampler, encode_prompts, fsdp_sampling_note, stop_token_ids
+from gspo.sampling.samplers import Inputs, load_policy_for, rewards_for, sampler_and_routing
+from gspo.tasks.base import for_tokenizer, prompt_note
 from gspo.tasks.data import DataError
-from gspo.tasks.env import episode_env, is_agent, tool_schemas
-from gspo.tasks.trlenv import adapted
+from gspo.tasks.env import is_agent, tool_schemas
 from gspo.train import checkpoint as ckpt
+from gspo.train.checkpoint import Progress
 from gspo.train.critic import NoCritic, make_critic
 from gspo.train.lifecycle import check_no_writer
 from gspo.train.optim import Trainable, make_optimizers
 from gspo.train.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 FIT_SAMPLE = 256  # prompts whose lengths _fit_lengths checks
 
 
-@dataclass
-class Progress:
-    """Where a run stands: restored from its checkpoint, advanced step by step, saved in every
-    checkpoint (gspo.train.checkpoint)."""
-
-    start_step: int = 0  # the step this process started after (0, or the checkpoint's)
-    steps_done: int = 0
-    restart: bool = False  # resumed, but killed before its first checkpoint: started over from step 0
-    eval_before: dict | None = None  # the held-out evaluation before step 1
-    evals: list[dict] = field(default_factory=list)  # {"step": s, ...} each evaluation so far
-    t_start: float = field(default_factory=time.time)  # less the checkpoint's wall time, resumed
-    eval_seconds: float = 0.0  # spent evaluating in this process (summary.json's eval_seconds)
-    pending: list[Produced] = field(default_factory=list)  # sampled batches not yet trained, restored
-    pending_dropped: int = 0  # ... saved by another number of processes: sampled again
-    clip: ClipController | None = None  # --target-clip-frac: the clip range of the next step's updates
-    warned: set[str] = field(default_factory=set)  # warnings said once a run (gspo.train.trainer)
-
-
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class Run(SamplingSide):
     """A run: what `build_run` makes once (its configuration, models, optimizers, data), the
-    pipeline the loop starts, and where it stands (`progress`). Built by keyword."""
+    pipeline the loop starts, and where it stands (`progress`). Built by keyword. It is the
+    sampling side of the trainer's process (gspo.sampling.produce.SamplingSide: cfg, dist, task,
+    tokenizer, policy, rewards, sampler, env, max_turns, stop_ids, play), and more; each module of
+    gspo.train reads the part it declares (a Protocol of its own), not the whole."""
 
-    cfg: TrainConfig
     run_dir: Path
-    dist: Dist
-    task: Task
-    rewards: list[Reward]
-    policy: torch.nn.Module  # the model being trained (PEFT-wrapped with LoRA); what checkpoints save
-    tokenizer: PreTrainedTokenizerBase
-    sampler: Sampler | None = None  # who samples rollouts
     train_model: torch.nn.Module | None = None  # what training forwards call: the log-prob forward, or its wrapper
     trainables: list[Trainable] = field(default_factory=list)  # the policy's, then a separate critic's
     reference: torch.nn.Module | None = None  # the frozen initial policy, for the KL terms (not with LoRA)
     critic: NoCritic = field(default_factory=NoCritic)  # PPO's value model (gspo.train.critic); NoCritic otherwise
     routing: Routing | NoRouting = NO_ROUTING  # MoE models: hooks on every router; NO_ROUTING for dense ones
     resume_from: Path | None = None  # the checkpoint to continue from
-    stop_ids: tuple[int, ...] = ()  # tokens that end a completion (gspo.sampling.rollout.stop_token_ids)
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
-    env: type | None = None  # multi-turn: the environment class (gspo.tasks.env), one instance per episode
-    max_turns: int = 1  # model turns per episode at most
     threads: str = ""  # why torch has the CPU threads it has (gspo.processes.threads.choose_threads)
     progress: Progress = field(default_factory=Progress)
     # where each step's batch comes from (gspo.sampling.pipeline), once the loop starts
@@ -169,7 +140,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     policy, tokenizer = load_policy_for(cfg, resume_from, dist.device, inputs)
     task = for_tokenizer(task, tokenizer)  # a task's own system prompt, as plain text without a chat template
     _check_chat_template(cfg, task, tokenizer)
-    env, max_turns = episode_env(adapted(inputs.env or cfg.episodes.env), task, cfg.episodes.max_turns, tokenizer)
+    env, max_turns, play = episodes_for(inputs.env or cfg.episodes.env, task, cfg.episodes.max_turns, tokenizer)
     check_agent(cfg, env, dist)
     cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
     rewards = rewards_for(cfg, task, inputs, dist.device)  # learned reward models load on the policy's device
@@ -180,7 +151,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
               tokenizer=tokenizer, reference=reference, resume_from=resume_from,
               progress=Progress(restart=restart, clip=clip_controller(cfg)),
               notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env,
-              max_turns=max_turns,
+              max_turns=max_turns, play=play,
               stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
     _training_side(run, inputs)
     return run
@@ -228,7 +199,7 @@ def _start(cfg: TrainConfig, fresh: bool) -> tuple[TrainConfig, Dist, str]:
 
 
 def check_agent(cfg: TrainConfig, env, dist: Dist) -> None:
-    """Agent code (gspo.sampling.agents) with what it does not run with yet, refused in one line;
+    """Agent code (gspo.agents.runner) with what it does not run with yet, refused in one line;
     --episode-timeout without an agent, too."""
     if env is None or not is_agent(env):
         if given(cfg, "episode_timeout"):

@@ -11,15 +11,11 @@ the learning rate and the critic's own (gspo.train.critic: none without one).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from gspo.algo.metrics import step_means
 from gspo.train.batch import survivors
-
-if TYPE_CHECKING:
-    from gspo.train.run import Run
+from gspo.train.run import Run
 
 Tensor = torch.Tensor
 
@@ -117,7 +113,7 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
 
 
 def agent_metrics(stats, dist, groups_dropped: int) -> dict[str, float]:
-    """Agents (gspo.sampling.agents) over the global batch: the share of failed episodes, the
+    """Agents (gspo.agents.runner) over the global batch: the share of failed episodes, the
     groups their failures left with fewer than 2 survivors (out of the loss, gspo.train.batch),
     the sequences per episode beyond the first (concurrent calls, forks, edited histories), the
     calls after an episode ended, the requests refused for want of the run's key, and the

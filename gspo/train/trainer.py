@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from gspo.agents.side import sampling_side
 from gspo.algo.aggregation import agg_count
 from gspo.algo.corrections import weight_collapse
 from gspo.algo.losses import policy_loss
@@ -103,7 +104,7 @@ def _train_in_process(cfg: TrainConfig, resume, log, inputs, callbacks, keep) ->
         saved = Path(resume or ".") / "config.yaml"
         asked = cfg if cfg is not None else load_yaml(saved) if resume is not None and saved.exists() else TrainConfig()
         if distributed.rollout_rank(asked.async_rl.rollout_workers) is not None:
-            return serve_rank(asked.async_rl.rollout_workers, asked.run.device)
+            return serve_rank(asked.async_rl.rollout_workers, asked.run.device, sampling_side)
     try:
         run = build_run(cfg, resume, inputs)  # raises on any bad input; nothing written yet
     except AlreadyComplete as done:
@@ -151,7 +152,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
         run.progress.eval_before = run_eval(run, log, "eval before")  # its progress logged off a terminal
         run.progress.evals = [{"step": 0, **run.progress.eval_before}]
     # rollout workers start here (the weights are the restored ones)
-    run.pipeline = make_pipeline(run, run.progress.pending)
+    run.pipeline = make_pipeline(run, run.run_dir, run.progress.pending, build=sampling_side)
     reporter = Reporter(run.run_dir, cfg.run.report_to, config=to_dict(cfg), start_step=run.progress.start_step,
                         wandb_project=cfg.run.wandb_project) if main else None
     bar = ProgressBar(cfg.run.progress, cfg.run.steps, run.progress.start_step, log,

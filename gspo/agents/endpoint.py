@@ -1,4 +1,4 @@
-"""An OpenAI-compatible endpoint over the policy: what agent code talks to (gspo.sampling.agents).
+"""An OpenAI-compatible endpoint over the policy: what agent code talks to (gspo.agents.runner).
 
     endpoint = Endpoint(sample, tokenizer, "gspo-policy", limits).start()   # 127.0.0.1, a free port
     url = endpoint.open_episode(7)       # http://127.0.0.1:PORT/e/7/v1: an OpenAI client's base_url
@@ -129,7 +129,7 @@ class Limits:
     """max_new_tokens: the run's cap per call; stop_token_ids: what ends a completion; max_calls:
     calls per episode at most (0: none); max_episode_tokens: the token budget of each of the
     episode's sequences after its first prompt (0: none); window: seconds a request waits for others to batch with;
-    episode_timeout: the agent's seconds for an episode (0: none; gspo.sampling.agents);
+    episode_timeout: the agent's seconds for an episode (0: none; gspo.agents.runner);
     vocab_size: a prompt's token ids are below it (0: unchecked); max_context: a prompt and its
     completion at most, in tokens (0: no limit)."""
 

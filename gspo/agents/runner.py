@@ -10,7 +10,7 @@
 An agent is an `async def` function `(client, example) -> reward`, or a class whose instances
 (one per episode, made with no arguments) have such an `async def rollout(self, client,
 example)`. `client` is an `openai.AsyncOpenAI` pointed at the endpoint over the policy
-(gspo.sampling.endpoint; its requests reach the endpoint in process, through an httpx
+(gspo.agents.endpoint; its requests reach the endpoint in process, through an httpx
 transport, while the loopback URL serves any other client), with the endpoint's secret as its
 API key; `example` the episode's dataset row (gspo.tasks.data.Example: `.prompt`, `.answer`,
 `.columns` the row's other fields). gspo runs it for each of the group's episodes, all at once,
@@ -22,11 +22,11 @@ call on). The task's or --reward's rewards, if any, are added, scoring the text 
 episode's last call (gspo.sampling.produce.score_episodes; never a failed episode's).
 
 Recorded token for token, in any call graph: the endpoint puts each call in a sequence
-(gspo.sampling.endpoint, Call graphs), and each sequence is a row: its first call's prompt, then
+(gspo.agents.endpoint, Call graphs), and each sequence is a row: its first call's prompt, then
 each call's sampled tokens (trained) and, between them, the tokens of what came back (tool
 results, user turns: read, never trained). The episode's row is its first sequence; each later
 one (concurrent or forked calls, sub-agents, an edited history) is a row of its own after the
-batch's episodes (`AgentStats.extra`), trained with its episode's advantage
+batch's episodes (the Episodes' `more`), trained with its episode's advantage
 (gspo.train.batch.prepare appends them; `agent/extra_sequences` counts them per episode).
 
 Randomness: an episode's call k draws turn k's uniforms of the step at the episode's row, as
@@ -60,11 +60,11 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo.agents.endpoint import Call, Endpoint, Limits, in_process
 from gspo.config.checks import one_line
 from gspo.io.words import plural
 from gspo.models.loading import unwrap
 from gspo.models.sequences import Rollout, left_pad
-from gspo.sampling.endpoint import Call, Endpoint, Limits, in_process
 from gspo.sampling.episodes import Episodes, lay_out, run_episodes
 from gspo.tasks.env import EnvError, is_agent
 
@@ -77,19 +77,15 @@ def agent_name(agent) -> str:
 
 @dataclass
 class AgentStats:
-    """Per episode (B,): failed, and its sequences beyond the first; late calls and requests
-    refused (no key) in all, episodes left behind still running; the later
-    sequences of the episodes that did not fail, laid out as E rows of the episodes' width
-    (`extra`, None: none), the episode of each (E,) and the call each column belongs to (E, T)."""
+    """What only agents count (gspo.train.steplog's agent/* metrics): per episode (B,), failed and
+    its sequences beyond the first; late calls and requests refused (no key) in all, episodes left
+    behind still running. The later sequences themselves are the Episodes' (`more`)."""
 
-    failed: torch.Tensor
+    failed: torch.Tensor  # the Episodes' `failed`
     extra_sequences: torch.Tensor
     late_calls: int = 0
     refused: int = 0
     left_behind: int = 0  # episodes cut at their deadline (now or earlier) still running in the background
-    extra: Rollout | None = None
-    extra_of: torch.Tensor | None = None
-    extra_turn_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -105,7 +101,7 @@ class AgentResult:
 class Hooks:
     """What run_agents tells its caller and asks it: `ended(i)` as soon as episode i's agent
     returned, failed or ran out of time; `transport` the clients' httpx transport
-    (gspo.sampling.endpoint.in_process; None: over the socket); `broken()` an exception that ends
+    (gspo.agents.endpoint.in_process; None: over the socket); `broken()` an exception that ends
     every episode still running (the sampler behind the endpoint failed), else None; `key` the
     endpoint's secret, the clients' API key."""
 
@@ -531,7 +527,7 @@ class _Sampling:
 def sequences(calls: list[Call]) -> list[tuple[list[int], list[Call]]]:
     """The episode's answered calls (in the order they began) as its sequences, in the order
     they began: (the episode's call numbers of its calls, its calls) each. The endpoint decided
-    each call's sequence (gspo.sampling.endpoint, Call graphs): each call of a sequence continues
+    each call's sequence (gspo.agents.endpoint, Call graphs): each call of a sequence continues
     the one before it; a call numbered k is the episode's k-th answered call (its per-call
     reward's index)."""
     out: dict[int, tuple[list[int], list[Call]]] = {}
@@ -558,7 +554,7 @@ def _segments(calls: list[Call], train: bool, numbers: list[int]) -> list:
 def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[Rollout, Episodes]:
     """The episodes laid out as run_episodes lays them (a failed one's tokens untrained), each
     one's first sequence its row; the later sequences of those that did not fail laid out with
-    them, after them, and kept in the episodes' AgentStats.extra."""
+    them, after them, and kept as the Episodes' `more` (gspo.sampling.episodes)."""
     pad, B = tokenizer.pad_token_id, len(results)
     split = [sequences(r.calls) for r in results]
     seqs = [s[0][1] if s else [] for s in split]
@@ -574,7 +570,8 @@ def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[
     last = [s[-1] if s else None for s in seqs] + [calls[-1] for _, _, calls in later]
     truncated = torch.tensor([bool(c is not None and c.truncated) for c in last])
     every = Rollout(prompt_ids, prompt_mask, ids, model, logp, lengths, truncated, G, None, env)
-    ro, extra = every.map(lambda t: t[:B]), (every.map(lambda t: t[B:]) if later else None)
+    ro, more = every.map(lambda t: t[:B]), (every.map(lambda t: t[B:]) if later else None)
+    failed = torch.tensor([r.failure is not None for r in results])
     finals = [r.calls[-1].completion_ids if r.calls else [] for r in results]  # the episode's last call: scored
     tool_calls = [sum(len((c.reply or {}).get("tool_calls") or []) for c in r.calls) for r in results]
     ep = Episodes(final_texts=tokenizer.batch_decode(finals, skip_special_tokens=True), final_ids=finals,
@@ -582,21 +579,8 @@ def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[
                   turn_index=turn_index[:B], turn_rewards=[r.rewards for r in results],
                   turns=torch.tensor([len(r.calls) for r in results]), tool_calls=torch.tensor(tool_calls),
                   tool_errors=torch.zeros(B, dtype=torch.long), turn_limit=torch.zeros(B, dtype=torch.bool),
-                  agent=AgentStats(failed=torch.tensor([r.failure is not None for r in results]),
-                                   extra_sequences=torch.tensor([max(len(s) - 1, 0) for s in split]), late_calls=late,
-                                   extra=extra, extra_of=torch.tensor([b for b, _, _ in later]) if later else None,
-                                   extra_turn_index=turn_index[B:] if later else None))
+                  agent=AgentStats(failed=failed, extra_sequences=torch.tensor([max(len(s) - 1, 0) for s in split]),
+                                   late_calls=late),
+                  failed=failed, more=more, more_of=torch.tensor([b for b, _, _ in later]) if later else None,
+                  more_turn_index=turn_index[B:] if later else None)
     return ro, ep
-
-
-def with_extra_sequences(ro: Rollout, episodes: Episodes | None) -> tuple[Rollout, torch.Tensor | None]:
-    """`ro` (B episodes) with the agents' later sequences (AgentStats.extra, E rows) appended, on
-    its device, and the episode of each of the B + E rows; (ro, None) when there are none."""
-    stats = episodes.agent if episodes is not None else None
-    if stats is None or stats.extra is None:
-        return ro, None
-    B, dev = ro.prompt_ids.shape[0], ro.prompt_ids.device
-    extra = stats.extra.map(lambda t: t.to(dev))
-    both = {f.name: torch.cat([getattr(ro, f.name), getattr(extra, f.name)]) for f in dataclasses.fields(Rollout)
-            if isinstance(getattr(ro, f.name), torch.Tensor)}
-    return dataclasses.replace(ro, **both), torch.cat([torch.arange(B), stats.extra_of])

@@ -1,6 +1,6 @@
 """OpenEnv environments as gspo multi-turn environments: the model acts through one tool, `step`.
 
-    from gspo.tasks.openenv import openenv_environment
+    from gspo.agents.openenv import openenv_environment
     Env = openenv_environment(EchoEnvironment, EchoAction)            # in process: OpenEnv's server-side class
     Env = openenv_environment(lambda: EchoEnv(base_url=URL).sync(), EchoAction)   # a client of a served one
     gspo.Trainer(config, env=Env)          # or: --env my_envs.py:Env, with Env made so in that file
@@ -21,7 +21,7 @@ reward, done and metadata, and those that are None): none, nothing is added (the
 row's, shared by its group); one string field (reasoning-gym's `question`), that string; else
 those fields as JSON, as a step's result is shown. `reset_text=fn` replaces that rule: fn gets
 the observation's fields (a dict) and returns the text, or None for none (TextArena's games:
-`lambda obs: obs["prompt"]`). This is TRL's mechanism (gspo.tasks.trlenv: the string its
+`lambda obs: obs["prompt"]`). This is TRL's mechanism (gspo.agents.trlenv: the string its
 `reset` returns is appended to the last message, `prompt_suffix`), but TRL's string is the
 user's own and joined verbatim, where this text is gspo's and set off by a blank line. Such
 episodes are sampled one prompt each: an environment that draws its own task may give each
@@ -116,7 +116,7 @@ def openenv_environment(factory, action_cls, name: str | None = None, action_as_
     label = name or getattr(factory, "__name__", "OpenEnv")
 
     class OpenEnvEnvironment(ToolEnvironment):
-        __doc__ = f"OpenEnv environment {label}, through gspo.tasks.openenv."
+        __doc__ = f"OpenEnv environment {label}, through gspo.agents.openenv."
         tools = [_Schema(tool)]
 
         def reset(self, example) -> None:

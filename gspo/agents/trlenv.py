@@ -93,7 +93,7 @@ def trl_environment(factory) -> type:
         raise EnvError(f"environment_factory {name}: {str(e).removeprefix('tool ')}") from None
 
     class TRLEnvironment(ToolEnvironment):
-        __doc__ = f"TRL environment {name}, through gspo.tasks.trlenv."
+        __doc__ = f"TRL environment {name}, through gspo.agents.trlenv."
 
         def reset(self, example) -> None:
             self.env = factory()

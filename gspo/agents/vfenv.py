@@ -13,9 +13,9 @@ a taskset (`Taskset.load()`: its `Task`s, each `TaskData` with a prompt), a harn
 program that talks to a model through an OpenAI-compatible API: `null` is the plain chat loop,
 with the task's `@vf.tool`s served over MCP), and the task's `@vf.reward`s (`Trace.reward`, the
 weighted sum). gspo runs the environment's own `run_episode(task, ctx)` for each episode, with
-`ctx` pointing the harness at the episode's base URL of the endpoint (gspo.sampling.endpoint),
+`ctx` pointing the harness at the episode's base URL of the endpoint (gspo.agents.endpoint),
 so every call the program makes is sampled by the policy and recorded token for token
-(gspo.sampling.agents), and the trace's reward is the episode's.
+(gspo.agents.runner), and the trace's reward is the episode's.
 
 By id (`verifiers:ID`): verifiers imports the taskset's module (an installed package, or a
 module on the Python path) and gspo builds its environment with `harness=null` and
@@ -48,11 +48,11 @@ not provisioned and the index unreachable (no network), the task is refused in o
 what is missing and the command that provisions it (`provision()`, with network, once).
 
 Across steps: the session and the episodes run on the agent's own event loop
-(gspo.sampling.agents); verifiers keeps one lock per harness script for the whole process
+(gspo.agents.runner); verifiers keeps one lock per harness script for the whole process
 (`SubprocessRuntime._locks`), bound to the first loop that waits on it and taken again after a
 failed preparation, so each session first drops the locks bound to another loop (another run's
 in the process, or a loop left blocked): a setup failure in one step or run does not fail the
-next ones. A session that opens while an earlier one is still closing (gspo.sampling.agents
+next ones. A session that opens while an earlier one is still closing (gspo.agents.runner
 leaves a slow close in the background) serves a shallow copy of the environment: verifiers keeps
 what it serves (the interception server, shared tool servers) on the Env object.
 
@@ -132,7 +132,7 @@ def env_config(taskset_id: str, options: dict, max_turns: int):
 
 
 UV_INDEX = "https://pypi.org/simple"  # uv's package index unless UV_DEFAULT_INDEX / UV_INDEX_URL say otherwise
-PROVISION = "python -c 'import gspo.tasks.vfenv as v; v.provision()'"  # the harness provisioned, with network
+PROVISION = "python -c 'import gspo.agents.vfenv as v; v.provision()'"  # the harness provisioned, with network
 
 
 def _chat_program() -> str:
@@ -389,7 +389,7 @@ class VerifiersTask:
 
 
 def agent_for(source: VerifiersTask) -> type:
-    """The agent (gspo.sampling.agents) that plays `source`'s episodes: a class whose `session`
+    """The agent (gspo.agents.runner) that plays `source`'s episodes: a class whose `session`
     holds the environment's serving resources for a rollout and whose `rollout` runs one episode."""
 
     class VerifiersAgent:
@@ -402,7 +402,7 @@ def agent_for(source: VerifiersTask) -> type:
         async def session(cls, limits):
             forget_other_loops_locks()
             env = source.env_for(limits.max_calls or AGENT_MAX_CALLS)
-            if any(e is env for e in cls.open_envs):  # an earlier session still closing (gspo.sampling.agents left
+            if any(e is env for e in cls.open_envs):  # an earlier session still closing (gspo.agents.runner left
                 env = copy.copy(env)  # it in the background): verifiers keeps what it serves on the Env object
             cls.open_envs.append(env)
             try:
