@@ -23,6 +23,13 @@ trainer's a broken pipe to it. Requests and weights go the other way, each messa
 handle (tensors in shared memory, the `file_system` strategy), written by a thread of the
 trainer's that close() stops and joins.
 
+**The spool's owner.** A trainer holds an exclusive `flock` on its spool's `lock` file from the
+moment the spool exists until it removes it; the kernel drops the lock when the trainer dies. A
+new trainer removes only the spools whose lock it can take (their owner is dead), so a spool
+shared through `/dev/shm` between containers (`--ipc=host`) or a `$GSPO_SPOOL_DIR` shared between
+hosts is never taken from a live trainer: the lock holds across pid namespaces, and across hosts
+where the filesystem carries locks between them (NFS does; see docs/async.md).
+
 **Ends.** A worker dies with its trainer: on Linux the kernel kills it (`PR_SET_PDEATHSIG`),
 elsewhere a thread sees its parent change within `WATCH_S`. It ignores SIGINT (a terminal's
 Ctrl-C reaches the whole process group: the trainer answers it, then stops the workers) and
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import multiprocessing.connection
 import os
 import pickle
@@ -65,6 +73,7 @@ CLOSE_STOP_S = 2.0  # close: how long workers get to leave on the stop request .
 CLOSE_TERM_S = 3.0  # ... then after SIGTERM, before SIGKILL
 GONE_GRACE_S = 2.0  # a rollout rank whose trainer rank 0 is gone: its time to leave on its own before it exits
 SPOOL_PREFIX = "gspo-spool-"
+SPOOL_LOCK = "lock"  # the file in a spool whose flock its owner holds while it lives
 
 
 class WorkerDied(Exception):
@@ -89,14 +98,6 @@ def _recv(src: int, group):
     return box[0]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True  # (PermissionError too: someone else's process)
-
-
 def spool_root() -> Path:
     """Where worker results wait to be read: $GSPO_SPOOL_DIR, else /dev/shm (memory) where it
     exists and is writable, else the temporary directory."""
@@ -107,16 +108,68 @@ def spool_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+_HELD: dict[Path, int] = {}  # this process's spools (resolved) -> the descriptor of each one's held lock
+
+
 def make_spool(root: Path | None = None) -> Path:
-    """A new spool directory for this process's link, after removing those of processes that
-    are gone (a trainer killed with results unread)."""
+    """A new spool directory for this process's link, holding its lock (`SPOOL_LOCK`) until
+    `remove_spool`, after removing the spools of trainers that are gone (`sweep_spools`)."""
     root = root or spool_root()
     root.mkdir(parents=True, exist_ok=True)
-    for old in root.glob(f"{SPOOL_PREFIX}*-*"):
-        pid = old.name[len(SPOOL_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=root))
+    sweep_spools(root)
+    spool = Path(tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-", dir=root))
+    # the lock file is made and locked under another name, then renamed: a sweeper that finds
+    # `lock` finds it held (made under its own name, it could be locked by a sweeper before its
+    # owner). A trainer killed before the rename leaves an empty spool that no run removes.
+    fresh = spool / f".{SPOOL_LOCK}-new"
+    fd = os.open(fresh, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:  # a filesystem without locks (NFS without its lock service: ENOLCK)
+        os.close(fd)
+        shutil.rmtree(spool, ignore_errors=True)
+        raise OSError(f"could not lock the spool {spool} ({e.strerror or e}); set GSPO_SPOOL_DIR to a directory "
+                      "whose filesystem has file locks (/dev/shm, a local disk)") from None
+    _HELD[spool.resolve()] = fd  # before the rename: from then on a sweeper of this process must skip it
+    os.rename(fresh, spool / SPOOL_LOCK)
+    return spool
+
+
+def sweep_spools(root: Path) -> None:
+    """Remove the spools in `root` whose owner is dead: those whose lock this process can take.
+
+    The lock, not the pid in the name, says whether the owner lives: a pid means nothing in
+    another pid namespace (containers sharing /dev/shm) or on another host (a shared
+    $GSPO_SPOOL_DIR), while the kernel drops a dead process's flock wherever it ran. Left alone:
+    - a spool whose lock is held: its trainer lives;
+    - this process's own (on NFS, flock is a POSIX lock, which does not conflict with the same
+      process's lock and is dropped when the process closes any descriptor of the file);
+    - a spool with no `lock` file: one being made (its lock file appears only once held), or one
+      left by gspo 0.3.0 or before, whose owner cannot be told apart from a live trainer in
+      another pid namespace. Those are the user's to remove (`rm -r /dev/shm/gspo-spool-*` while
+      no run is live)."""
+    for old in root.glob(f"{SPOOL_PREFIX}*"):
+        if old.resolve() in _HELD:
+            continue
+        try:
+            fd = os.open(old / SPOOL_LOCK, os.O_RDWR)  # (writable: NFS's lock for flock needs it)
+        except OSError:  # no lock file (or not a directory, or another user's)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its trainer lives (or the filesystem has no locks: we cannot tell)
+            continue
+        finally:
+            os.close(fd)  # released before the removal (NFS renames an open file it is asked to remove)
+        shutil.rmtree(old, ignore_errors=True)  # a second sweeper removing it too is harmless
+
+
+def remove_spool(spool: Path) -> None:
+    """Release this process's lock on `spool` and remove it with what it holds."""
+    fd = _HELD.pop(spool.resolve(), None)
+    if fd is not None:
+        os.close(fd)
+    shutil.rmtree(spool, ignore_errors=True)
 
 
 def _on_parent_death(sig: int) -> bool:
@@ -207,7 +260,7 @@ class LocalLink:
             for c in self.results:
                 if c is not None:
                     c.close()
-            shutil.rmtree(self.spool, ignore_errors=True)
+            remove_spool(self.spool)
             self.procs, self.senders, self.results = [], [], []
 
 
