@@ -1,23 +1,29 @@
 """`gspo compare` given the same --output-dir again: a run directory is reused (finished) or resumed
-(interrupted) only when its saved configuration is the one asked for; otherwise it is set aside
-as `<run>.replaced-<k>` and trained again. A resumed run keeps the thread count it began with."""
+(interrupted) only when its saved configuration is the one asked for and it was trained from the
+same files with the same gspo (its fingerprint.json); otherwise it is set aside as
+`<run>.replaced-<k>` and trained again. A resumed run keeps the thread count it began with."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import gspo as gspo_package
 from gspo.cli import main
 from gspo.config import RESUME_SAFE, TrainConfig
 from gspo.io.files import json_clean
-from gspo.lab.compare import summarise
+from gspo.lab.compare import _to_train, summarise
 from gspo.lab.jobs import NOT_THE_RUN, differences, saved_config, set_aside
 from gspo.train import checkpoint as ckpt
-from gspo.train.resolve import resolve
+from gspo.train.fingerprint import FILE, write_fingerprint
+from gspo.train.resolve import absolute_paths, resolve
+from gspo.train.trainer import train
 from tests.test_cli import gspo
 from tests.test_jobs import _steps
 
@@ -50,6 +56,10 @@ def test_differences_are_between_resolved_configurations():
 def test_the_reason_names_the_options_asked_for(tmp_path):
     asked = TrainConfig(model="tiny", steps=1, lr=1e-4)
     (tmp_path / "config.yaml").write_text(ckpt.config_yaml(resolve(asked)))
+    saved, why = saved_config(tmp_path, asked)  # an older gspo's run: the same options, but no fingerprint
+    assert saved.run.steps == 1 and why == (f"has no {FILE} (made by an older gspo: what it was trained from cannot "
+                                            "be checked)")
+    write_fingerprint(tmp_path, absolute_paths(resolve(asked)))
     saved, why = saved_config(tmp_path, asked)
     assert saved.run.steps == 1 and why is None
     _, why = saved_config(tmp_path, dataclasses.replace(asked, steps=3, lr=1e-2))
@@ -66,6 +76,131 @@ def test_set_aside_never_overwrites_an_earlier_one(tmp_path):
     assert set_aside(run) == tmp_path / "gspo-seed0.replaced-4"
     assert not run.exists() and (tmp_path / "gspo-seed0.replaced-4" / "summary.json").read_text() == "gspo-seed0"
     assert (tmp_path / "gspo-seed0.replaced-3" / "summary.json").read_text() == "gspo-seed0.replaced-3"
+
+
+def _write_inputs(where):
+    """A project's own files: a reward, training data, a held-out dataset directory, an environment."""
+    (where / "rewards.py").write_text("def brevity(completions, **kwargs):\n"
+                                      "    return [1.0 / (1 + len(c)) for c in completions]\n")
+    rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 50)]
+    (where / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (where / "held-out").mkdir()
+    (where / "held-out" / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    (where / "env.py").write_text("class Env:\n    def step(self, text):\n        return '', 0.0, True\n")
+
+
+def _finished(cfg):
+    """A finished run of `cfg` as gspo train leaves one, untrained: its configuration and fingerprint as
+    gspo.train.checkpoint.start_run writes them (resolved, paths absolute), and a summary."""
+    run, started = Path(cfg.run.output_dir), absolute_paths(resolve(cfg))
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(ckpt.config_yaml(started))
+    write_fingerprint(run, started)
+    (run / "summary.json").write_text("{}")
+    return run
+
+
+def _asked(where):
+    return TrainConfig(model="tiny", steps=1, dataset="data.jsonl", eval_dataset="held-out",
+                       reward=("rewards.py:brevity",), env="env.py:Env",
+                       output_dir=str(where / "cmp" / "runs" / "gspo-seed0"))
+
+
+@pytest.mark.parametrize("edited, named", [
+    ("rewards.py", "--reward file rewards.py"),
+    ("data.jsonl", "--dataset file data.jsonl"),
+    ("held-out/more.jsonl", "--eval-dataset directory held-out"),  # a file added to a dataset directory
+    ("env.py", "--env file env.py"),
+])
+def test_a_finished_run_is_reused_only_while_its_files_are_unchanged(tmp_path, monkeypatch, edited, named):
+    monkeypatch.chdir(tmp_path)  # the files are named as given, from the working directory
+    _write_inputs(tmp_path)
+    cfg, said = _asked(tmp_path), []
+    run = _finished(cfg)
+    assert _to_train("gspo seed 0", cfg, said.append) is None  # nothing changed: reused
+    assert said == [f"[compare] gspo seed 0: already done, reusing {run}"]
+
+    with open(tmp_path / edited, "a") as f:
+        f.write("\n")  # one byte more
+    said.clear()
+    assert _to_train("gspo seed 0", cfg, said.append) == ("gspo seed 0", cfg, None)  # trained from the start
+    aside = run.with_name("gspo-seed0.replaced-1")
+    assert said == [f"[compare] gspo seed 0: {run} was trained before {named} changed; set aside as {aside} and "
+                    "trained again"]
+    assert not run.exists() and (aside / "summary.json").exists()
+
+
+def test_a_run_of_another_gspo_or_without_a_fingerprint_is_set_aside(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_inputs(tmp_path)
+    cfg, said, made = _asked(tmp_path), [], gspo_package.__version__
+    run = _finished(cfg)
+    monkeypatch.setattr(gspo_package, "__version__", "9.9.9")
+    assert _to_train("gspo seed 0", cfg, said.append) == ("gspo seed 0", cfg, None)
+    assert said == [f"[compare] gspo seed 0: {run} was trained with gspo {made} (now 9.9.9); set aside as "
+                    f"{run.with_name('gspo-seed0.replaced-1')} and trained again"]
+
+    run, said = _finished(cfg), []  # this version's run, but made before runs had a fingerprint
+    (run / FILE).unlink()
+    assert _to_train("gspo seed 0", cfg, said.append) == ("gspo seed 0", cfg, None)
+    assert said == [f"[compare] gspo seed 0: {run} has no {FILE} (made by an older gspo: what it was trained from "
+                    f"cannot be checked); set aside as {run.with_name('gspo-seed0.replaced-2')} and trained again"]
+
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_trained_run_is_reused_until_its_reward_file_changes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _write_inputs(tmp_path)
+    out, run = tmp_path / "cmp", tmp_path / "cmp" / "runs" / "gspo-seed0"
+    reward, data = tmp_path.resolve() / "rewards.py", tmp_path.resolve() / "data.jsonl"
+    args = ["compare", "--configs", "gspo", "--seeds", "0", *SMALL, "--steps", "1", "--dataset", "data.jsonl",
+            "--reward", "rewards.py:brevity", "--output-dir", str(out)]
+    assert main(args) == 0
+    made = json.loads((run / FILE).read_text())  # written by the run as it started
+    assert made["gspo"] == gspo_package.__version__ and made["inputs"] == {
+        "--model": {"tiny": None}, "--dataset": {str(data): _sha256(data)},
+        "--reward": {f"{reward}:brevity": _sha256(reward)}}
+
+    capsys.readouterr()
+    assert main(args) == 0  # nothing changed: reused, not trained
+    said = capsys.readouterr().out
+    assert f"[compare] gspo seed 0: already done, reusing {run}" in said and "training (" not in said
+
+    reward.write_text(reward.read_text().replace("1.0 /", "2.0 /"))  # the same size, other content
+    assert main(args) == 0
+    aside = run.with_name("gspo-seed0.replaced-1")
+    assert [line for line in capsys.readouterr().out.splitlines() if "set aside" in line] == [
+        f"[compare] gspo seed 0: {run} was trained before --reward file rewards.py changed; set aside as {aside} and "
+        "trained again"]
+    assert json.loads((run / FILE).read_text())["inputs"]["--reward"] == {f"{reward}:brevity": _sha256(reward)}
+    assert json.loads((aside / FILE).read_text()) == made
+
+
+@pytest.mark.slow
+def test_a_resume_says_when_its_files_changed_and_goes_on(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _write_inputs(tmp_path)
+    run = tmp_path / "run"
+    cfg = TrainConfig(model="tiny", steps=2, save_every=1, prompts_per_step=4, group_size=2, num_minibatches=1,
+                      eval_size=8, progress=False, dataset="data.jsonl", reward=("rewards.py:brevity",),
+                      output_dir=str(run))
+    train(cfg, log=lambda *a, **k: None)
+    (run / "summary.json").unlink()  # interrupted after step 1
+    shutil.rmtree(run / "checkpoints" / "step-000002")
+    capsys.readouterr()
+    train(resume=run, log=lambda *a, **k: None)  # nothing changed: nothing said
+    assert "--resume" not in capsys.readouterr().err
+
+    (run / "summary.json").unlink()
+    shutil.rmtree(run / "checkpoints" / "step-000002")
+    (tmp_path / "rewards.py").write_text((tmp_path / "rewards.py").read_text() + "# edited\n")
+    assert train(resume=run, log=lambda *a, **k: None)["steps"] == 2  # said, not refused
+    assert (f"gspo: warning: --resume: {run} was trained before --reward file rewards.py changed; it continues with "
+            "this gspo and these files") in capsys.readouterr().err.splitlines()
 
 
 @pytest.mark.slow

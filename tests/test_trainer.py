@@ -93,8 +93,8 @@ def test_run_directory_contents(tmp_path):
                       output_dir=str(tmp_path / "run"), progress=False, eval_every=1)
     summary = train(cfg, log=lambda *a: None)
     run = tmp_path / "run"
-    assert {p.name for p in run.iterdir()} == {".lock", "config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json",
-                                               "checkpoints"}
+    assert {p.name for p in run.iterdir()} == {".lock", "config.yaml", "fingerprint.json", "metrics.jsonl",
+                                               "samples.jsonl", "summary.json", "checkpoints"}
     rows = read_jsonl(run / "metrics.jsonl")
     assert len(rows) == 2 and REQUIRED_METRICS <= set(rows[0])
     assert "eval/accuracy" in rows[0]  # eval_every=1, before the last step

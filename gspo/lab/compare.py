@@ -174,8 +174,9 @@ def compare_help() -> str:
             "                       up to 4 on a CPU, with the cores shared out as --threads; 1 on a GPU);\n"
             "                       each run equals `gspo train` alone with its --threads (gspo.lab.jobs)\n"
             "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); given again, its\n"
-            "                       runs of the same configuration are reused or resumed, others set aside\n"
-            "                       (<run>.replaced-<k>) and trained again\n"
+            "                       runs of the same configuration, gspo version and files (--dataset,\n"
+            "                       --reward, ...) are reused or resumed, others set aside (<run>.replaced-<k>)\n"
+            "                       and trained again\n"
             "Every gspo train option sets the base configuration over the preset's (stress length with\n"
             "--num-minibatches 8 or 16, a higher --lr, or a --model built with more experts).\n")
 
@@ -326,7 +327,8 @@ def _to_train(label: str, cfg: TrainConfig, log) -> tuple | None:
     """What a run directory needs: None (finished with the configuration asked for: reused), or
     (label, configuration, the directory to resume or None). A run started (a config.yaml) and
     not finished resumes with its saved configuration and threads; one whose saved configuration
-    is not `cfg` (gspo.lab.jobs.saved_config) is set aside as `<run>.replaced-<k>` and trained again."""
+    is not `cfg`, or whose inputs changed since (its fingerprint: the gspo version, the files its options
+    name; gspo.lab.jobs.saved_config), is set aside as `<run>.replaced-<k>` and trained again."""
     run = Path(cfg.run.output_dir)
     finished = (run / "summary.json").exists()
     if not finished and not (run / "config.yaml").exists() and ckpt.latest_checkpoint(run) is None:

@@ -20,8 +20,10 @@ re-run reads it: a resumed run keeps the count it began with, whatever the resum
 
 Reuse. A run directory is reused (finished) or resumed (a checkpoint, or a config.yaml alone)
 only when its saved configuration is the one asked for, both resolved (`differences`), apart
-from `NOT_THE_RUN`; otherwise it is set aside as `<run>.replaced-<k>` (`set_aside`) and
-trained again.
+from `NOT_THE_RUN`, and it was trained from what it would be now: this gspo version, the same
+content in the files its options name (its fingerprint.json: gspo.train.fingerprint; a run
+without one, an older gspo's, is not known to be). Otherwise it is set aside as
+`<run>.replaced-<k>` (`set_aside`) and trained again.
 
 Errors. The first run that fails stops the others from starting; those already training finish
 (each is resumable), and its error is raised with the run's name.
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.yamlfile import load_yaml
+from gspo.train.fingerprint import changed_since
 from gspo.train.lifecycle import check_no_writer
 from gspo.train.resolve import absolute_paths, resolve
 
@@ -124,16 +127,18 @@ def differences(saved, asked) -> list[tuple[str, object, object]]:
 
 
 def saved_config(run: Path, asked):
-    """(the run's saved configuration or None, None when it is the one asked for, else why not in
+    """(the run's saved configuration or None, None when it is the run asked for, else why not in
     words: `was trained with lr=0.0003, steps=1; asked: lr=0.01, steps=3`, the options asked for,
-    not those derived from them: critic_lr from lr, the clip range from the algorithm)."""
+    not those derived from them: critic_lr from lr, the clip range from the algorithm). The same
+    configuration is the run asked for when its fingerprint is this gspo's and these files'
+    (gspo.train.fingerprint): `was trained before --reward file rewards.py changed`."""
     try:
         saved = load_yaml(run / "config.yaml")
         diff = differences(saved, asked)
     except ConfigError as e:  # no config.yaml, or one this version cannot read
         return None, f"has no configuration to compare ({e})"
     if not diff:
-        return saved, None
+        return saved, changed_since(run, absolute_paths(resolve(asked)))
     shown = [d for d in diff if getattr(asked, d[0]) is not None] or diff  # not those derived from the others
 
     def said(values):

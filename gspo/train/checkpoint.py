@@ -2,6 +2,7 @@
 
     run_dir/
       config.yaml            the resolved configuration
+      fingerprint.json       the gspo version, the sha256 of its local files (gspo.train.fingerprint)
       metrics.jsonl          one JSON object per step
       samples.jsonl          a few prompts, completions and rewards per step
       summary.json           accuracy before/after, wall time (written at the end)
@@ -14,7 +15,7 @@
 
 Atomicity: a checkpoint is written into `checkpoints/.tmp-step-N/`, flushed to disk, and
 renamed to `step-N` in one `os.replace`; a directory named `step-N` is therefore always
-complete. Files that are rewritten (summary.json, config.yaml, the trimmed jsonl logs) go
+complete. Files that are rewritten (summary.json, config.yaml, fingerprint.json, the trimmed jsonl logs) go
 through a temporary file and a rename too. Appended logs (metrics.jsonl, samples.jsonl) may
 hold steps past the last checkpoint when a run dies; `resume` trims them back so that the
 resumed run appends exactly what an uninterrupted run would have written.
@@ -42,6 +43,7 @@ from gspo.config import TrainConfig, to_dict
 from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
 from gspo.processes import parallel
 from gspo.sampling.produce import Produced
+from gspo.train.fingerprint import write_fingerprint
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -306,13 +308,14 @@ def save_run(run: Saved, step: int) -> None:
 
 
 def start_run(run: Saved) -> None:
-    """A run's first write: its configuration. A restart (resumed, but killed before its first
-    checkpoint) drops what it had logged, so the run appends what an uninterrupted one would."""
+    """A run's first write: its configuration and fingerprint. A restart (resumed, but killed before
+    its first checkpoint) drops what it had logged, so the run appends what an uninterrupted one would."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
     clean_partial(run.run_dir)
     for log in ("metrics.jsonl", "samples.jsonl"):
         trim_jsonl(run.run_dir / log, 0)
     atomic_write_text(run.run_dir / "config.yaml", config_yaml(run.cfg))
+    write_fingerprint(run.run_dir, run.cfg)  # after config.yaml: a directory with it alone is a run
 
 
 def restore_run(run: Saved) -> None:

@@ -59,6 +59,7 @@ from gspo.tasks.scoring import RewardError
 from gspo.train import checkpoint as ckpt
 from gspo.train.batch import Batch, expert_load, prepare
 from gspo.train.evaluation import EvalOptions, evaluate
+from gspo.train.fingerprint import changed_since
 from gspo.train.integrity import Watch, check_ratio, check_tokens, first_minibatch
 from gspo.train.lifecycle import Guard, Interrupted
 from gspo.train.plan import describe, plan
@@ -112,6 +113,8 @@ def _train_in_process(cfg: TrainConfig, resume, log, inputs, callbacks, keep) ->
             f"(for more steps: gspo train --resume {resume} --steps N)")
         return done.summary
     run.progress.t_start = t_start
+    if run.resume_from is not None and run.dist.is_main and (why := changed_since(run.run_dir, run.cfg)):
+        run.notes.append(f"--resume: {run.run_dir} {why}; it continues with this gspo and these files")
     guard = Guard(run)  # one writer per run directory; signals stop at the next step's end
     try:
         summary = _train(run, guard, log if run.dist.is_main else (lambda *a, **k: None), callbacks)

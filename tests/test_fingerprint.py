@@ -1,0 +1,55 @@
+"""A run's fingerprint (gspo.train.fingerprint): what each option's name points at, hashed where it
+is a local file, recorded as named where it is not; what a difference says."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import gspo
+from gspo.config import TrainConfig
+from gspo.train.fingerprint import FILE_OPTIONS, differences, fingerprint
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_local_files_are_hashed_and_names_recorded_as_named(tmp_path):
+    (tmp_path / "r.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    cfg = TrainConfig(model="Qwen/Qwen3-0.6B", revision="v1", dataset="openai/gsm8k",
+                      reward=(f"{tmp_path}/r.py:f", "exact_match", "gspo.rewards.builtin:exact_match"))
+    got = fingerprint(cfg)
+    assert got["gspo"] == gspo.__version__
+    assert got["inputs"] == {
+        "--model": {"Qwen/Qwen3-0.6B@v1": None},  # a Hub id with its revision, not hashed
+        "--dataset": {"openai/gsm8k": None},
+        "--reward": {f"{tmp_path}/r.py:f": _sha256((tmp_path / "r.py").read_bytes()),  # the file of file.py:f
+                     "exact_match": None,  # gspo's own
+                     # a module's source file, found as import finds it
+                     "gspo.rewards.builtin:exact_match": _sha256((Path(gspo.__file__).parent / "rewards" /
+                                                                  "builtin.py").read_bytes())}}
+    assert set(FILE_OPTIONS) >= {"model", "dataset", "eval_dataset", "reward", "env"}
+    # a built-in model; the options not set are left out
+    assert fingerprint(TrainConfig(model="tiny"))["inputs"] == {"--model": {"tiny": None}}
+
+
+def test_a_directory_is_its_files_by_path_hidden_ones_left_out(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, order in ((a, ("x.jsonl", "sub/y.jsonl")), (b, ("sub/y.jsonl", "x.jsonl"))):
+        for name in order:  # written in another order: the same digest
+            (d / name).parent.mkdir(parents=True, exist_ok=True)
+            (d / name).write_text(name)
+    (b / ".cache").mkdir()
+    (b / ".cache" / "lock").write_text("downloaded at ...")  # hidden: not the model's
+    digest = fingerprint(TrainConfig(dataset=str(a)))["inputs"]["--dataset"][str(a)]
+    assert fingerprint(TrainConfig(dataset=str(b)))["inputs"]["--dataset"][str(b)] == digest
+    (b / "sub" / "y.jsonl").rename(b / "y.jsonl")  # the same files elsewhere in it: another directory
+    assert fingerprint(TrainConfig(dataset=str(b)))["inputs"]["--dataset"][str(b)] != digest
+
+
+def test_differences_say_what_changed():
+    old = {"gspo": "0.3.0", "inputs": {"--reward": {"/p/r.py:f": "aa", "exact_match": None}, "--dataset": {"d": "1"}}}
+    assert differences(old, json.loads(json.dumps(old))) == []
+    new = {"gspo": "0.4.0", "inputs": {"--reward": {"/p/r.py:f": "bb", "exact_match": None}, "--dataset": {"e": "1"}}}
+    assert differences(old, new) == ["before --reward file /p/r.py changed", "with other --dataset",
+                                     "with gspo 0.3.0 (now 0.4.0)"]
