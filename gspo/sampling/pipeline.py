@@ -15,7 +15,7 @@ A checkpoint waits for the batches in flight (`drain`) and saves the sampled bat
 trained with their versions (gspo.train.checkpoint): a resumed run trains what the uninterrupted run
 would, and the bound holds across the resume.
 
-Rollout workeRollout workers (--rollout-workers N) sample in processes of their own:
+Rollout workers (--rollout-workers N) sample in processes of their own:
 
     gspo train --rollout-workers 1 --max-staleness 1       # the trainer starts 1 worker process
     torchrun --nproc-per-node 8 -m gspo train --parallel fsdp --device cuda --rollout-workers 2 --max-staleness 1
