@@ -129,6 +129,12 @@ def test_every_room_imports_only_what_its_docstring_allows():
     assert not broken, broken
 
 
+def test_the_training_room_reads_episodes_not_agents():
+    # an agent's later sequences are the Episodes' own (gspo.sampling.episodes: `more`): preparing a
+    # batch, its advantages and its log-probs know episodes, never agents
+    assert not {d for d in module_imports()["gspo.train.batch"] if d.startswith("gspo.agents")}
+
+
 def test_the_contract_reader_reads_each_form():
     assert allowed("gspo.io") == set()  # "imports nothing of gspo"
     assert allowed("gspo.tasks") == {"gspo.config", "gspo.io"}
