@@ -170,7 +170,7 @@ def test_idle_connections_and_a_malformed_request_cost_a_bounded_thread_and_no_t
     # connections: 3,000 threads after the step); `Content-Length: abc` printed a traceback
     import socket
 
-    from gspo.sampling import endpoint as ep_module
+    from gspo.agents import endpoint as ep_module
 
     _, tok = tiny
     monkeypatch.setattr(ep_module, "IDLE_SECONDS", 0.5)
