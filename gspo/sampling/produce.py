@@ -120,6 +120,10 @@ def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = No
         rewards, parts = score_completions(side.rewards, examples, completions, completion_ids,
                                            cfg.sampling.group_size, state)
     rewards, parts = with_env_rewards(rewards, parts, episodes)  # (B,)
+    if episodes is not None:  # the environments have scored (`environments=`) and stay here: the batch goes to
+        # the trainer's process and into checkpoints, where an instance of a file's class (--env file.py:Class)
+        # or of one holding a socket cannot be pickled
+        episodes = dataclasses.replace(episodes, envs=None)
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
 
