@@ -508,3 +508,28 @@ def test_a_worker_sends_episodes_of_an_environment_class_from_a_file():
     # in the trainer's process a batch sampled ahead (--max-staleness) is saved with a checkpoint
     torch.save(produce(sampling_side(cfg, torch.device("cpu")), 2, 0), io.BytesIO())
 
+
+@pytest.mark.parametrize("task", ["calculator", "verifiers:gspo-calculator"])
+def test_drop_uniform_groups_refuses_a_task_that_plays_episodes(task):
+    # a refill round's groups are joined without their episodes: an agent's failed episodes would
+    # enter their group's baseline, its later sequences and --turn-advantages be lost, all silently
+    from gspo.config import ConfigError, TrainConfig
+    from gspo.train.resolve import resolve
+
+    with pytest.raises(ConfigError, match="^drop_uniform_groups: cannot be combined with multi-turn episodes"):
+        resolve(TrainConfig(task=task, model="tiny-tool", drop_uniform_groups=True))
+
+
+def test_drop_uniform_groups_refuses_episodes_it_was_not_told_of():
+    # a side built by hand (gspo.train.run.build_run given an environment object) reaches the refill
+    # rounds with episodes: refused there, not joined without them
+    from types import SimpleNamespace
+
+    from gspo.config import ConfigError, TrainConfig
+    from gspo.sampling.produce import _drop_uniform
+    from gspo.tasks.scoring import Scored
+
+    side = SimpleNamespace(cfg=TrainConfig(group_size=2), dist=None, env=SimpleNamespace(__name__="Mine"))
+    first = (None, Scored(torch.zeros(2), {}, ["e"], ["a", "b"], episodes=object()))
+    with pytest.raises(ConfigError, match="^drop_uniform_groups: .*multi-turn episodes.*env Mine"):
+        _drop_uniform(side, 1, first, None)

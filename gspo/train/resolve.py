@@ -137,7 +137,8 @@ def _async_rules(cfg: TrainConfig):
         "each must be cpu, cuda or cuda:N"
     yield not (a.drop_uniform_groups and cfg.sampling.group_size < 2), "drop_uniform_groups", \
         "needs --group-size >= 2 (a group of one is always uniform)"
-    yield not (a.drop_uniform_groups and (cfg.episodes.env or cfg.data.task == "calculator")), "drop_uniform_groups", \
+    episodes = cfg.episodes.env or cfg.data.task == "calculator" or is_verifiers(cfg.data.task)  # tasks with an env
+    yield not (a.drop_uniform_groups and episodes), "drop_uniform_groups", \
         "cannot be combined with multi-turn episodes yet (their refill rounds would need their episodes joined)"
 
 
