@@ -11,6 +11,8 @@ version max(0, t-1-K), so it is min(t-1, K) versions stale:
     K=1: steps 1..4 -> 0, 1, 1, 1          K=2: steps 1..4 -> 0, 1, 2, 2
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -463,3 +465,71 @@ def test_a_bf16_worker_samples_what_the_trainers_bf16_copy_samples(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     same(metrics(tmp_path / "lag"), metrics(tmp_path / "worker"))
     same_weights(weights(tmp_path / "lag"), weights(tmp_path / "worker"))
+
+
+class PicklingEnd:
+    """A worker's link end in this process: the requests given, each result pickled as the real end
+    pickles it (gspo.processes.links) and read back."""
+
+    def __init__(self, *requests):
+        self.requests, self.results = list(requests), []
+
+    def start(self):
+        pass
+
+    def next(self, timeout):
+        return self.requests.pop(0)
+
+    def put(self, msg, dest=None):
+        import pickle
+
+        self.results.append(pickle.loads(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)))
+
+
+def test_a_worker_sends_episodes_of_an_environment_class_from_a_file():
+    # --env file.py:Class loads the class as a module no other process can import; its instances
+    # score the batch in the worker (`environments=`) and must not travel to the trainer with it
+    from gspo.agents.side import sampling_side
+    from gspo.config import TrainConfig
+    from gspo.sampling.pipeline import worker_main
+    from gspo.sampling.produce import produce
+    from gspo.train.resolve import absolute_paths, resolve
+
+    env = Path(__file__).parents[1] / "examples" / "agents" / "calculator_env.py"
+    cfg = absolute_paths(resolve(TrainConfig(task="calculator", model="tiny-tool", env=f"{env}:CalculatorToolEnv",
+                                             prompts_per_step=2, group_size=2, max_new_tokens=8, eval_size=0,
+                                             rollout_workers=1, max_staleness=1)))
+    end = PicklingEnd(("sample", 1, 0), ("stop",))
+    with contextlib.suppress(SystemExit):  # a worker's error: its last result says it
+        worker_main(0, cfg, "cpu", [(0, 1, None)], (1, sampling_side), end)
+    [(kind, index, produced)] = end.results
+    assert kind == "done", produced
+    assert produced.scored.episodes.turns.shape == (4,)
+    # in the trainer's process a batch sampled ahead (--max-staleness) is saved with a checkpoint
+    torch.save(produce(sampling_side(cfg, torch.device("cpu")), 2, 0), io.BytesIO())
+
+
+@pytest.mark.parametrize("task", ["calculator", "verifiers:gspo-calculator"])
+def test_drop_uniform_groups_refuses_a_task_that_plays_episodes(task):
+    # a refill round's groups are joined without their episodes: an agent's failed episodes would
+    # enter their group's baseline, its later sequences and --turn-advantages be lost, all silently
+    from gspo.config import ConfigError, TrainConfig
+    from gspo.train.resolve import resolve
+
+    with pytest.raises(ConfigError, match="^drop_uniform_groups: cannot be combined with multi-turn episodes"):
+        resolve(TrainConfig(task=task, model="tiny-tool", drop_uniform_groups=True))
+
+
+def test_drop_uniform_groups_refuses_episodes_it_was_not_told_of():
+    # a side built by hand (gspo.train.run.build_run given an environment object) reaches the refill
+    # rounds with episodes: refused there, not joined without them
+    from types import SimpleNamespace
+
+    from gspo.config import ConfigError, TrainConfig
+    from gspo.sampling.produce import _drop_uniform
+    from gspo.tasks.scoring import Scored
+
+    side = SimpleNamespace(cfg=TrainConfig(group_size=2), dist=None, env=SimpleNamespace(__name__="Mine"))
+    first = (None, Scored(torch.zeros(2), {}, ["e"], ["a", "b"], episodes=object()))
+    with pytest.raises(ConfigError, match="^drop_uniform_groups: .*multi-turn episodes.*env Mine"):
+        _drop_uniform(side, 1, first, None)

@@ -8,6 +8,7 @@ from pathlib import Path
 import gspo
 from gspo.config import TrainConfig
 from gspo.train.fingerprint import FILE_OPTIONS, differences, fingerprint
+from gspo.train.resolve import absolute_paths
 
 
 def _sha256(data: bytes) -> str:
@@ -53,3 +54,20 @@ def test_differences_say_what_changed():
     new = {"gspo": "0.4.0", "inputs": {"--reward": {"/p/r.py:f": "bb", "exact_match": None}, "--dataset": {"e": "1"}}}
     assert differences(old, new) == ["before --reward file /p/r.py changed", "with other --dataset",
                                      "with gspo 0.3.0 (now 0.4.0)"]
+
+
+def test_every_file_option_names_its_file_from_any_working_directory(tmp_path, monkeypatch):
+    # a run saves its options with absolute paths: resumed or compared from another working directory,
+    # it reads (and fingerprints) the files it started with
+    (tmp_path / "model").mkdir()
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (tmp_path / "r.py").write_text("def f(completions, **kw):\n    return [0.0] * len(completions)\n")
+    (tmp_path / "e.py").write_text("class E:\n    def step(self, text):\n        return None\n")
+    monkeypatch.chdir(tmp_path)
+    tmp_path = tmp_path.resolve()  # as the paths are saved: no symbolic link on the way
+    cfg = absolute_paths(TrainConfig(model="model", dataset="rows.jsonl", eval_dataset="rows.jsonl",
+                                     reward=("r.py:f",), env="e.py:E"))
+    names = {name: getattr(cfg, name) for name in FILE_OPTIONS}
+    assert names == {"model": f"{tmp_path}/model", "dataset": f"{tmp_path}/rows.jsonl",
+                     "eval_dataset": f"{tmp_path}/rows.jsonl", "reward": (f"{tmp_path}/r.py:f",),
+                     "env": f"{tmp_path}/e.py:E"}

@@ -51,15 +51,19 @@ def module_imports(runtime: bool = False) -> dict[str, set[str]]:
         typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
                        and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
                        for n in ast.walk(block)}
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
         for node in ast.walk(tree):
             if runtime and id(node) in typing_only:
                 continue
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                deps.add(node.module)
-                deps |= {f"{node.module}.{a.name}" for a in node.names}  # from gspo.train import checkpoint
+            elif isinstance(node, ast.ImportFrom):
+                # from ..train import run: gspo.train, from the package the module is in
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+                module = ".".join(p for p in (base, node.module or "") if p)
+                deps.add(module)
+                deps |= {f"{module}.{a.name}" for a in node.names}  # from gspo.train import checkpoint
         out[name] = {d for d in deps if d in known and d != name}
     return out
 
@@ -105,18 +109,32 @@ def test_no_import_circle_between_modules():
 
 
 def allowed(room: str) -> set[str]:
-    """The rooms `room`'s docstring says it may import: the gspo rooms its "May import" sentence
-    names (parenthesised reasons left out), every room below it for "everything below", none for
-    "imports nothing"."""
+    """The rooms `room`'s docstring says it may import: the rooms its "May import" sentence lists
+    (names, separated by commas and "and"; reasons in parentheses, nested ones too, left out), every
+    room below it for "everything below", none for "imports nothing". Anything else in the list
+    (a word, a room that does not exist) fails: the contract is what it lists, not what prose names."""
     init = PACKAGE / room.removeprefix("gspo.") / "__init__.py"
     doc = " ".join((ast.get_docstring(ast.parse(init.read_text())) or "").split())
     if "imports nothing" in doc and "May import" not in doc:
         return set()
-    sentence = doc[doc.index("May import"):]
-    sentence = re.split(r"\.(\s|$)", re.sub(r"\([^)]*\)", "", sentence))[0]
-    named = {n.rstrip(",.:") for n in re.findall(r"gspo\.\w+", sentence)}
-    if "everything below" in sentence:
-        top = max((ORDER.index(n) for n in named if n in ORDER), default=ORDER.index(room) - 1)
+    text, sentence, depth = doc[doc.index("May import") + len("May import"):], "", 0
+    for i, ch in enumerate(text):  # up to the period that ends the sentence, parentheses left out
+        if ch in "()":
+            depth += 1 if ch == "(" else -1
+        elif depth == 0:
+            if ch == "." and text[i + 1:i + 2] in ("", " "):
+                break
+            sentence += ch
+    below = re.search(r"\beverything below (it|them)\b", sentence) is not None
+    items = [i.strip() for i in re.split(r",|:|\band\b", re.sub(r"\beverything below (it|them)\b", "", sentence))]
+    items = [i for i in items if i]
+    bad = [i for i in items if not re.fullmatch(r"[A-Za-z_]\w*(\.\w+)*", i)  # a word, not a name
+           or (i.startswith("gspo.") and i not in ORDER)]  # no such room
+    assert depth == 0 and not bad, f'{room}: its "May import" list holds {bad or ["an unmatched parenthesis"]}: ' \
+        "list rooms, separated by commas and 'and', with reasons in parentheses"
+    named = {i for i in items if i.startswith("gspo.")}
+    if below:
+        top = max((ORDER.index(n) for n in named), default=ORDER.index(room) - 1)
         named |= set(ORDER[:top + 1])
     return named - {room}
 
@@ -244,6 +262,49 @@ def test_an_annotation_import_is_a_circle_and_an_arrow(tmp_path, monkeypatch):
             raise AssertionError("the annotation's arrow back up was not found")
     finally:
         module_imports.cache_clear()
+
+
+def test_a_relative_import_is_an_arrow(tmp_path, monkeypatch):
+    # `from ..train import run` in gspo.agents is the arrow `from gspo.train import run` is
+    pkg = tmp_path / "gspo"
+    for r in ("agents", "train"):
+        (pkg / r).mkdir(parents=True)
+        (pkg / r / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "agents" / "side.py").write_text("from ..train import run\nfrom . import other\n")
+    (pkg / "agents" / "other.py").write_text("from ..train.run import Run\n")
+    (pkg / "train" / "run.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    module_imports.cache_clear()
+    try:
+        got = module_imports()
+    finally:
+        module_imports.cache_clear()
+    assert got["gspo.agents.side"] == {"gspo.train", "gspo.train.run", "gspo.agents", "gspo.agents.other"}
+    assert got["gspo.agents.other"] == {"gspo.train.run"}
+
+
+def _contract(tmp_path, monkeypatch, doc: str) -> set[str]:
+    """What `allowed` reads in a gspo.rewards whose docstring is `doc`."""
+    (tmp_path / "gspo" / "rewards").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "gspo" / "rewards" / "__init__.py").write_text(f'"""{doc}"""\n')
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path / "gspo")
+    return allowed("gspo.rewards")
+
+
+def test_the_contract_reader_allows_only_the_rooms_listed(tmp_path, monkeypatch):
+    # a reason is said in parentheses (nested ones too, periods inside them too); a room named in
+    # prose outside them would widen the contract without anyone listing it: the list is refused
+    assert _contract(tmp_path, monkeypatch, "Scores. May import: gspo.tasks (as (gspo.train) does. Not gspo.lab), "
+                                            "gspo.io. Later gspo.api.") == {"gspo.tasks", "gspo.io"}
+    for prose in ("May import: gspo.tasks, as gspo.train does.", "May import: gspo.tasks (see gspo.lab.",
+                  "May import: gspo.tasks, gspo.sampler."):
+        try:
+            got = _contract(tmp_path, monkeypatch, prose)
+        except AssertionError as e:
+            assert "gspo.rewards: its \"May import\" list" in str(e), e
+        else:
+            raise AssertionError(f"{prose!r} read as {sorted(got)}")
 
 
 def test_ruff_lints_every_module():

@@ -5,6 +5,7 @@ Every kill test compares the resumed run with an uninterrupted one: the metrics 
 """
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -299,3 +300,11 @@ def test_a_checkpoint_written_by_gspo_0_2_loads_its_pending_batches(tmp_path):
     assert type(batch) is Produced and type(batch.rollout) is Rollout
     assert (batch.step, batch.version, state["step"]) == (2, 0, 1)
     assert batch.rollout.completion_ids.shape[0] == 16  # 4 prompts x 4 completions
+
+
+def test_a_checkpoint_finds_the_processes_room_under_its_old_names():
+    # gspo 0.2's gspo.distributed and 0.3's gspo.dist.distributed are gspo.processes.distributed now
+    from gspo.processes.distributed import Dist
+
+    for old in ("gspo.distributed", "gspo.dist.distributed"):
+        assert ckpt._Unpickler(io.BytesIO()).find_class(old, "Dist") is Dist, old

@@ -11,6 +11,7 @@ import fcntl
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,33 @@ def test_a_spool_dir_without_locks_is_refused_in_one_line(tmp_path, monkeypatch)
         links.make_spool(tmp_path)
     assert not list(tmp_path.iterdir())  # nothing left behind
 
+
+
+def test_a_lock_that_no_trainer_made_is_never_opened(tmp_path, monkeypatch):
+    # /dev/shm is everyone's: a local process may plant a spool whose `lock` is a fifo, a link to a
+    # device (a serial port's open waits for its carrier; a terminal becomes the controlling one)
+    # or to the user's own file, or a spool that is a link to a directory. A trainer makes its lock
+    # a regular file of the spool itself: anything else is left alone, unopened
+    planted = {name: tmp_path / f"{links.SPOOL_PREFIX}{NO_PID}-{name}" for name in ("fifo", "linked", "spool-link")}
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / links.SPOOL_LOCK).write_text("the user's own")
+    planted["fifo"].mkdir()
+    os.mkfifo(planted["fifo"] / links.SPOOL_LOCK)
+    planted["linked"].mkdir()
+    (planted["linked"] / links.SPOOL_LOCK).symlink_to(victim / links.SPOOL_LOCK)
+    planted["spool-link"].symlink_to(victim)
+    opened, real_open = [], os.open
+
+    def recording(*args, **kwargs):  # what each descriptor the sweep opens is
+        fd = real_open(*args, **kwargs)
+        st = os.fstat(fd)
+        opened.append("fifo" if stat.S_ISFIFO(st.st_mode) else "victim" if
+                      (st.st_dev, st.st_ino) == ((v := (victim / links.SPOOL_LOCK).stat()).st_dev, v.st_ino) else "")
+        return fd
+
+    monkeypatch.setattr(links.os, "open", recording)
+    links.sweep_spools(tmp_path)
+    assert "fifo" not in opened and "victim" not in opened, opened
+    assert all(p.exists() or p.is_symlink() for p in planted.values())
+    assert (victim / links.SPOOL_LOCK).read_text() == "the user's own"

@@ -57,6 +57,7 @@ import pickle
 import queue
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -147,13 +148,15 @@ def sweep_spools(root: Path) -> None:
     - a spool with no `lock` file: one being made (its lock file appears only once held), or one
       left by gspo 0.3.0 or before, whose owner cannot be told apart from a live trainer in
       another pid namespace. Those are the user's to remove (`rm -r /dev/shm/gspo-spool-*` while
-      no run is live)."""
+      no run is live);
+    - anything no trainer made: a spool that is a symbolic link, a lock that is a link, a fifo, a
+      device (/dev/shm is everyone's: opening what another local process planted could wait on a
+      serial port's carrier, or make a terminal this process's controlling one)."""
     for old in root.glob(f"{SPOOL_PREFIX}*"):
         if old.resolve() in _HELD:
             continue
-        try:
-            fd = os.open(old / SPOOL_LOCK, os.O_RDWR)  # (writable: NFS's lock for flock needs it)
-        except OSError:  # no lock file (or not a directory, or another user's)
+        fd = _open_lock(old)
+        if fd is None:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -162,6 +165,27 @@ def sweep_spools(root: Path) -> None:
         finally:
             os.close(fd)  # released before the removal (NFS renames an open file it is asked to remove)
         shutil.rmtree(old, ignore_errors=True)  # a second sweeper removing it too is harmless
+
+
+def _open_lock(spool: Path) -> int | None:
+    """A descriptor of `spool`'s lock file, writable (NFS's lock for flock needs it); None where there
+    is none, or it is not a regular file of the spool itself, links followed nowhere."""
+    try:
+        folder = os.open(spool, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # not a directory, a link, or another user's
+        return None
+    try:
+        if not stat.S_ISREG(os.stat(SPOOL_LOCK, dir_fd=folder, follow_symlinks=False).st_mode):
+            return None  # a link, a fifo, a device: not opened
+        fd = os.open(SPOOL_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY, dir_fd=folder)
+    except OSError:  # no lock file, or another user's
+        return None
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since: opened without waiting, closed unread
+        os.close(fd)
+        return None
+    return fd
 
 
 def remove_spool(spool: Path) -> None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gspo.config import ConfigError
 from gspo.models.sequences import Rollout
 from gspo.rewards.builtin import Reward, TrainerState, score_completions
 from gspo.sampling.episodes import Draws, Episodes, EpisodeSpec, run_episodes
@@ -120,6 +121,10 @@ def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = No
         rewards, parts = score_completions(side.rewards, examples, completions, completion_ids,
                                            cfg.sampling.group_size, state)
     rewards, parts = with_env_rewards(rewards, parts, episodes)  # (B,)
+    if episodes is not None:  # the environments have scored (`environments=`) and stay here: the batch goes to
+        # the trainer's process and into checkpoints, where an instance of a file's class (--env file.py:Class)
+        # or of one holding a socket cannot be pickled
+        episodes = dataclasses.replace(episodes, envs=None)
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
 
@@ -220,6 +225,9 @@ def _drop_uniform(side: SamplingSide, step: int, first: tuple[Rollout, Scored],
     first round's (rollout, scored)."""
     cfg, dist, G = side.cfg, side.dist, side.cfg.sampling.group_size
     ro, scored = first
+    if scored.episodes is not None:  # gspo.train.resolve refuses it by name; a side built by hand gets here
+        raise ConfigError("drop_uniform_groups: cannot be combined with multi-turn episodes yet (their refill "
+                          f"rounds would need their episodes joined; env {getattr(side.env, '__name__', side.env)})")
     flat = uniform_groups(scored.rewards, G).tolist()  # (N,) the first round's groups without signal
     pool, spare = [(ro, scored)], []  # the rounds' (rollout, scored); (round, group) of the refills' groups with signal
     for r in range(1, cfg.async_rl.resample_rounds + 1):

@@ -99,7 +99,7 @@ _FLAT_0_2 = {
     "config": "configfile:yamlfile aliases:trl checks",
     "io": "files hub reporting words",
     "models": "models:loading gguf_models:gguf tiny moe fastmoe lmhead logprobs sequences value",
-    "dist": "distributed parallel links threads",
+    "processes": "distributed parallel links threads",
     "tasks": "data env scoring",
     "rewards": "rewards:builtin reward_model:model",
     "sampling": "rollout samplers produce pipeline vllm_engine fastdecode turncache episodes",
@@ -109,6 +109,8 @@ _FLAT_0_2 = {
 }
 MOVED_0_2 = {f"gspo.{old}": f"gspo.{room}.{new or old}" for room, names in _FLAT_0_2.items()
              for old, _, new in (n.partition(":") for n in names.split())}
+# gspo 0.3's room gspo.dist is gspo.processes (ruff and pytest skip folders named dist)
+MOVED_0_2 |= {f"gspo.dist.{old}": f"gspo.processes.{old}" for old in _FLAT_0_2["processes"].split()}
 
 
 class _Unpickler(pickle.Unpickler):

@@ -137,7 +137,8 @@ def _async_rules(cfg: TrainConfig):
         "each must be cpu, cuda or cuda:N"
     yield not (a.drop_uniform_groups and cfg.sampling.group_size < 2), "drop_uniform_groups", \
         "needs --group-size >= 2 (a group of one is always uniform)"
-    yield not (a.drop_uniform_groups and (cfg.episodes.env or cfg.data.task == "calculator")), "drop_uniform_groups", \
+    episodes = cfg.episodes.env or cfg.data.task == "calculator" or is_verifiers(cfg.data.task)  # tasks with an env
+    yield not (a.drop_uniform_groups and episodes), "drop_uniform_groups", \
         "cannot be combined with multi-turn episodes yet (their refill rounds would need their episodes joined)"
 
 
@@ -300,27 +301,28 @@ def resume_config(saved: TrainConfig, changed: TrainConfig | None) -> TrainConfi
 
 
 def absolute_paths(cfg: TrainConfig) -> TrainConfig:
-    """Paths made absolute (model and data directories, reward files and reward-model
+    """Paths made absolute (model and data directories, reward and environment files, reward-model
     directories, the run directory), so a run directory and its checkpoints work from any
     working directory. Hub ids and built-in names are left as they are (they are no paths)."""
 
     def absolute(p):
         return str(Path(p).expanduser().resolve()) if p is not None and Path(p).expanduser().exists() else p
 
-    def reward(r: str) -> str:
-        target, colon, attr = r.rpartition(":")
-        if colon and Path(target).exists():  # path/to/file.py:function
+    def named(r: str | None) -> str | None:
+        target, colon, attr = (r or "").rpartition(":")
+        if colon and Path(target).exists():  # path/to/file.py:function, path/to/file.py:Class
             return f"{absolute(target)}:{attr}"
-        return absolute(r) if not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
+        return absolute(r) if r and not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
 
-    rewards = tuple(reward(r) for r in cfg.rewards.reward)
+    rewards = tuple(named(r) for r in cfg.rewards.reward)
     out = (
         str(Path(cfg.run.output_dir).expanduser().absolute()) if cfg.run.output_dir not in (None, "-")
         else cfg.run.output_dir
     )
     model = cfg.policy.model if cfg.policy.model in BUILTIN_MODELS else absolute(cfg.policy.model)
     return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.data.dataset),
-                               eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards, output_dir=out)
+                               eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards,
+                               env=named(cfg.episodes.env), output_dir=out)
 
 
 __all__ = ["DERIVED", "Facts", "absolute_paths", "checked", "corrects_mismatch", "flag", "given", "resolve",
