@@ -3,6 +3,7 @@ is a local file, recorded as named where it is not; what a difference says."""
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import gspo
@@ -71,3 +72,25 @@ def test_every_file_option_names_its_file_from_any_working_directory(tmp_path, m
     assert names == {"model": f"{tmp_path}/model", "dataset": f"{tmp_path}/rows.jsonl",
                      "eval_dataset": f"{tmp_path}/rows.jsonl", "reward": (f"{tmp_path}/r.py:f",),
                      "env": f"{tmp_path}/e.py:E"}
+
+
+def test_a_weight_file_is_known_by_its_size_and_time_unread(tmp_path, monkeypatch):
+    # a 7B model's shards were read whole at every start (about 2 s per GB); a file of LARGE bytes or
+    # more is now known by (size, modification time): a sparse file of that size costs nothing here
+    from gspo.train import fingerprint as fp
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    shard = model / "model.safetensors"
+    with open(shard, "wb") as f:
+        f.truncate(fp.LARGE)  # sparse: LARGE bytes of zeros, none written
+    os.utime(shard, ns=(1_000_000_000, 1_000_000_000))
+    read = []
+    monkeypatch.setattr(fp, "_file_digest", lambda path, *a: read.append(Path(path).name) or "d")
+    first = fp._digest(model)
+    assert read == ["config.json"]  # the shard was not read
+    os.utime(shard, ns=(2_000_000_000, 2_000_000_000))  # rewritten: a new modification time
+    assert fp._digest(model) != first
+    os.utime(shard, ns=(1_000_000_000, 1_000_000_000))
+    assert fp._digest(model) == first
