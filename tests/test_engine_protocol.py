@@ -95,9 +95,12 @@ def engine(tok, monkeypatch):
 
 
 def run_for(sampler, tok, env=None, max_turns=1):
+    from gspo.sampling.episodes import run_episodes
+
     cfg = TrainConfig(group_size=2, prompts_per_step=1, max_new_tokens=80)
     return SimpleNamespace(cfg=cfg, dist=SimpleNamespace(rank=0, max_int=lambda n: n), tokenizer=tok, stop_ids=None,
-                           policy=torch.nn.Linear(2, 2), sampler=sampler, env=env, max_turns=max_turns)
+                           policy=torch.nn.Linear(2, 2), sampler=sampler, env=env, max_turns=max_turns,
+                           play=run_episodes)  # a SamplingSide's: gspo's multi-turn loop plays an environment
 
 
 WAKE_AND_SYNC = ["empty_cache", "wake_up", "reload_weights", "apply_model", "reset_prefix_cache"]

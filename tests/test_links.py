@@ -178,9 +178,9 @@ def test_a_worker_holds_its_policy_as_the_trainers_copy_holds_it(monkeypatch, dt
     # copy casts every parameter: the worker must hold what that copy holds
     from transformers import Qwen3ForCausalLM
 
+    from gspo.agents.side import sampling_side
     from gspo.config import TrainConfig
     from gspo.models.loading import DTYPES, load_policy, low_precision_copy
-    from gspo.sampling.pipeline import sampling_side
     from gspo.train.resolve import resolve
 
     monkeypatch.setattr(Qwen3ForCausalLM, keep, ["norm"])

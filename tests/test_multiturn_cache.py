@@ -297,7 +297,7 @@ def test_an_environment_that_raises_mid_rollout_leaves_no_kept_cache(monkeypatch
         assert sampler.turns.kept is not None  # turn 0 kept its cache for turn 1
         raise EnvError("env CalculatorEnv: step on row 0 raised RuntimeError: boom")
 
-    monkeypatch.setattr("gspo.agents.runner.run_episodes", turn_then_raise)  # produce plays through agents.play
+    run.play = turn_then_raise  # who plays the run's episodes (gspo.sampling.episodes.run_episodes)
     with pytest.raises(EnvError, match="boom"):
         rollout(run, run.task.train_batch(1, 2, seed=0), 1)
     assert run.sampler.turns.kept is None  # dropped by end_rollout on the way out

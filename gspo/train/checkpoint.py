@@ -42,7 +42,6 @@ from gspo.algo.clipcontrol import ClipController
 from gspo.config import TrainConfig, to_dict
 from gspo.io.files import _fsync_dir, atomic_write_text, trim_jsonl
 from gspo.processes import parallel
-from gspo.sampling.produce import Produced
 from gspo.train.fingerprint import write_fingerprint
 
 if TYPE_CHECKING:
@@ -50,6 +49,7 @@ if TYPE_CHECKING:
 
     from gspo.processes.distributed import Dist
     from gspo.sampling.pipeline import Pipeline
+    from gspo.sampling.produce import Produced  # the sampler's imports (transformers) stay out of `gspo compare --help`
     from gspo.train.optim import Trainable
 
 @dataclass
