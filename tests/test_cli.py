@@ -46,6 +46,7 @@ def test_config_file_and_flags(tmp_path):
     assert "algorithm: gspo_token" in cfg and "clip_high: 0.002" in cfg and "steps: 1" in cfg
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("args,expected", [
     (["train", "--group-size", "1"], "group_size: must be >= 2"),
     (["train", "--group-size", "four"], "--group-size"),
@@ -73,6 +74,7 @@ def test_bad_input_gives_one_line_and_exit_2(args, expected, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+@pytest.mark.slow  # starts a process
 def test_existing_run_directory_is_not_overwritten(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -82,6 +84,7 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     assert (run / "metrics.jsonl").read_text() == "precious\n"
 
 
+@pytest.mark.slow  # starts a process
 def test_help_lists_documented_options():
     r = gspo("train", "--help")
     assert r.returncode == 0
@@ -90,6 +93,7 @@ def test_help_lists_documented_options():
     assert "Responses" in r.stdout or "Completions sampled per prompt" in r.stdout
 
 
+@pytest.mark.slow  # starts a process
 def test_train_help_is_grouped_with_presets_and_kl():
     import dataclasses
 
@@ -117,12 +121,14 @@ def test_train_help_is_grouped_with_presets_and_kl():
     assert "tiny-moe" in out
 
 
+@pytest.mark.slow  # starts a process
 def test_eval_help_lists_what_eval_uses():
     out = gspo("eval", "--help").stdout
     assert "--k INT" in out and "--model" in out and "--reward" in out
     assert "--lr" not in out and "--num-minibatches" not in out
 
 
+@pytest.mark.slow  # starts a process
 def test_version_and_top_level_help():
     from gspo import __version__
 
@@ -176,6 +182,7 @@ def test_graded_first_reward_is_named_not_called_accuracy(capsys):
     assert "held-out greedy mean digit_credit 0.25 -> 0.5 (+0.25)" in out and "accuracy" not in out
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("args,expected", [
     (["--min-new-tokens", "10"], "min_new_tokens: must be <= max_new_tokens, 8 (the task value) (got 10)"),
     (["--max-new-tokens", "60"], "max_new_tokens: prompts of up to 8 tokens + 60 new tokens exceed the model's "

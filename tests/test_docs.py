@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from gspo.algo.aggregation import AGG_MODES
@@ -20,6 +21,7 @@ def page(name: str) -> str:
     return (DOCS / name).read_text()
 
 
+@pytest.mark.slow  # starts a process
 def test_options_table_is_current():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "options_table.py")], capture_output=True, text=True,
                          check=True).stdout.strip()

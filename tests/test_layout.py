@@ -18,6 +18,8 @@ import textwrap
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "gspo"
 # the rooms from the ground floor up; the user's entry points (cli, api, export, __main__) stand on top
 ORDER = ["gspo.io", "gspo.algo", "gspo.config", "gspo.tasks", "gspo.models", "gspo.processes", "gspo.rewards",
@@ -198,6 +200,7 @@ def test_an_annotation_import_is_no_circle_but_still_an_arrow(tmp_path, monkeypa
         module_imports.cache_clear()
 
 
+@pytest.mark.slow  # starts a process
 def test_ruff_lints_every_module():
     # ruff's default `exclude` skips any folder named dist, build, venv ...: a room called so went
     # unlinted (gspo/dist, 971 lines, until 0.4.0). pyproject.toml names its exclusions instead.
@@ -210,6 +213,7 @@ def test_ruff_lints_every_module():
     assert not missing, f"ruff skips: {missing}"
 
 
+@pytest.mark.slow  # starts a process
 def test_pytest_collects_every_module_for_its_doctests(tmp_path):
     # pytest's default `norecursedirs` skips any folder named dist or build: gspo/dist's doctests never
     # ran. A plugin records what pytest would collect under gspo/ (--doctest-modules) and collects
