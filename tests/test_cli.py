@@ -84,9 +84,15 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     assert (run / "metrics.jsonl").read_text() == "precious\n"
 
 
+@pytest.fixture(scope="module")
+def train_help():
+    """`gspo train --help`, run once for the tests that read it."""
+    return gspo("train", "--help")
+
+
 @pytest.mark.slow  # starts a process
-def test_help_lists_documented_options():
-    r = gspo("train", "--help")
+def test_help_lists_documented_options(train_help):
+    r = train_help
     assert r.returncode == 0
     for flag in ("--algorithm", "--group-size", "--num-minibatches", "--clip-low", "--loss-agg", "--old-logp"):
         assert flag in r.stdout
@@ -94,12 +100,12 @@ def test_help_lists_documented_options():
 
 
 @pytest.mark.slow  # starts a process
-def test_train_help_is_grouped_with_presets_and_kl():
+def test_train_help_is_grouped_with_presets_and_kl(train_help):
     import dataclasses
 
     from gspo.config import SECTIONS, TrainConfig
 
-    out = gspo("train", "--help").stdout
+    out = train_help.stdout
     names = [f.name for cls, _ in SECTIONS.values() for f in dataclasses.fields(cls)]
     assert len(names) == len(set(names)) == 107  # option names are unique across sections (flags carry no prefix)
     assert set(TrainConfig().policy.__dataclass_fields__) < set(names)
