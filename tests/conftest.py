@@ -3,6 +3,9 @@ import os
 import pytest
 import torch
 
+# the fast loop's guard (tests/fastloop.py): an unmarked test that starts a process or takes over 5 s fails
+from tests.fastloop import pytest_addoption, pytest_configure, pytest_runtest_makereport, pytest_runtest_setup  # noqa: F401
+
 # Two cores: keep torch from oversubscribing them when pytest-xdist runs two workers.
 THREADS = max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 torch.set_num_threads(THREADS)

@@ -92,6 +92,7 @@ def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
         ep.stop()
 
 
+@pytest.mark.slow  # 1 s
 def test_a_streamed_call_is_sampled_whole_and_sent_as_events_over_either_transport(tiny):
     import openai
 
@@ -328,6 +329,7 @@ def test_faults_fail_their_episode_in_one_line_and_the_rest_train(tiny, capsys):
     assert ep.agent.late_calls == 1
 
 
+@pytest.mark.slow  # starts a process
 def test_gspo_train_runs_an_agent_file_and_says_so(tmp_path):
     import subprocess
 
@@ -356,6 +358,7 @@ def test_gspo_train_runs_an_agent_file_and_says_so(tmp_path):
     assert not (tmp_path / "run2" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # trains
 def test_the_python_api_takes_the_function_itself(tmp_path):
     import gspo
 
@@ -420,6 +423,7 @@ async def rollout(client, example):
 '''
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.parametrize("algorithm,turn_advantages", [("gspo", False), ("grpo", True), ("ppo", False)])
 def test_an_edited_history_is_a_row_of_its_own_trained_with_its_episodes_advantage(tmp_path, algorithm,
                                                                                       turn_advantages):
@@ -508,6 +512,7 @@ def _counting(sample, seen: list):
     return lambda prompts, *a, **kw: seen.append(len(prompts)) or sample(prompts, *a, **kw)
 
 
+@pytest.mark.slow  # waits for its batch windows
 def test_what_a_call_samples_depends_on_its_episode_and_call_not_on_its_batch(tiny):
     # call k of episode b draws turn k's uniforms at row b (as run_episodes draws turn k): the same
     # tokens whether the episodes' calls were batched together or one by one (an agent that waits)
@@ -542,6 +547,7 @@ def test_what_a_call_samples_depends_on_its_episode_and_call_not_on_its_batch(ti
     assert len({tuple(r[:3].tolist()) for r in a.completion_ids}) > 1  # the four episodes sampled differently
 
 
+@pytest.mark.slow  # starts a process
 def test_an_agent_run_with_staleness_and_a_correction_resumes_to_the_uninterrupted_run(tmp_path):
     # item 6 of the agents issue: checkpoints, the in-process asynchronous pipeline (--max-staleness)
     # and a mismatch correction (--rollout-is) with agent rollouts. The checkpoint at step 1 holds the

@@ -142,6 +142,7 @@ except urllib.error.HTTPError as e:
 '''
 
 
+@pytest.mark.slow  # starts a process
 def test_a_process_without_the_runs_key_is_refused_and_leaves_no_trace(tiny, tmp_path):
     # another local process (no key, a wrong key, a key one character off) posts to an episode's URL
     # while it runs: 401, nothing sampled, nothing recorded. Before, it got 200 and its call was trained.
@@ -200,6 +201,7 @@ def test_idle_connections_and_a_malformed_request_cost_a_bounded_thread_and_no_t
         ep.stop()
 
 
+@pytest.mark.slow  # waits for its batch window
 def test_bad_token_ids_and_an_overlong_prompt_get_400_while_the_other_calls_go_on(tiny):
     # a request with an id past the vocabulary reached the sampler and failed the whole step
     # (IndexError); now it is that request's 400, as is a prompt past the model's context
@@ -252,6 +254,7 @@ def test_a_reward_may_be_any_real_number_type():
             _rewards(bad)
 
 
+@pytest.mark.slow  # waits out its timeouts
 def test_a_call_its_caller_gave_up_on_is_not_recorded_and_a_retry_continues_the_sequence(tiny):
     from gspo.agents.endpoint import in_process
     from gspo.agents.runner import httpx_of_openai
@@ -413,6 +416,7 @@ def test_an_agent_that_raises_systemexit_fails_at_once_and_its_thread_lives_on(t
         assert "episode 1 (row 0) raised KeyboardInterrupt: failed" in err
 
 
+@pytest.mark.slow  # waits out its deadlines
 def test_agents_that_block_their_event_loop_end_at_the_deadline_in_one_line_each(tiny, capsys):
     # time.sleep and a CPU-bound loop in async code: before, a 1 s deadline let a 2-episode step run
     # 11-13 s (the episodes one after another on one loop) and printed a thread traceback
@@ -456,6 +460,7 @@ def test_agents_that_block_their_event_loop_end_at_the_deadline_in_one_line_each
     assert "Traceback" not in err and "Event loop is closed" not in err
 
 
+@pytest.mark.slow  # waits out deadlines: 10 s
 def test_an_episode_left_behind_does_not_touch_the_next_episodes_on_its_thread(tiny):
     # an episode cut at its deadline runs on in the background until it returns; its thread (and
     # event loop) went back to the pool at once, so the next step's episodes ran beside it there and
@@ -479,6 +484,7 @@ def test_an_episode_left_behind_does_not_touch_the_next_episodes_on_its_thread(t
     assert not second.agent.failed.any()
 
 
+@pytest.mark.slow  # trains
 def test_failed_episodes_earn_nothing_and_leave_their_groups_baseline(tmp_path):
     # an episode that raises after a call was scored by the task's rewards (reward 1.0 in
     # samples.jsonl, reward/mean 1.0 at failed_frac 0.5) and sat in its group's baseline

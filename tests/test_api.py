@@ -23,6 +23,7 @@ def exact(completions, answer, **kw):
     return [float(c.strip() == a) for c, a in zip(completions, answer)]
 
 
+@pytest.mark.slow  # trains
 def test_readme_example_runs(tmp_path, monkeypatch):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"## The Python API.*?```python\n(.*?)```", readme, re.S).group(1)

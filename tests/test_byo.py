@@ -175,6 +175,7 @@ def test_bad_model_and_reward_inputs(byo, tmp_path, capsys, setup, expected):
     assert not out.exists()
 
 
+@pytest.mark.slow  # trains
 def test_bad_input_never_touches_an_existing_run(byo, tmp_path, capsys):
     # a finished run; resuming it for more steps after its dataset went bad must not change a byte of it
     run = tmp_path / "run"

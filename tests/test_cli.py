@@ -46,6 +46,7 @@ def test_config_file_and_flags(tmp_path):
     assert "algorithm: gspo_token" in cfg and "clip_high: 0.002" in cfg and "steps: 1" in cfg
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("args,expected", [
     (["train", "--group-size", "1"], "group_size: must be >= 2"),
     (["train", "--group-size", "four"], "--group-size"),
@@ -73,6 +74,7 @@ def test_bad_input_gives_one_line_and_exit_2(args, expected, tmp_path):
     assert not (tmp_path / "out").exists()  # nothing started, nothing written
 
 
+@pytest.mark.slow  # starts a process
 def test_existing_run_directory_is_not_overwritten(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -82,20 +84,28 @@ def test_existing_run_directory_is_not_overwritten(tmp_path):
     assert (run / "metrics.jsonl").read_text() == "precious\n"
 
 
-def test_help_lists_documented_options():
-    r = gspo("train", "--help")
+@pytest.fixture(scope="module")
+def train_help():
+    """`gspo train --help`, run once for the tests that read it."""
+    return gspo("train", "--help")
+
+
+@pytest.mark.slow  # starts a process
+def test_help_lists_documented_options(train_help):
+    r = train_help
     assert r.returncode == 0
     for flag in ("--algorithm", "--group-size", "--num-minibatches", "--clip-low", "--loss-agg", "--old-logp"):
         assert flag in r.stdout
     assert "Responses" in r.stdout or "Completions sampled per prompt" in r.stdout
 
 
-def test_train_help_is_grouped_with_presets_and_kl():
+@pytest.mark.slow  # starts a process
+def test_train_help_is_grouped_with_presets_and_kl(train_help):
     import dataclasses
 
     from gspo.config import SECTIONS, TrainConfig
 
-    out = gspo("train", "--help").stdout
+    out = train_help.stdout
     names = [f.name for cls, _ in SECTIONS.values() for f in dataclasses.fields(cls)]
     assert len(names) == len(set(names)) == 107  # option names are unique across sections (flags carry no prefix)
     assert set(TrainConfig().policy.__dataclass_fields__) < set(names)
@@ -117,12 +127,14 @@ def test_train_help_is_grouped_with_presets_and_kl():
     assert "tiny-moe" in out
 
 
+@pytest.mark.slow  # starts a process
 def test_eval_help_lists_what_eval_uses():
     out = gspo("eval", "--help").stdout
     assert "--k INT" in out and "--model" in out and "--reward" in out
     assert "--lr" not in out and "--num-minibatches" not in out
 
 
+@pytest.mark.slow  # starts a process
 def test_version_and_top_level_help():
     from gspo import __version__
 
@@ -176,6 +188,7 @@ def test_graded_first_reward_is_named_not_called_accuracy(capsys):
     assert "held-out greedy mean digit_credit 0.25 -> 0.5 (+0.25)" in out and "accuracy" not in out
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.parametrize("args,expected", [
     (["--min-new-tokens", "10"], "min_new_tokens: must be <= max_new_tokens, 8 (the task value) (got 10)"),
     (["--max-new-tokens", "60"], "max_new_tokens: prompts of up to 8 tokens + 60 new tokens exceed the model's "

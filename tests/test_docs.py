@@ -30,6 +30,7 @@ def page(name: str) -> str:
     return (DOCS / name).read_text()
 
 
+@pytest.mark.slow  # starts a process
 def test_options_table_is_current():
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "options_table.py")], capture_output=True, text=True,
                          check=True).stdout.strip()

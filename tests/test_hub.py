@@ -143,6 +143,7 @@ def test_lora_adapter_records_the_hub_base_and_revision(offline, tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # trains
 def test_train_resume_and_eval_by_hub_ids(offline, tmp_path, capsys):
     run = tmp_path / "run"
     # PPO with a KL term: the policy, the frozen reference and the separate critic all from the id at v2
@@ -166,6 +167,7 @@ def test_train_resume_and_eval_by_hub_ids(offline, tmp_path, capsys):
     assert (res["model"], res["n"]) == (QWEN3, 4)
 
 
+@pytest.mark.slow  # trains
 def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
     import datasets
 
@@ -187,6 +189,7 @@ def test_api_takes_a_hub_id_and_a_dataset_dict(offline, tmp_path):
         load_dataset_task(dd, Data(prompt_column="question", dataset_split="validation"))
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.filterwarnings("ignore:Could not find a config file")  # PEFT, saving offline: cannot ask the Hub
 def test_lora_run_on_a_hub_id_exports_merged_offline(offline, tmp_path):
     """Train LoRA on a Hub id at a revision, then `gspo export`: the base is resolved again from
@@ -232,6 +235,7 @@ def test_hub_rows_are_named_by_id_config_split_and_row(offline):
         load_dataset_task(GSM8K, Data(dataset_config="main", prompt_column="question", dataset_split="validation"))
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_in_a_subprocess_offline(hub, tmp_path):
     """The real user path: a fresh process that reads HF_HOME and HF_HUB_OFFLINE from its environment."""
     r = subprocess.run([sys.executable, "-m", "gspo", "train", "--model", QWEN2, *GSM8K_ARGS, *FAST, "--steps", "1",

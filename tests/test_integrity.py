@@ -128,6 +128,7 @@ def test_rows_laid_out_of_their_context_stop_the_step_before_its_update(tmp_path
     assert all(torch.equal(v, run.policy.state_dict()[k]) for k, v in before.items())  # no weight moved
 
 
+@pytest.mark.slow  # trains
 def test_with_warn_the_breach_is_said_and_its_rows_left_out(tmp_path, monkeypatch, capsys):
     from gspo.agents import runner
 
@@ -140,6 +141,7 @@ def test_with_warn_the_breach_is_said_and_its_rows_left_out(tmp_path, monkeypatc
     assert batch.rollout.completion_mask.sum() == 0  # every row breached: none trained
 
 
+@pytest.mark.slow  # trains
 def test_a_sampler_that_kept_old_weights_fails_the_on_policy_check(tmp_path):
     # a weight sync that silently failed: the sampler keeps the initial weights while the policy moves
     run = build_run(TrainConfig(model="tiny", task="arithmetic", prompts_per_step=4, group_size=4, lr=1e-2,
@@ -156,6 +158,7 @@ def test_a_sampler_that_kept_old_weights_fails_the_on_policy_check(tmp_path):
     assert "past the tolerance 0.001 (hf, float32)" in line and "a weight sync that failed" in line
 
 
+@pytest.mark.slow  # starts a process
 def test_gspo_train_stops_in_one_line_and_writes_nothing_of_the_step(tmp_path):
     import subprocess
     import sys

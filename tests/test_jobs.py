@@ -59,6 +59,7 @@ def test_runs_in_parallel_equal_each_run_alone(tmp_path, capsys):
     assert _steps(out / "runs" / "gspo-seed0") != _steps(out / "runs" / "grpo-seed0")  # the check can fail
 
 
+@pytest.mark.slow  # starts a process
 def test_a_failing_run_stops_the_comparison_in_one_line(tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", "--configs", "gspo", "bad:model=/nonexistent/model", "--seeds", "0", "--jobs", "2",

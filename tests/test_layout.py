@@ -19,6 +19,8 @@ import textwrap
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "gspo"
 # the rooms from the ground floor up; the user's entry points (cli, api, export, __main__) stand on top
 ORDER = ["gspo.io", "gspo.algo", "gspo.config", "gspo.tasks", "gspo.models", "gspo.processes", "gspo.rewards",
@@ -307,6 +309,7 @@ def test_the_contract_reader_allows_only_the_rooms_listed(tmp_path, monkeypatch)
             raise AssertionError(f"{prose!r} read as {sorted(got)}")
 
 
+@pytest.mark.slow  # starts a process
 def test_ruff_lints_every_module():
     # ruff's default `exclude` skips any folder named dist, build, venv ...: a room called so went
     # unlinted (gspo/dist, 971 lines, until 0.4.0). pyproject.toml names its exclusions instead.
@@ -319,6 +322,7 @@ def test_ruff_lints_every_module():
     assert not missing, f"ruff skips: {missing}"
 
 
+@pytest.mark.slow  # starts a process
 def test_pytest_collects_every_module_for_its_doctests(tmp_path):
     # pytest's default `norecursedirs` skips any folder named dist or build: gspo/dist's doctests never
     # ran. A plugin records what pytest would collect under gspo/ (--doctest-modules) and collects

@@ -35,6 +35,7 @@ def test_the_worked_example_registers_a_loss_checks_it_by_hand_and_trains(tmp_pa
     assert all(row["clip/low_frac"] == 0.0 for row in rows)  # it never clips below
 
 
+@pytest.mark.slow  # starts a process
 def test_a_changed_example_fails(tmp_path):
     # the block's hand check can fail: without its upper clip the first token's term is 2.0, not 1.28
     code = example().replace("ratio.clamp(max=1 + loss.clip_high) * adv", "ratio * adv")

@@ -62,6 +62,7 @@ def _receive(link, seconds: float):
     raise AssertionError(f"no message within {seconds} s")
 
 
+@pytest.mark.slow  # starts a process
 def test_a_result_of_megabytes_arrives_whole_and_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setenv("GSPO_SPOOL_DIR", str(tmp_path))
     link = LocalLink(1, _big_sender, lambda i: (BIG,))
@@ -76,6 +77,7 @@ def test_a_result_of_megabytes_arrives_whole_and_leaves_nothing_behind(tmp_path,
     assert not list(tmp_path.iterdir())  # the spool directory itself is gone
 
 
+@pytest.mark.slow  # starts a process
 def test_a_worker_killed_mid_write_is_reported_and_its_partial_result_never_read(tmp_path, monkeypatch):
     monkeypatch.setenv("GSPO_SPOOL_DIR", str(tmp_path))
     link = LocalLink(1, _dies_mid_write, lambda i: (BIG,))
@@ -89,6 +91,7 @@ def test_a_worker_killed_mid_write_is_reported_and_its_partial_result_never_read
         link.close()
 
 
+@pytest.mark.slow  # starts a process
 def test_weights_reach_the_worker_and_close_stops_it(tmp_path, monkeypatch):
     monkeypatch.setenv("GSPO_SPOOL_DIR", str(tmp_path))
     link = LocalLink(1, _echo_weights, lambda i: ())
@@ -104,6 +107,7 @@ def test_weights_reach_the_worker_and_close_stops_it(tmp_path, monkeypatch):
     assert not proc.is_alive() and proc.exitcode == 0  # it left on the stop request
 
 
+@pytest.mark.slow  # starts a process
 def test_close_escalates_on_a_worker_that_never_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("GSPO_SPOOL_DIR", str(tmp_path))
     monkeypatch.setattr(links, "CLOSE_STOP_S", 0.5)
@@ -117,6 +121,7 @@ def test_close_escalates_on_a_worker_that_never_reads(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 0.5 + links.CLOSE_TERM_S
 
 
+@pytest.mark.slow  # starts a process
 def test_a_sigterm_to_the_process_group_is_left_to_the_trainer(tmp_path, monkeypatch):
     # a cluster's SIGTERM to every process: the worker keeps serving (the trainer checkpoints with
     # the batches in flight, then stops it)
@@ -280,6 +285,7 @@ def _rank_of_a_closing_world(rank: int, port: int, late_s: float, out: str) -> N
     os._exit(code)
 
 
+@pytest.mark.slow  # starts a process
 def test_a_rollout_rank_ends_cleanly_when_the_trainers_leave_at_different_times(tmp_path):
     # the end of a torchrun run with a rollout rank (seen once in CI as a failed run after its last
     # step): trainer rank 0 arrives 1.5 s after rank 1, whose wait (0.2 s here, 5 s in gspo) has

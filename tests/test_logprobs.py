@@ -129,6 +129,7 @@ def _one_minibatch(run, batch, budget, packed):
     return metrics, grads
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo", "gspo_token", "ppo"])
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_micro_batches_and_packing_equal_one_pass(algorithm, agg, tmp_path):

@@ -251,7 +251,9 @@ def marks(i: int):
     return [pytest.mark.xfail(strict=True, reason=XFAIL[i])] if i in XFAIL else []
 
 
-ONE = [pytest.param(c, id=f"cell{i:02d}", marks=marks(i)) for i, c in enumerate(CELLS) if c["layout"] == "1"]
+# every cell trains, so each is slow: the fast loop (CONTRIBUTING.md) runs the refusal cells only
+ONE = [pytest.param(c, id=f"cell{i:02d}", marks=[pytest.mark.slow, *marks(i)])
+       for i, c in enumerate(CELLS) if c["layout"] == "1"]
 TWO = [pytest.param(c, id=f"cell{i:02d}-{c['layout']}", marks=[pytest.mark.slow, *marks(i)])
        for i, c in enumerate(CELLS) if c["layout"] != "1"]
 BASE = {"layout": "1", "precision": "fp32", "turns": "single", "model": "dense", "lora": "off", "micro": "off",
@@ -298,7 +300,7 @@ def test_two_process_cell(cell, tmp_path):
     expect(cell, res.returncode, res.stderr, run)
 
 
-GPU = [pytest.param(c, id=f"cell{i:02d}-cuda", marks=[pytest.mark.gpu, *marks(i)])
+GPU = [pytest.param(c, id=f"cell{i:02d}-cuda", marks=[pytest.mark.gpu, pytest.mark.slow, *marks(i)])
        for i, c in enumerate(CELLS) if c["layout"] == "1"]
 
 

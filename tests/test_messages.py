@@ -159,6 +159,7 @@ def test_the_table_is_long_enough():
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # trains
 def test_a_runs_own_config_file_trains_again(place, capsys):
     # config.yaml sets every option, derived values included (grpo's clip range, critic_lr = 10 x lr):
     # none is refused as given
@@ -240,6 +241,7 @@ def gspo(*args, cwd, hf_home):
     (["eval", "--model", "Org/NoSuchModel"], "gspo eval: error: model Org/NoSuchModel: not in the local Hugging Face "
                                               "cache"),
 ], ids=["eval-path", "train-builtin-typo", "hub-id"])
+@pytest.mark.slow  # starts a process
 def test_a_mistyped_model_in_a_fresh_process(args, says, tmp_path):
     (tmp_path / "work" / "runs").mkdir(parents=True)
     (tmp_path / "hf").mkdir()

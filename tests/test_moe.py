@@ -191,6 +191,7 @@ def test_balance_loss_by_hand_with_the_minibatch_f():
     assert parts == pytest.approx([0.5, 0.5], rel=1e-12)
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.parametrize("replay", [False, True])
 def test_micro_batched_update_with_the_balance_loss_equals_one_pass(tmp_path, replay):
     # the built-in tiny MoE: one minibatch's accumulated gradient (policy loss + 0.5 ×

@@ -50,6 +50,7 @@ def test_old_logp_sampling_equals_recompute_in_fp32(model, moe_dir):
             assert ma["moe/drift"] == pytest.approx(mb["moe/drift"], abs=1e-6)
 
 
+@pytest.mark.slow  # trains
 def test_drift_zero_under_replay_positive_without(moe_dir):
     # a large learning rate moves the routers within a step: the updates after the first
     # minibatch see other experts than the old policy chose. The length reward varies within
@@ -71,6 +72,7 @@ def test_router_aux_loss_is_logged_and_trains(moe_dir):
     assert m[0]["moe/aux_loss"] >= 1.0 - 1e-3  # E·Σ f P >= 1, equality only when balanced
 
 
+@pytest.mark.slow  # trains
 def test_rollout_in_bfloat16_shows_a_precision_gap():
     m = run_steps("tiny", steps=1, rollout_dtype="bfloat16")[0]
     # sampled in bf16, recomputed in fp32: token log-probs differ ...

@@ -369,6 +369,7 @@ def _batch(tmp_path, **kw):
                                         episodes=ep))
 
 
+@pytest.mark.slow  # 2 s
 @pytest.mark.parametrize("algorithm", ["gspo", "grpo", "gspo_token"])
 def test_environment_tokens_never_reach_the_loss(tmp_path, algorithm):
     # huge log-prob changes on environment tokens, new and old, leave the loss, every metric
@@ -455,6 +456,7 @@ def _train(*args):
     return main(["train", *args])
 
 
+@pytest.mark.slow  # trains
 def test_user_environment_file_with_a_raising_tool(tmp_path, capsys):
     env_file = tmp_path / "broken_env.py"
     env_file.write_text(
@@ -488,6 +490,7 @@ def test_bad_multi_turn_options_are_one_line_errors(tmp_path, capsys, args, mess
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # trains
 def test_a_raising_environment_is_one_line(tmp_path, capsys):
     env_file = tmp_path / "e.py"
     env_file.write_text("from gspo.tasks.env import Environment\nclass Crash(Environment):\n"
@@ -530,6 +533,7 @@ def test_multi_turn_two_processes_match_one(tmp_path):
     assert_same_weights(weights(tmp_path / "one"), weights(tmp_path / "two"))
 
 
+@pytest.mark.slow  # starts a process
 def test_cli_help_lists_the_multi_turn_options():
     out = subprocess.run([sys.executable, "-m", "gspo", "train", "--help"], capture_output=True, text=True).stdout
     for flag in ("--env", "--max-turns", "--max-episode-tokens", "--turn-advantages"):

@@ -123,6 +123,7 @@ def tool_case(tok, model, case):
     return examples, spec, params
 
 
+@pytest.mark.slow  # 3 s
 @pytest.mark.parametrize("decode", ["fast", "hf"])
 @pytest.mark.parametrize("case", ["calculator", "stop-string", "budget", "moe"])
 def test_a_kept_cache_samples_the_episodes_a_full_prefill_does(tool_model, moe_model, monkeypatch, case, decode):
@@ -167,6 +168,7 @@ def test_a_kept_cache_samples_the_episodes_a_full_prefill_does(tool_model, moe_m
         assert max(cut[n_full:-1]) >= 2
 
 
+@pytest.mark.slow  # 2 s
 def test_later_turns_feed_only_the_last_sampled_token_and_the_observation(tool_model, monkeypatch):
     # Again's observation after a turn that ended with <|im_end|> is 25 tokens:
     #   \n <|im_start|> u s e r \n a g a i n <|im_end|> \n <|im_start|> a s s i s t a n t \n
@@ -283,6 +285,7 @@ def test_a_chunk_before_any_decode_step_is_checked_against_hugging_face(tool_mod
     torch.testing.assert_close(out[0].logp, out[1].logp, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # trains
 def test_an_environment_that_raises_mid_rollout_leaves_no_kept_cache(monkeypatch):
     from gspo.config import TrainConfig
     from gspo.sampling.produce import rollout

@@ -97,6 +97,7 @@ def test_the_model_acts_through_the_step_tool(factory):
     assert env.step("the answer is 42").done  # no call: the model's answer ends the episode
 
 
+@pytest.mark.slow  # trains
 def test_an_openenv_environment_trains_and_closes_its_episodes(tmp_path):
     CLOSED.clear()
 
@@ -373,6 +374,7 @@ def test_reset_text_chooses_the_text():
         start_env(Bad, row)
 
 
+@pytest.mark.slow  # trains
 def test_a_dataset_whose_rows_are_seeds_trains_on_the_tasks_reset_states(tmp_path):
     # the prompt is TRL's stand-in for an environment that states the task: an empty user message
     rows = tmp_path / "seeds.jsonl"

@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 
 import gspo
@@ -78,6 +79,7 @@ def test_lora(tmp_path):
     assert "LoRA r=4 (alpha 16, all-linear)" in describe(p)
 
 
+@pytest.mark.slow  # trains
 def test_summary_has_the_plan_said_once_at_the_start(tmp_path, capsys):
     summary = gspo.Trainer(TrainConfig(output_dir=str(tmp_path / "run"), **SMALL)).train()
     out = capsys.readouterr().out

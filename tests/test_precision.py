@@ -32,6 +32,7 @@ def test_low_precision_copy_keeps_rope_in_float32():
     assert all(p.dtype == torch.float32 for p in load_policy("tiny")[0].parameters())  # the original untouched
 
 
+@pytest.mark.slow  # trains
 def test_mixed_precision_keeps_float32_master_weights(tmp_path):
     cfg = TrainConfig(dtype="bfloat16", lr=1e-6, warmup_steps=0, steps=2, output_dir=str(tmp_path / "r"), **FAST)
     run = build_run(cfg)
@@ -58,6 +59,7 @@ def test_pure_bf16_is_asked_for_by_name(tmp_path):
     assert run.sampler.model is run.policy  # nothing to copy: it samples with itself
 
 
+@pytest.mark.slow  # trains
 def test_float16_trains_with_loss_scaling(tmp_path):
     run = build_run(TrainConfig(dtype="float16", lr=1e-4, output_dir=str(tmp_path / "r"), **FAST))
     assert run.scaler is not None and all(p.dtype == torch.float32 for p in run.policy.parameters())
@@ -89,6 +91,7 @@ def test_precision_options_are_checked(changes, field):
     assert str(e.value).startswith(field + ":") and "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # trains
 def test_dropout_is_off_in_the_updates(tmp_path):
     # LoRA dropout 0.05 and one minibatch: every update is on-policy, so with dropout off in the
     # training forward as in the old-policy pass, every ratio is 1 and nothing clips

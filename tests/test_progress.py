@@ -23,6 +23,7 @@ def gspo(*args):
                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
+@pytest.mark.slow  # starts a process
 def test_in_processes_says_each_call_as_it_ends_and_keeps_the_results_in_order():
     ended = []
     results = in_processes([("slow", time.sleep, (3.0,)), ("fast", time.sleep, (0.1,)), ("pow", math.pow, (2.0, 3.0))],
@@ -31,6 +32,7 @@ def test_in_processes_says_each_call_as_it_ends_and_keeps_the_results_in_order()
     assert ended == [("fast", None), ("pow", 8.0), ("slow", None)]  # in the order they ended
 
 
+@pytest.mark.slow  # starts a process
 def test_in_processes_first_failure_is_said_then_raised():
     said = []
     with pytest.raises(ValueError, match="math domain error"):

@@ -75,6 +75,7 @@ def smol(cache, converted_dir):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # converts the GGUF file (the session's fixture): 70 s
 @needs_model
 def test_the_file_is_converted_once_and_found_by_content(gspo_cache, converted_dir, tmp_path, capsys):
     from gspo.models.gguf import INFO, source_info
@@ -96,6 +97,7 @@ def test_the_file_is_converted_once_and_found_by_content(gspo_cache, converted_d
     assert not list(converted_dir.parent.glob(".converting-*"))  # nothing half-written left behind
 
 
+@pytest.mark.slow  # 29 s
 @needs_model
 def test_greedy_matches_transformers_reading_the_gguf_itself(smol):
     # what transformers makes of the file, directly, answers as the converted copy does
@@ -137,6 +139,7 @@ def test_bad_gguf_files_are_one_line(gspo_cache, tmp_path):
         resolve_model_path(str(two))
 
 
+@pytest.mark.slow  # 6 s
 @needs_model
 def test_a_truncated_download_is_one_line_and_nothing_is_cached(gspo_cache, tmp_path):
     from gspo.models.gguf import GGUFError, cache_root
@@ -183,6 +186,7 @@ def chat_prompts(tok, questions):
 QUESTIONS = ["What is 23 + 48?", "Reply with one word: is the sky blue?", "Answer yes or no: is 2 > 1?", "Say only: OK"]
 
 
+@pytest.mark.slow  # 6 s
 @needs_model
 def test_sampler_logprobs_are_the_training_forwards_and_im_end_stops(smol):
     # float32, every token: the log-probs recorded while sampling (gspo's compact decode step,
@@ -208,6 +212,7 @@ def test_sampler_logprobs_are_the_training_forwards_and_im_end_stops(smol):
         assert ro.completion_ids[b, n - 1] == im_end and (ro.completion_mask[b, n:] == 0).all()
 
 
+@pytest.mark.slow  # 7 s
 @needs_model
 def test_the_compact_decode_step_is_greedy_as_transformers_generate(smol, monkeypatch):
     import gspo.sampling.rollout as rollout_module

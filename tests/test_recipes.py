@@ -155,6 +155,7 @@ def test_recipe_options_are_real_and_models_have_stand_ins(recipe):
     assert (cfg.parallel == "fsdp") == (recipe in FSDP)
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.parametrize("recipe", ONE_GPU, ids=[r.stem for r in ONE_GPU])
 def test_recipe_runs_one_step(recipe, hub, tmp_path, monkeypatch, capsys):
     from gspo.cli import main

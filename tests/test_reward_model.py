@@ -181,6 +181,7 @@ def test_bad_reward_model_device_is_one_line(device):
     assert str(e.value) == f"reward_model_device: must be cpu, cuda, cuda:N, mps or auto (got {device!r})"
 
 
+@pytest.mark.slow  # trains
 def test_a_training_run_logs_the_reward_models_metric(rm_dir, tmp_path):
     import gspo
     from tests.conftest import build_chat_model

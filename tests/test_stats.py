@@ -244,6 +244,7 @@ def _null_reports(rng, reports: int, pairs: int, seeds: int = 3):
                for i in range(pairs) for j, side in enumerate("ab")}
 
 
+@pytest.mark.slow  # 9 s
 def test_simulated_null_reports_mark_few_differences_after_the_correction():
     """54 paired differences on 3 seeds, none real, 2000 simulated reports. The old rule (each
     difference's own 95% interval excludes 0) marks each with probability 0.05: on average

@@ -60,6 +60,7 @@ def test_level_flags_belong_to_their_preset(tmp_path, capsys):
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.slow  # starts a process
 def test_staleness_preset_end_to_end(tmp_path, capsys):
     out = tmp_path / "st"
     code = main(["compare", "--preset", "staleness", "--configs", "gspo", "gspo-behaviour", "--lags", "0", "2",
@@ -93,6 +94,7 @@ def test_staleness_preset_end_to_end(tmp_path, capsys):
         assert (out / png).read_bytes()[:4] == b"\x89PNG" and png in md
 
 
+@pytest.mark.slow  # starts a process
 def test_precision_preset_end_to_end(tmp_path, capsys):
     out = tmp_path / "pr"
     code = main(["compare", "--preset", "precision", "--configs", "gspo-tis", "--precisions", "float32", "bfloat16",
@@ -140,6 +142,7 @@ def test_the_options_a_user_gives_are_found_on_the_command_line_and_in_the_confi
     assert "model" not in kept and "lr" not in kept and "eval_size" not in kept and kept["steps"] == 10
 
 
+@pytest.mark.slow  # starts a process
 def test_objectives_preset_end_to_end(tmp_path, capsys):
     out = tmp_path / "obj"
     code = main(["compare", "--preset", "objectives", "--configs", "gspo-target", "dppo_tv", "--tasks", "chain",
@@ -172,6 +175,7 @@ def _staleness_report(values, seeds=3, eval_n=None):
     return study, report
 
 
+@pytest.mark.slow  # 3 s
 def test_simulated_staleness_reports_mark_few_differences_after_the_correction():
     """The staleness preset's own family, with no true effect: 6 configurations x K = 0, 2, 8 on 3
     seeds, each seed's final and averaged accuracy its mean plus normal noise (sd 0.02), the 27

@@ -53,6 +53,7 @@ def test_busy_cores_by_hand(monkeypatch):
     assert choose_threads(0) == (3, "half of 5 cores, 1.0 busy")
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="measures /proc/stat (Linux)")
 def test_a_competing_load_is_seen_and_left_its_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -69,6 +70,7 @@ def test_a_competing_load_is_seen_and_left_its_cores(monkeypatch):
     assert float(why.split(", ")[1].split()[0]) >= cores - 0.5, why
 
 
+@pytest.mark.slow  # starts a process
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="measures /proc/stat (Linux)")
 def test_gspo_train_beside_a_busy_machine_takes_one_thread_and_keeps_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user runs it (conftest sets it)

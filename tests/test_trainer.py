@@ -166,6 +166,7 @@ def test_jsonl_cut_short_by_a_kill_is_trimmed(tmp_path):
     assert read_jsonl(p)[-1] == {"step": 2, "x": None}
 
 
+@pytest.mark.slow  # trains
 def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     # max_new_tokens 2: most completions are cut (truncated); with the flag their tokens leave
     # the loss (mask 0) while their rewards still shape the group's advantages
@@ -187,6 +188,7 @@ def test_mask_truncated_completions_leaves_them_out_of_the_loss(tmp_path):
     assert (batch.old_logp[ro.truncated] == 0).all()
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.parametrize("extra,expect", [
     (["--algorithm", "cispo"], ()),
     (["--algorithm", "sapo"], ()),
@@ -218,6 +220,7 @@ def test_successor_losses_and_corrections_train_end_to_end(tmp_path, extra, expe
         assert any(r.get("is/weight_max", 1.0) != 1.0 or r.get("is/masked_frac", 0.0) > 0 for r in rows)
 
 
+@pytest.mark.slow  # trains
 @pytest.mark.parametrize("level,warned", [("sequence", True), ("geometric", False)])
 def test_the_sequence_weight_guard_warns_once_through_a_real_run(tmp_path, monkeypatch, capsys, level, warned):
     # a constructed collapse: the sampler's log-probs read 0.25 above the trainer's on every token, so that

@@ -179,6 +179,7 @@ def test_the_chain_task_picks_its_model():
     assert resolve(TrainConfig(task="chain", dataset="x.jsonl")).model == "tiny"  # a dataset is not the task
 
 
+@pytest.mark.slow  # trains
 def test_a_run_trained_from_python_evaluates_and_resumes(tmp_path, capsys):
     model, tok = load_policy("tiny")
     run = str(tmp_path / "run")
@@ -206,6 +207,7 @@ def test_a_run_trained_from_python_evaluates_and_resumes(tmp_path, capsys):
     assert s["steps"] == 2 and [e["step"] for e in s["evals"]] == [0, 1, 2]
 
 
+@pytest.mark.slow  # trains
 def test_a_resumed_run_keeps_the_final_evaluation_of_the_first(tmp_path):
     from gspo.train.trainer import train
 
@@ -228,6 +230,7 @@ def test_the_dataset_length_note_names_the_dataset(tmp_path):
     assert "task" not in note
 
 
+@pytest.mark.slow  # trains
 def test_lora_and_checkpointing_runs_and_eval_leak_no_future_warning(tmp_path, capsys):
     pytest.importorskip("peft")
     from gspo.train.trainer import train

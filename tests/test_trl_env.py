@@ -138,6 +138,7 @@ def test_refused_in_one_line():
         gspo.Trainer(env=CalculatorToolEnv, environment_factory=CalculatorToolEnv)
 
 
+@pytest.mark.slow  # trains
 def test_the_trainer_takes_environment_factory_and_rewards_get_environments(tmp_path):
     seen = []
 
@@ -154,6 +155,7 @@ def test_the_trainer_takes_environment_factory_and_rewards_get_environments(tmp_
     assert "reward/env/mean" in row and "reward/reward_func/mean" in row
 
 
+@pytest.mark.slow  # starts a process
 def test_gspo_train_env_names_a_trl_class(tmp_path):
     f = tmp_path / "trl_env.py"
     f.write_text(Path(__file__).read_text().split("MADE = []")[0].split('"""', 2)[2]

@@ -53,6 +53,7 @@ def run_digests(out: Path) -> dict[str, str]:
             "samples": hashlib.sha256((out / "samples.jsonl").read_bytes()).hexdigest()[:16]}
 
 
+@pytest.mark.slow  # starts a process
 def test_the_default_run_is_the_recorded_one_bit_for_bit(tmp_path):
     here = fingerprint()
     if here != RECORDED["fingerprint"]:

@@ -105,6 +105,7 @@ def test_ratio_variance_report(tmp_path):
     assert "settings" in (tmp_path / "variance.json").read_text()
 
 
+@pytest.mark.slow  # starts a process
 def test_compare_length_preset(tmp_path, capsys):
     """`gspo compare --preset length` at toy size: its four configurations on the long-answer
     models and task, and the variance table, plot and JSON in the report directory."""

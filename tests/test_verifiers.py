@@ -33,6 +33,9 @@ from gspo.sampling.episodes import Draws, EpisodeSpec  # noqa: E402
 from gspo.sampling.rollout import PolicySampler, sampling_params  # noqa: E402
 from gspo.tasks.env import EnvError  # noqa: E402
 
+# every test starts a process: verifiers prepares its runtime with uv on a taskset's first load, and its harness
+# and tool servers run in processes of their own
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).parents[1]
 TASKSETS = Path(__file__).parent / "vf_tasksets"
 

@@ -11,6 +11,7 @@ the fake engine of tests/test_engine_protocol.py. The real engine is in tests/te
 import re
 import weakref
 
+import pytest
 import torch
 
 from gspo.models.loading import add_lora, load_policy, unwrap
@@ -130,6 +131,7 @@ def _fsdp_worker(rank: int, init_file: str, out_dir: str):
     td.destroy_process_group()
 
 
+@pytest.mark.slow  # starts a process
 def test_fsdp_gathers_one_parameter_at_a_time(tmp_path):
     spawn(_fsdp_worker, str(tmp_path / "init"), str(tmp_path))
     want = whole_state_dict(lora_policy())  # one process, unsharded
