@@ -73,6 +73,7 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@pytest.mark.slow  # starts a process
 def test_a_spool_whose_lock_a_live_process_holds_is_kept_whatever_its_pid(tmp_path):
     # a trainer in another container sharing /dev/shm: its pid (in the spool's name) means
     # nothing here, only its lock says that it lives. Before the lock, this spool was swept.
@@ -109,6 +110,7 @@ def test_spools_of_trainers_that_are_gone_are_removed_and_only_those(tmp_path):
     assert not mine.exists()
 
 
+@pytest.mark.slow  # starts a process
 def test_a_spool_made_by_this_process_survives_its_next_one_where_flock_is_a_posix_lock(tmp_path, monkeypatch):
     # on NFS, Linux runs flock as a POSIX lock: the same process's second lock on a file is granted,
     # and closing any descriptor of the file drops the first. A trainer making a second link must
@@ -140,6 +142,7 @@ def _unshare() -> list[str]:
     return cmd
 
 
+@pytest.mark.slow  # starts a process
 def test_a_trainer_in_another_pid_namespace_keeps_its_spool_and_its_death_frees_it(tmp_path):
     # a container sharing /dev/shm (--ipc=host): its trainer is pid 1 there, a pid that is always
     # alive here. Its spool stays while it lives, and goes once it is dead (by pid it never would).
