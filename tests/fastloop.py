@@ -19,6 +19,7 @@ tests/conftest.py takes the hooks from here; tests/test_fastloop.py runs the gua
 
 import multiprocessing.process
 import os
+import platform
 import subprocess
 import time
 
@@ -42,6 +43,9 @@ def _install_probe():
     run, as tests/test_fastloop.py makes, finds them wrapped already)."""
     if getattr(subprocess.Popen._execute_child, "_fastloop", False):
         return
+    # platform.processor() runs `uname -p` once per interpreter and keeps the answer; openai's client asks
+    # for it on its first request, so the first test that makes one would be charged with that process
+    platform.processor()
 
     def wrap(owner, name, describe):
         inner = getattr(owner, name)

@@ -92,7 +92,7 @@ def test_chat_call_returns_the_sampled_tokens_and_openai_fields(tiny):
         ep.stop()
 
 
-@pytest.mark.slow  # 1 s
+@pytest.mark.slow  # 2 s
 def test_a_streamed_call_is_sampled_whole_and_sent_as_events_over_either_transport(tiny):
     import openai
 

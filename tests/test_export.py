@@ -71,7 +71,7 @@ def one_error_line(capsys) -> str:
     return err[0]
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_export_loads_with_transformers_and_gives_the_runs_logprobs(full_run, tmp_path):
     trainer, run = full_run
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
@@ -86,7 +86,7 @@ def test_export_loads_with_transformers_and_gives_the_runs_logprobs(full_run, tm
     assert any(not torch.equal(w, base[k]) for k, w in load_file(out / "model.safetensors").items())  # trained
 
 
-@pytest.mark.slow  # lora_run trains
+@pytest.mark.slow  # uses lora_run, which trains
 def test_lora_export_is_merged_and_matches_the_peft_policy(lora_run, tmp_path):
     trainer, run = lora_run
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
@@ -102,7 +102,7 @@ def test_lora_export_is_merged_and_matches_the_peft_policy(lora_run, tmp_path):
     assert any((a - b).abs().max() > 1e-6 for a, b in zip(token_logprobs(model, tok), token_logprobs(base, tok)))
 
 
-@pytest.mark.slow  # lora_run trains
+@pytest.mark.slow  # uses lora_run, which trains
 def test_merged_model_is_a_plain_copy_with_the_policys_logprobs(lora_run):
     trainer, _ = lora_run
     merged = trainer.merged_model()
@@ -113,7 +113,7 @@ def test_merged_model_is_a_plain_copy_with_the_policys_logprobs(lora_run):
     assert trainer.merged_model("bfloat16").model.embed_tokens.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_bfloat16_export_and_the_runs_dtype_by_default(full_run, tmp_path):
     _, run = full_run
     assert main(["export", str(run), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
@@ -129,7 +129,7 @@ def test_bfloat16_export_and_the_runs_dtype_by_default(full_run, tmp_path):
     assert {t.dtype for t in load_file(tmp_path / "default" / "model.safetensors").values()} == {torch.bfloat16}
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_generation_config_stops_where_the_run_stopped(full_run, tmp_path):
     trainer, run = full_run
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
@@ -150,7 +150,7 @@ def test_generation_config_stops_where_the_run_stopped(full_run, tmp_path):
     assert cut >= 1  # at least one completion went on past a "1" without the run's stop token
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_model_card(full_run, tmp_path):
     _, run = full_run
     assert main(["export", str(run), str(tmp_path / "out")]) == 0
@@ -220,7 +220,7 @@ def files(d: Path) -> dict:
     return {p.name: p for p in d.iterdir()}
 
 
-@pytest.mark.slow  # full_run and lora_run train
+@pytest.mark.slow  # uses full_run and lora_run, which train
 @pytest.mark.parametrize("which", ["full_run", "lora_run"])
 def test_save_model_writes_what_export_writes(which, request, tmp_path):
     trainer, run = request.getfixturevalue(which)
@@ -237,7 +237,7 @@ def test_save_model_writes_what_export_writes(which, request, tmp_path):
     assert len(after) == len(before) and all(torch.equal(x, y) for x, y in zip(before, after))
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_trainer_model_before_training_and_after_fsdp(full_run, tmp_path):
     model = torch.nn.Linear(2, 2)
     assert gspo.Trainer(gspo.TrainConfig(**TINY)).model is None
@@ -276,7 +276,7 @@ class Hub:
                            (folder / "README.md").read_text()))
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_push_to_hub_from_the_cli(full_run, tmp_path, monkeypatch, capsys):
     _, run = full_run
     hub = Hub(monkeypatch)
@@ -289,7 +289,7 @@ def test_push_to_hub_from_the_cli(full_run, tmp_path, monkeypatch, capsys):
     assert "pushed to https://huggingface.co/me/tiny-gspo" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # lora_run trains
+@pytest.mark.slow  # uses lora_run, which trains
 def test_push_to_hub_from_the_trainer(lora_run, monkeypatch):
     trainer, _ = lora_run
     hub = Hub(monkeypatch)
@@ -300,7 +300,7 @@ def test_push_to_hub_from_the_trainer(lora_run, monkeypatch):
     assert set(upload[4]) == STANDARD and not upload[2].exists()  # a temporary directory, gone
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 @pytest.mark.parametrize("fail, says", [
     (type("ConnectError", (Exception,), {})("[Errno -2] Name or service not known"),
      "cannot reach the Hugging Face Hub"),
@@ -314,7 +314,7 @@ def test_push_failures_are_one_line(full_run, tmp_path, monkeypatch, capsys, fai
     assert one_error_line(capsys).startswith(f"gspo export: error: --push-to-hub me/x: {says}")
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_no_token_or_bad_repo_id_fails_before_any_work(full_run, tmp_path, monkeypatch, capsys):
     import huggingface_hub
 
@@ -329,7 +329,7 @@ def test_no_token_or_bad_repo_id_fails_before_any_work(full_run, tmp_path, monke
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.slow  # full_run and lora_run train
+@pytest.mark.slow  # uses full_run and lora_run, which train
 def test_errors_are_one_line(full_run, lora_run, tmp_path, capsys):
     _, run = full_run
     (tmp_path / "full").mkdir()
@@ -346,7 +346,7 @@ def test_errors_are_one_line(full_run, lora_run, tmp_path, capsys):
     assert not (tmp_path / "o").exists() and (tmp_path / "full" / "x").exists()
 
 
-@pytest.mark.slow  # lora_run trains
+@pytest.mark.slow  # uses lora_run, which trains
 def test_lora_from_a_model_object_needs_the_base(lora_run, tmp_path, capsys):
     import shutil
 
@@ -362,7 +362,7 @@ def test_lora_from_a_model_object_needs_the_base(lora_run, tmp_path, capsys):
     assert not (tmp_path / "o" / "adapter_config.json").exists()
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 def test_a_failed_export_leaves_nothing(full_run, tmp_path, monkeypatch, capsys):
     import gspo.export
 
@@ -383,7 +383,7 @@ def _have_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-@pytest.mark.slow  # full_run trains
+@pytest.mark.slow  # uses full_run, which trains
 @pytest.mark.vllm
 @pytest.mark.skipif(not _have_vllm(), reason="vLLM is not installed (see docs/vllm.md)")
 def test_vllm_serves_the_export_as_is_and_stops_where_the_run_stopped(full_run, tmp_path, monkeypatch):

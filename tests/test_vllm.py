@@ -62,7 +62,7 @@ def _prompts(tok, n=4):
     return [tok(p)["input_ids"] for p in ["12+7=", "999-123=", "5+5=", "40+2=", "345-67=", "8+800="][:n]]
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampling_layout_stops_and_logprobs(engine, temperature):
     from gspo.models.logprobs import completion_logprobs
@@ -93,7 +93,7 @@ def test_sampling_layout_stops_and_logprobs(engine, temperature):
     assert len({tuple(r.tolist()) for r in ro.completion_ids[:4]}) > 1
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 def test_stop_tokens_and_min_new_tokens(engine):
     from gspo.sampling.rollout import sampling_params
 
@@ -109,7 +109,7 @@ def test_stop_tokens_and_min_new_tokens(engine):
         assert not any(t in stops for t in row[: n - 1].tolist())  # a stop token ends the completion
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(engine):
     # vLLM bans the stop tokens for the first N tokens before it takes the log-probs: there, the
     # engine records log p(y_t) - log(1 - p(stops)), renormalised without them; after N, log p(y_t).
@@ -140,7 +140,7 @@ def test_min_new_tokens_logprobs_are_renormalised_so_old_logp_auto_recomputes(en
     assert cfg.old_logp == "recompute"  # pi_old = the policy's full-distribution log-probs (`full`)
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 def test_a_batch_that_chunks_its_prefill_samples_on_cpu(engine):
     # more prompt tokens in one step's requests (vLLM's max_num_seqs, 128) than its token budget
     # (2048): with chunked prefill, vLLM prefilled the last in chunks and rewound their seeded
@@ -160,7 +160,7 @@ def test_a_batch_that_chunks_its_prefill_samples_on_cpu(engine):
     assert torch.equal(again.completion_ids, ro.completion_ids)  # still one seed per prompt: reproducible
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 def test_weight_sync_is_what_makes_the_engine_sample_the_current_policy(engine):
     from gspo.models.logprobs import completion_logprobs
     from gspo.sampling.rollout import sampling_params
@@ -185,7 +185,7 @@ def test_weight_sync_is_what_makes_the_engine_sample_the_current_policy(engine):
     assert synced < 1e-4 < 1e-2 < stale, (synced, stale)
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 def test_lora_adapters_are_merged_for_the_engine(engine):
     from gspo.models.loading import add_lora
     from gspo.models.logprobs import completion_logprobs
@@ -215,7 +215,7 @@ def test_lora_adapters_are_merged_for_the_engine(engine):
     lora.unload()
 
 
-@pytest.mark.slow  # the engine starts a process
+@pytest.mark.slow  # uses engine, which starts vLLM
 def test_the_engine_pulls_the_weights_one_at_a_time(engine, monkeypatch):
     # vLLM's reload_weights consumes the generator lazily: it holds a layer's weights until the
     # layer has all of them (q, k and v together), never the whole model's. Every tensor here
