@@ -201,18 +201,25 @@ def test_function_sizes():
     assert not too_many, too_many
 
 
+def _fake_package(tmp_path, monkeypatch, files: dict[str, str]) -> None:
+    """A package `gspo` under tmp_path with `files` (path in it -> source), each room with an empty
+    __init__.py, read by the checks here in place of the real one."""
+    pkg = tmp_path / "gspo"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for name, source in files.items():
+        (pkg / name).parent.mkdir(exist_ok=True)
+        (pkg / name).parent.joinpath("__init__.py").touch()
+        (pkg / name).write_text(source)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
+    module_imports.cache_clear()
+
+
 def test_the_checker_sees_a_circle_an_arrow_up_and_a_function_level_import(tmp_path, monkeypatch):
     # the checks above can fail: a circle through an import inside a function is found, and an
     # arrow from a lower room to a higher one
-    pkg = tmp_path / "gspo"
-    (pkg / "io").mkdir(parents=True)
-    (pkg / "train").mkdir()
-    for init in (pkg / "__init__.py", pkg / "io" / "__init__.py", pkg / "train" / "__init__.py"):
-        init.write_text("")
-    (pkg / "io" / "a.py").write_text("from gspo.train.b import f\n")
-    (pkg / "train" / "b.py").write_text("def f():\n    from gspo.io import a\n")
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
-    module_imports.cache_clear()
+    _fake_package(tmp_path, monkeypatch, {"io/a.py": "from gspo.train.b import f\n",
+                                          "train/b.py": "def f():\n    from gspo.io import a\n"})
     try:
         assert module_imports() == {"gspo.io": set(), "gspo.io.a": {"gspo.train.b"}, "gspo.train": set(),
                                     "gspo.train.b": {"gspo.io", "gspo.io.a"}}
@@ -235,18 +242,9 @@ def test_the_checker_sees_a_circle_an_arrow_up_and_a_function_level_import(tmp_p
 def test_an_annotation_import_is_a_circle_and_an_arrow(tmp_path, monkeypatch):
     # `if TYPE_CHECKING:` imports never run, but a type checker follows them: gspo.train.a <-> gspo.train.b
     # through one is a circle here, and from a lower room to a higher one it is an arrow up
-    pkg = tmp_path / "gspo"
-    for room in ("io", "train"):
-        (pkg / room).mkdir(parents=True)
-        (pkg / room / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "train" / "a.py").write_text("from gspo.train.b import f\n")
-    (pkg / "train" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                        "    from gspo.train.a import A\ndef f(): pass\n")
-    (pkg / "io" / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                                     "    from gspo.train.a import A\n")
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
-    module_imports.cache_clear()
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gspo.train.a import A\n"
+    _fake_package(tmp_path, monkeypatch, {"train/a.py": "from gspo.train.b import f\n",
+                                          "train/b.py": typing_only + "def f(): pass\n", "io/c.py": typing_only})
     try:
         assert module_imports()["gspo.train.b"] == {"gspo.train.a"}
         assert module_imports(runtime=True)["gspo.train.b"] == set()  # what runs: no arrow
@@ -268,16 +266,8 @@ def test_an_annotation_import_is_a_circle_and_an_arrow(tmp_path, monkeypatch):
 
 def test_a_relative_import_is_an_arrow(tmp_path, monkeypatch):
     # `from ..train import run` in gspo.agents is the arrow `from gspo.train import run` is
-    pkg = tmp_path / "gspo"
-    for r in ("agents", "train"):
-        (pkg / r).mkdir(parents=True)
-        (pkg / r / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "agents" / "side.py").write_text("from ..train import run\nfrom . import other\n")
-    (pkg / "agents" / "other.py").write_text("from ..train.run import Run\n")
-    (pkg / "train" / "run.py").write_text("")
-    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", pkg)
-    module_imports.cache_clear()
+    _fake_package(tmp_path, monkeypatch, {"agents/side.py": "from ..train import run\nfrom . import other\n",
+                                          "agents/other.py": "from ..train.run import Run\n", "train/run.py": ""})
     try:
         got = module_imports()
     finally:
