@@ -265,7 +265,7 @@ def test_an_agents_calls_are_recorded_token_for_token(tiny):
         return 1.0 if example.answer in r2.choices[0].message.content else 0.25
 
     ro, ep = episodes(tiny, agent)
-    assert len(seen) == 4 and ep.agent.failed.sum() == 0 and ep.agent.extra_sequences.sum() == 0
+    assert len(seen) == 4 and ep.failed.sum() == 0 and ep.agent.extra_sequences.sum() == 0
     for b in range(4):
         (p1, c1, l1), (p2, c2, l2) = _by_row(seen, b)
         prompt = ro.prompt_ids[b][ro.prompt_mask[b].bool()].tolist()
@@ -322,7 +322,7 @@ def test_faults_fail_their_episode_in_one_line_and_the_rest_train(tiny, capsys):
     assert any("episode 1 (row 0) ran over the episode deadline of 1 s (--episode-timeout): failed" in x
                for x in lines)
     assert any("episode 2 (row 1) returned 2 per-call rewards for 1 calls: failed" in x for x in lines)
-    assert ep.agent.failed.tolist() == [True, True, True, False]
+    assert ep.failed.tolist() == [True, True, True, False]
     assert [r for r in ep.turn_rewards] == [[0.0], [0.0], [0.0], [0.5]]
     assert ro.completion_mask[:3].sum() == 0 and ro.completion_mask[3].sum() > 0  # failed: read, never trained
     assert late["r"][0] == 409 and late["r"][1]["error"]["code"] == "episode_ended"
@@ -401,7 +401,7 @@ def test_an_agents_session_holds_its_episodes_and_concurrency_bounds_them(tiny):
             return 1.0 if r.choices else 0.0
 
     ro, ep = episodes(tiny, Bounded)
-    assert ep.agent.failed.tolist() == [False] * 4
+    assert ep.failed.tolist() == [False] * 4
     # the session opened before any episode (with the run's --max-turns, 4) and closed after all of them
     assert log[0] == ("enter", 4) and log[1:-1] == ["episode"] * 4 and log[-1] == ("exit", 0)
     assert live["most"] == 2

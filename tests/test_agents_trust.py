@@ -362,7 +362,7 @@ def test_every_row_of_any_call_graph_is_what_the_policy_sampled_in_that_context(
     model, tok = tiny
     receipts = Receipts()
     ro, ep = _episodes(Recorded(PolicySampler(model), receipts), tok, agent)
-    assert not ep.agent.failed.any()
+    assert not ep.failed.any()
     rows = ep.with_more(ro)[0]
     assert rows.prompt_ids.shape[0] > ro.prompt_ids.shape[0]  # concurrent calls: later sequences
     assert check_rows(rows, receipts) == ([], rows.prompt_ids.shape[0])
@@ -410,7 +410,7 @@ def test_an_agent_that_raises_systemexit_fails_at_once_and_its_thread_lives_on(t
         t0 = time.perf_counter()
         _, ep = _episodes(PolicySampler(model), tok, agent, timeout=20.0)
         assert time.perf_counter() - t0 < 10
-        assert ep.agent.failed.tolist() == [True, True, False, False]
+        assert ep.failed.tolist() == [True, True, False, False]
         err = capsys.readouterr().err
         assert "episode 0 (row 0) raised SystemExit: 3: failed" in err and "Traceback" not in err
         assert "episode 1 (row 0) raised KeyboardInterrupt: failed" in err
@@ -453,7 +453,7 @@ def test_agents_that_block_their_event_loop_end_at_the_deadline_in_one_line_each
     took = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert took < 2.5 + 3.0, took  # the deadline, its grace (0.5 s) and the step's own work (before: 8 s and more)
-    assert ep.agent.failed.tolist() == [True, True, True, False]
+    assert ep.failed.tolist() == [True, True, True, False]
     lines = [x for x in err.splitlines() if x.strip()]
     assert len(lines) == 3 and all("blocked its event loop past the episode deadline of 2.5 s" in x for x in lines[:2])
     assert "episode 2 (row 1) did not stop when cancelled at the episode deadline of 2.5 s" in lines[2]
@@ -479,9 +479,9 @@ def test_an_episode_left_behind_does_not_touch_the_next_episodes_on_its_thread(t
 
     _episodes(PolicySampler(model), tok, patient)  # the first call of a process warms the sampler up
     _, first = _episodes(PolicySampler(model), tok, stubborn, timeout=1.0)
-    assert first.agent.failed.all()
+    assert first.failed.all()
     _, second = _episodes(PolicySampler(model), tok, patient, timeout=30.0)
-    assert not second.agent.failed.any()
+    assert not second.failed.any()
 
 
 @pytest.mark.slow  # trains

@@ -92,7 +92,7 @@ def test_a_single_turn_environment_scores_with_its_own_reward(tiny):
     ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"))
     # the reward is the taskset's `exact`: "ok" is right for "say ok" (episodes 0, 1), wrong for "say no"
     assert ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
-    assert ep.agent.failed.tolist() == [False] * 4 and ep.turns.tolist() == [1] * 4
+    assert ep.failed.tolist() == [False] * 4 and ep.turns.tolist() == [1] * 4
     prompt, completion, n = row(ro, 0)
     want = tok.apply_chat_template([{"role": "user", "content": "say ok"}], add_generation_prompt=True, tokenize=False)
     assert prompt == tok(want, add_special_tokens=False)["input_ids"]  # the harness's messages, rendered by gspo
@@ -105,7 +105,7 @@ def test_a_multi_turn_environment_is_one_sequence_token_for_token(tiny):
     model, tok = tiny
     task = VerifiersTask.from_spec("verifiers:gspo-vf-chat", {}, test_size=2)
     ro, ep = play(tiny, task, PolicySampler(model), max_new_tokens=6)
-    assert ep.agent.failed.tolist() == [False] * 4 and ep.turns.tolist() == [2] * 4
+    assert ep.failed.tolist() == [False] * 4 and ep.turns.tolist() == [2] * 4
     assert ep.agent.extra_sequences.tolist() == [0] * 4  # the second call extends the first: one sequence
     for b in range(4):
         prompt, completion, n = row(ro, b)
@@ -160,7 +160,7 @@ def test_a_failing_rubric_fails_its_episodes_in_one_line(tiny, capsys):
     _, tok = tiny
     task = VerifiersTask.from_spec("verifiers:gspo-vf-say", {"count": 4, "broken": True}, test_size=1)
     ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"), G=2)
-    assert ep.agent.failed.tolist() == [True, True] and ro.completion_mask.sum() == 0
+    assert ep.failed.tolist() == [True, True] and ro.completion_mask.sum() == 0
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gspo: agent verifiers:gspo-vf-say")]
     assert len(lines) == 2 and "the rubric is broken" in lines[0] and lines[0].endswith("failed, reward 0")
 
@@ -267,13 +267,13 @@ def test_a_failed_setup_does_not_poison_the_next_steps(tiny, monkeypatch, capsys
     for step in (1, 2):  # the harness's setup fails in every episode, and in the same way in the next step
         ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"))
         lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("gspo: agent")]
-        assert ep.agent.failed.tolist() == [True] * 4 and len(lines) == 4, (step, lines)
+        assert ep.failed.tolist() == [True] * 4 and len(lines) == 4, (step, lines)
         assert all("failed to prepare uv script: error: the package index is unreachable" in x for x in lines), lines
     failing[0] = False  # the index is back: the next run prepares the program and plays
     ro, ep = play(tiny, other, Scripted(tok, lambda prompt: "ok"))
     err = capsys.readouterr().err
     assert "bound to a different event loop" not in err, err[-2000:]
-    assert ep.agent.failed.tolist() == [False] * 4 and ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
+    assert ep.failed.tolist() == [False] * 4 and ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
 
 
 def test_a_session_left_closing_does_not_take_the_next_ones_environment():
@@ -340,7 +340,7 @@ def test_a_provisioned_harness_plays_offline(tiny, monkeypatch):
     # ready from uv's cache, so verifiers does not ask the index for it again (uv would, once its cache is stale)
     assert list(SubprocessRuntime._interpreters) == [vfenv._script_path()]
     ro, ep = play(tiny, task, Scripted(tok, lambda prompt: "ok"))
-    assert ep.agent.failed.tolist() == [False] * 4 and ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
+    assert ep.failed.tolist() == [False] * 4 and ep.turn_rewards == [[1.0], [1.0], [0.0], [0.0]]
 
 
 def old_order(name, seed, steps, n, held, size):

@@ -77,11 +77,11 @@ def agent_name(agent) -> str:
 
 @dataclass
 class AgentStats:
-    """What only agents count (gspo.train.steplog's agent/* metrics): per episode (B,), failed and
-    its sequences beyond the first; late calls and requests refused (no key) in all, episodes left
-    behind still running. The later sequences themselves are the Episodes' (`more`)."""
+    """What only agents count (gspo.train.steplog's agent/* metrics): per episode (B,), its
+    sequences beyond the first; late calls and requests refused (no key) in all, episodes left
+    behind still running. Which episodes failed, and the later sequences themselves, are the
+    Episodes' (`failed`, `more`)."""
 
-    failed: torch.Tensor  # the Episodes' `failed`
     extra_sequences: torch.Tensor
     late_calls: int = 0
     refused: int = 0
@@ -571,7 +571,6 @@ def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[
     truncated = torch.tensor([bool(c is not None and c.truncated) for c in last])
     every = Rollout(prompt_ids, prompt_mask, ids, model, logp, lengths, truncated, G, None, env)
     ro, more = every.map(lambda t: t[:B]), (every.map(lambda t: t[B:]) if later else None)
-    failed = torch.tensor([r.failure is not None for r in results])
     finals = [r.calls[-1].completion_ids if r.calls else [] for r in results]  # the episode's last call: scored
     tool_calls = [sum(len((c.reply or {}).get("tool_calls") or []) for c in r.calls) for r in results]
     ep = Episodes(final_texts=tokenizer.batch_decode(finals, skip_special_tokens=True), final_ids=finals,
@@ -579,8 +578,9 @@ def assemble(results: list[AgentResult], tokenizer, G: int, late: int) -> tuple[
                   turn_index=turn_index[:B], turn_rewards=[r.rewards for r in results],
                   turns=torch.tensor([len(r.calls) for r in results]), tool_calls=torch.tensor(tool_calls),
                   tool_errors=torch.zeros(B, dtype=torch.long), turn_limit=torch.zeros(B, dtype=torch.bool),
-                  agent=AgentStats(failed=failed, extra_sequences=torch.tensor([max(len(s) - 1, 0) for s in split]),
+                  agent=AgentStats(extra_sequences=torch.tensor([max(len(s) - 1, 0) for s in split]),
                                    late_calls=late),
-                  failed=failed, more=more, more_of=torch.tensor([b for b, _, _ in later]) if later else None,
+                  failed=torch.tensor([r.failure is not None for r in results]), more=more,
+                  more_of=torch.tensor([b for b, _, _ in later]) if later else None,
                   more_turn_index=turn_index[B:] if later else None)
     return ro, ep

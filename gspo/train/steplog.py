@@ -108,17 +108,18 @@ def episode_metrics(batch, max_turns: int, dist) -> dict[str, float]:
         "episode/env_tokens": float(env_tokens.mean()),
         **{f"episode/turn_{k + 1}_reward": float(by_turn[:, k].nanmean()) for k in range(max_turns)
            if not by_turn[:, k].isnan().all()},
-        **(agent_metrics(ep.agent, dist, batch.groups_dropped) if ep.agent is not None else {}),
+        **(agent_metrics(ep, dist, batch.groups_dropped) if ep.agent is not None else {}),
     }
 
 
-def agent_metrics(stats, dist, groups_dropped: int) -> dict[str, float]:
+def agent_metrics(ep, dist, groups_dropped: int) -> dict[str, float]:
     """Agents (gspo.agents.runner) over the global batch: the share of failed episodes, the
     groups their failures left with fewer than 2 survivors (out of the loss, gspo.train.batch),
     the sequences per episode beyond the first (concurrent calls, forks, edited histories), the
     calls after an episode ended, the requests refused for want of the run's key, and the
     episodes cut at a deadline still running in the background (their threads)."""
-    rows = dist.gather(torch.stack([stats.failed, stats.extra_sequences], 1).double())  # (B_all, 2)
+    stats = ep.agent  # gspo.agents.runner.AgentStats
+    rows = dist.gather(torch.stack([ep.failed, stats.extra_sequences], 1).double())  # (B_all, 2)
     counts = dist.gather(torch.tensor([[float(stats.late_calls), float(stats.refused), float(groups_dropped),
                                         float(getattr(stats, "left_behind", 0))]], dtype=torch.float64))  # (world, 4)
     return {"agent/failed_frac": float(rows[:, 0].mean()), "agent/groups_dropped": float(counts[:, 2].sum()),
