@@ -283,9 +283,10 @@ class Sampling:
     stop_string: tuple[str, ...] = opt((),
         "Strings that end a completion (e.g. \"</answer>\"): it is cut after the token that completes the first "
         "one (the sampler may run past it; those tokens are dropped).")
-    rollout_engine: Literal["hf", "vllm"] = opt("hf",
-        "Who samples: hf (gspo's own sampler) or vllm (a colocated vLLM engine in this process, synced with "
-        "the policy's weights before every rollout; install: see docs/vllm.md).")
+    rollout_engine: Literal["hf", "vllm", "vllm-server"] = opt("hf",
+        "Who samples: hf (gspo's own sampler), vllm (a colocated vLLM engine in this process, synced with "
+        "the policy's weights before every rollout; install: see docs/vllm.md) or vllm-server (vLLM's own "
+        "server, --vllm-server-url, or one gspo starts here; synced through vLLM's weight API: docs/server.md).")
     rollout_dtype: Literal["same", "float32", "bfloat16", "float16"] = opt("same",
         "Sample with a copy of the policy in this dtype, synced every step, to emulate an inference engine's "
         "precision (same = sample with the policy itself).")
@@ -297,7 +298,7 @@ class Sampling:
 
 @dataclass
 class VLLM:
-    """The colocated vLLM engine (--rollout-engine vllm)."""
+    """vLLM: the colocated engine (--rollout-engine vllm) and its servers (--rollout-engine vllm-server)."""
 
     vllm_gpu_memory_utilization: float = opt(0.3,
         "vLLM on CUDA: the share of the GPU the engine may take (its weights and KV cache); the rest is the "
@@ -309,6 +310,28 @@ class VLLM:
     vllm_sleep: bool = opt(True,
         "vLLM on CUDA: put the engine to sleep (weights offloaded, KV cache freed) during the update phase.",
         resume=True)
+    vllm_server_url: tuple[str, ...] = opt((),
+        "vllm-server: a running vLLM server to sample on, http://HOST:PORT (repeat for several: prompts are spread "
+        "over them; more may be added at --resume). Its API key: the VLLM_API_KEY variable. None given: gspo "
+        "starts one on this machine (127.0.0.1) and stops it at the end.", resume=True)
+    vllm_server_timeout: float = opt(300.0,
+        "vllm-server: seconds one request (a prompt's group of completions, or a health check) may take before "
+        "the run stops with one line naming the server.", gt=0, resume=True)
+    vllm_server_sync_timeout: float = opt(300.0,
+        "vllm-server: seconds one weight sync (every server) may take before the run stops with one line.",
+        gt=0, resume=True)
+    vllm_server_start_timeout: float = opt(600.0,
+        "vllm-server: seconds a server gspo starts has to answer its health check.", gt=0, resume=True)
+    vllm_server_sync: Literal["auto", "directory", "nccl"] = opt("auto",
+        "vllm-server: how the weights reach the servers: directory (safetensors shards the servers reload through "
+        "vLLM's reload_weights: CPU, one machine or a shared filesystem), nccl (vLLM's NCCL weight transfer: "
+        "GPUs, other nodes) or auto (nccl when the trainer is on CUDA, else directory).", resume=True)
+    vllm_server_weights_dir: str | None = opt(None,
+        "vllm-server with directory sync: where the weights are written for the servers to read (default: "
+        "server-weights/ in the run directory; across machines, a shared filesystem path).", resume=True)
+    vllm_check_weight_sync: bool = opt(True,
+        "vllm-server: after every sync, each server's log-probs of a fixed prompt are compared with the "
+        "trainer's forward; a gap past the dtype's bound stops the run.", resume=True)
 
 
 @dataclass

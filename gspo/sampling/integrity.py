@@ -76,7 +76,7 @@ def tolerance(engine: str, sampler_dtype: str, train_dtype: str) -> Tolerance | 
     (a precision gap is then expected, and measured by mismatch/*, not checked)."""
     if sampler_dtype != train_dtype:
         return None
-    return TOLERANCES.get((engine, sampler_dtype))
+    return TOLERANCES.get(("vllm" if engine == "vllm-server" else engine, sampler_dtype))
 
 
 def tf32_matmuls() -> bool:

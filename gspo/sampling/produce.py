@@ -97,15 +97,16 @@ def produce(side: SamplingSide, step: int, version: int) -> Produced:
     cfg = side.cfg
     t0 = time.perf_counter()
     receipts = Receipts()  # every sample of every round: what the integrity check reads (gspo.sampling.integrity)
-    ro, scored = _round(side, step, 0, receipts)
+    ro, scored = _round(side, step, 0, receipts, version)
     groups = {"groups/dropped": 0.0, "groups/resampled": 0.0, "groups/rounds": 1.0}
     if cfg.async_rl.drop_uniform_groups:
-        ro, scored, groups = _drop_uniform(side, step, (ro, scored), receipts)
+        ro, scored, groups = _drop_uniform(side, step, (ro, scored), receipts, version)
     versions = torch.where(ro.completion_mask.cpu() > 0, version, -1).to(torch.int32)
     return Produced(step, version, ro, scored, versions, groups, time.perf_counter() - t0, receipts=receipts)
 
 
-def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = None) -> tuple[Rollout, Scored]:
+def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = None,
+           version: int | None = None) -> tuple[Rollout, Scored]:
     """Sampling round `r` of batch `step`: round 0 is the step's prompts; later rounds (refills
     for uniform groups) draw fresh ones, and fresh uniforms."""
     cfg, dist = side.cfg, side.dist
@@ -113,7 +114,7 @@ def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = No
     seed = cfg.run.seed if r == 0 else cfg.run.seed + 1_000_003 * r
     examples = side.task.train_batch(step, cfg.sampling.prompts_per_step, seed)[dist.rank * n:(dist.rank + 1) * n]
     ro, completions, completion_ids, episodes = rollout(side, examples, step, "" if r == 0 else f"-round-{r}",
-                                                        receipts)
+                                                        receipts, version)
     state = TrainerState(step - 1, cfg.run.steps)
     if episodes is not None:  # a failed episode (an agent's) is never scored
         rewards, parts = score_episodes(side.rewards, examples, episodes, cfg.sampling.group_size, state)
@@ -128,19 +129,24 @@ def _round(side: SamplingSide, step: int, r: int, receipts: Receipts | None = No
     return ro, Scored(rewards, parts, examples, completions, episodes)
 
 
-def rollout(run: SamplingSide, examples: list, step: int, purpose: str = "",
-            receipts: Receipts | None = None) -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
+def rollout(run: SamplingSide, examples: list, step: int, purpose: str = "", receipts: Receipts | None = None,
+            version: int | None = None) -> tuple[Rollout, list[str], list[list[int]], Episodes | None]:
     """Sample cfg.sampling.group_size completions per example with the run's sampler, from the current
     policy's weights; returns the rollout, the texts and token ids the rewards score, and (with
     an environment) the episodes (gspo.sampling.episodes: the texts are then each episode's final model
     turn). Several processes: these are rows (offset, total) of the global batch (see
     gspo.sampling.rollout.generate). purpose: a refill round's suffix of the generators' purpose.
-    receipts: where every sample leaves what it drew (gspo.sampling.integrity; None: nowhere)."""
+    receipts: where every sample leaves what it drew (gspo.sampling.integrity; None: nowhere).
+    version: the policy version the weights are (a versioned sampler, vLLM's servers, pushes them
+    only when it changes; None: always synced)."""
     cfg, dist, G = run.cfg, run.dist, run.cfg.sampling.group_size
     params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.sampling.max_new_tokens,
                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                              min_new_tokens=cfg.sampling.min_new_tokens)
-    run.sampler.sync(run.policy)
+    if getattr(run.sampler, "versioned", False):
+        run.sampler.sync(run.policy, version=version)
+    else:
+        run.sampler.sync(run.policy)
     sampler = Recorded(run.sampler, receipts) if receipts is not None else run.sampler
     rows = (dist.rank * len(examples) * G, cfg.sampling.prompts_per_step * G)
     if run.env is not None:
@@ -219,7 +225,7 @@ def uniform_groups(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def _drop_uniform(side: SamplingSide, step: int, first: tuple[Rollout, Scored],
-                  receipts: Receipts) -> tuple[Rollout, Scored, dict]:
+                  receipts: Receipts, version: int | None = None) -> tuple[Rollout, Scored, dict]:
     """Replace uniform groups by groups with signal from further rounds; mask out what remains.
     Every process runs as many rounds (sampling may be collective: FSDP gathers). `first`: the
     first round's (rollout, scored)."""
@@ -233,7 +239,7 @@ def _drop_uniform(side: SamplingSide, step: int, first: tuple[Rollout, Scored],
     for r in range(1, cfg.async_rl.resample_rounds + 1):
         if dist.max_int(max(0, sum(flat) - len(spare))) == 0:
             break
-        pool.append(_round(side, step, r, receipts))
+        pool.append(_round(side, step, r, receipts, version))
         spare += [(r, g) for g, u in enumerate(uniform_groups(pool[-1][1].rewards, G).tolist()) if not u]
     replaced = min(sum(flat), len(spare))
     picks = [spare.pop(0) if u and spare else (0, g) for g, u in enumerate(flat)]

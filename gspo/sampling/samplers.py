@@ -111,11 +111,12 @@ def sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) ->
     in --dtype) and, for MoE models, the routing hooks (drift is always measured)."""
     rollout_dtype = (DTYPES[cfg.policy.dtype] if cfg.sampling.rollout_dtype == "same"
                      else DTYPES[cfg.sampling.rollout_dtype])
-    if cfg.sampling.rollout_engine == "vllm":
+    if cfg.sampling.rollout_engine in ("vllm", "vllm-server"):
         if inputs.model_object is not None:
-            raise ConfigError("rollout_engine: vllm loads the model from its directory; pass model= as a path "
-                              "(or save_pretrained it first)")
-        return vllm_sampler(cfg, policy, dist, rollout_dtype), \
+            raise ConfigError(f"rollout_engine: {cfg.sampling.rollout_engine} loads the model from its directory; pass "
+                              "model= as a path (or save_pretrained it first)")
+        build = vllm_sampler if cfg.sampling.rollout_engine == "vllm" else server_sampler
+        return build(cfg, policy, dist, rollout_dtype), \
             (Routing(policy, cfg.policy.model) if is_moe(policy) else NO_ROUTING)
     # FSDP: the policy itself (sharded next), gathered for each rollout in the compute dtype (its
     # MixedPrecisionPolicy's param dtype), never a full copy per process; rollout_dtype == dtype there
@@ -133,6 +134,86 @@ def sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) ->
     if cfg.loss.old_logp == "sampling":  # the experts used while sampling are the old policy's
         sampler.routing = routing if model is policy else Routing(model, cfg.policy.model)
     return sampler, routing
+
+
+def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
+    """vLLM servers (--vllm-server-url), or one gspo starts on this machine, checked before step 1
+    (gspo.sampling.vllm_server.connect); the policy's weights reach them before every rollout."""
+    import secrets
+    import tempfile
+
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling import vllm_server as vs
+    from gspo.sampling.integrity import tolerance
+
+    v = cfg.vllm
+    max_pos = int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
+    max_len = v.vllm_max_model_len or max_pos
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    path = str(resolve_model_path(cfg.policy.model, revision=cfg.policy.revision))
+    deadlines = vs.Deadlines(request=v.vllm_server_timeout, sync=v.vllm_server_sync_timeout,
+                             start=v.vllm_server_start_timeout)
+    scratch = Path(tempfile.mkdtemp(prefix="gspo-vllm-server-"))  # pushed weights (by default), a started server's log
+    method = v.vllm_server_sync if v.vllm_server_sync != "auto" else \
+        ("nccl" if dist.device.type == "cuda" else "directory")
+    owned = None
+    if v.vllm_server_url:
+        servers = vs.servers_from(v.vllm_server_url)
+    else:
+        if dist.enabled:
+            raise ConfigError("vllm_server_url: under torchrun give the servers (--vllm-server-url); gspo starts one "
+                              "only for a one-process run")
+        owned = vs.OwnedServer(path, dtype=name, seed=cfg.run.seed, max_model_len=max_len,
+                               log=scratch / "vllm-server.log", kv_cache_gib=v.vllm_kv_cache_gib,
+                               gpu_memory_utilization=v.vllm_gpu_memory_utilization,
+                               weight_transfer="nccl" if method == "nccl" else None)
+        try:
+            owned.wait_ready(deadlines.start)
+        except BaseException:
+            owned.stop()
+            raise
+        servers = vs.servers_from([owned.url], key=owned.key)
+    try:
+        if dist.is_main:
+            vs.connect(servers, model=path if owned else str(cfg.policy.model), served_dir=path,
+                       needed_len=min(max_pos, cfg.data.max_prompt_length + (cfg.sampling.max_new_tokens or 0)),
+                       deadlines=deadlines)
+        cpu = [s.url for s in servers if s.device == "cpu"]
+        if is_moe(policy) and cpu:
+            raise ConfigError(f"rollout_engine: vllm-server with a Mixture-of-Experts model on a CPU server "
+                              f"({cpu[0]}): vLLM 0.32 on CPU does not repack expert weights on a reload, so the "
+                              "server would sample from stale experts (use --rollout-engine vllm, which repacks "
+                              "them, or a GPU server)")
+        if method == "nccl":
+            from gspo.sampling.server_nccl import NcclPush
+
+            push = NcclPush(dtype, deadlines)
+        else:
+            push = vs.DirectoryPush(Path(v.vllm_server_weights_dir) if v.vllm_server_weights_dir else scratch, dtype)
+        bound = tolerance("vllm", name, name)
+        check = None
+        if v.vllm_check_weight_sync:
+            def check(model, prompt, ids, logps):
+                full = torch.tensor([list(prompt) + list(ids)], device=dist.device)
+                mask = torch.ones_like(full)
+                cmask = torch.ones((1, len(ids)), device=dist.device)
+                with torch.no_grad():
+                    mine = completion_logprobs(unwrap(model), full, mask, cmask,
+                                               temperature=cfg.sampling.temperature)[0].float().cpu()
+                gap = float((mine - torch.tensor(logps)).abs().mean())  # the row mean, as the integrity bound
+                limit = bound.row if bound is not None else 2.0
+                return gap > limit, gap, limit
+        sampler = vs.ServerSampler(servers, push, deadlines, run_id=f"{Path(cfg.run.output_dir).name}-"
+                                   f"{secrets.token_hex(4)}", device=dist.device, check=check,
+                                   temperature=cfg.sampling.temperature, dist=dist, owned=owned, scratch=scratch,
+                                   max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
+                                                     default=max_len),
+                                   method=method)
+    except BaseException:
+        if owned is not None:
+            owned.stop()
+        raise
+    return sampler
 
 
 def vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):

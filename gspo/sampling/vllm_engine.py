@@ -246,16 +246,23 @@ class _ProcessState:
 
 def _to_rollout(prompts: list[list[int]], outs, params: SamplingParams, device: torch.device) -> Rollout:
     """vLLM's RequestOutputs -> a Rollout laid out as gspo's own sampler lays it out."""
-    G = params.group_size
-    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, device)  # (N, P)
     seqs, logps, truncated = [], [], []
     for out in outs:
-        for c in out.outputs[:G]:
+        for c in out.outputs[:params.group_size]:
             ids = list(c.token_ids)
             seqs.append(ids)
             logps.append([lp[t].logprob for lp, t in zip(c.logprobs, ids)])
             truncated.append(c.finish_reason == "length")
-    B, T = len(seqs), max(1, max(len(s) for s in seqs))
+    return rollout_from(prompts, seqs, logps, truncated, params, device)
+
+
+def rollout_from(prompts: list[list[int]], seqs: list[list[int]], logps: list[list[float]], truncated: list[bool],
+                 params: SamplingParams, device: torch.device) -> Rollout:
+    """An engine's completions (G per prompt, in prompt order: token ids, their log-probs, cut by the
+    length limit) -> a Rollout laid out as gspo's own sampler lays it out."""
+    G = params.group_size
+    prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, device)  # (N, P)
+    B, T = len(seqs), max(1, max((len(s) for s in seqs), default=1))
     completion = torch.full((B, T), params.pad_token_id, dtype=torch.long)
     logp = torch.zeros((B, T), dtype=torch.float32)
     for i, (s, lp) in enumerate(zip(seqs, logps)):

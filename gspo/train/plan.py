@@ -18,7 +18,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | --- | --- |
 | `objective` | `{"loss", "summary", "clip", "clip_text", "clip_target", "options", "advantages", "advantages_summary"}`: the registered loss (gspo.algo.losses.LOSSES) with its clip range (`[low, high]`; None for a gate), the range in words (`clip [1 - 0.0003, 1 + 0.0004]`), --target-clip-frac (None: a fixed range) and its own options' values, and the advantage estimator (gspo.algo.advantages.ESTIMATORS) |
 | `model` | `{"name", "gguf", "path"}`: the policy as named; for a .gguf file what its conversion records (gspo.models.gguf: source, architecture, quantization, parameters) and the converted directory |
-| `engine` | `"hf"` (gspo's own sampler) or `"vllm"` |
+| `engine` | `"hf"` (gspo's own sampler), `"vllm"` (colocated) or `"vllm-server"` (vLLM servers: `sampler` names them) |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
 | `threads` | `{"count", "why"}`: torch's CPU threads in this process and how that count was chosen (gspo.processes.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started) |
 | `parallel` | `"none"` (one process), `"ddp"` or `"fsdp"` |
@@ -232,6 +232,9 @@ def _dtype(model) -> str | None:
 def _sampler(run: Run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
     """Who samples, in words, and in which dtype."""
     cfg = run.cfg
+    if engine == "vllm-server":
+        dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
+        return server_words(run.sampler, dtype), dtype
     if engine != "hf":
         dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
         sleeps = " (sleeps between rollouts)" if getattr(run.sampler, "sleep", False) else ""
@@ -242,6 +245,18 @@ def _sampler(run: Run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]
         return "the policy itself", weights
     dtype = _dtype(run.sampler.model) or cfg.policy.dtype
     return f"a {dtype} copy of the policy (synced before every rollout)", dtype
+
+
+def server_words(sampler, dtype: str) -> str:
+    """The servers a vllm-server run samples on, their model and vLLM version, and how weights reach them."""
+    servers = getattr(sampler, "servers", [])
+    who = "a vLLM server gspo started here" if getattr(sampler, "owned", None) is not None else \
+        plural(len(servers), "vLLM server")
+    each = "; ".join(f"{s.url} ({s.model}, vLLM {s.version})" for s in servers)
+    how = {"directory": "weights synced through vLLM's reload_weights from a directory",
+           "nccl": "weights synced over NCCL (vLLM's weight transfer)"}.get(getattr(sampler, "method", ""), "")
+    check = ", sync checked every step" if getattr(sampler, "check", None) is not None else ""
+    return f"{who} in {dtype}: {each}; {how}{check}"
 
 
 def _packing_why(run: Run) -> str:

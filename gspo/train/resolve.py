@@ -110,14 +110,21 @@ def _sampling_rules(cfg: TrainConfig):
     s = cfg.sampling
     yield s.max_new_tokens is None or s.min_new_tokens <= s.max_new_tokens, "min_new_tokens", \
         "must be <= max_new_tokens"
-    vllm = s.rollout_engine == "vllm"
+    vllm = s.rollout_engine in ("vllm", "vllm-server")
     yield not (vllm and cfg.moe.routing_replay), "routing_replay", \
-        "cannot be combined with --rollout-engine vllm: this vLLM cannot return the experts it routed each token " \
-        "to (R3 needs its Model Runner V2); use --rollout-engine hf"
+        f"cannot be combined with --rollout-engine {s.rollout_engine}: this vLLM cannot return the experts it " \
+        "routed each token to (R3 needs its Model Runner V2); use --rollout-engine hf"
     yield not (vllm and cfg.loss.old_logp == "sampling" and (s.top_p < 1 or s.top_k > 0 or s.min_new_tokens > 0)), \
-        "old_logp", "sampling with --rollout-engine vllm needs --top-p 1, --top-k 0 and --min-new-tokens 0: vLLM " \
-        "renormalises its log-probs over the tokens top-p/top-k keep and without the stop tokens it bans, which are " \
+        "old_logp", f"sampling with --rollout-engine {s.rollout_engine} needs --top-p 1, --top-k 0 and " \
+        "--min-new-tokens 0: vLLM renormalises its log-probs over the tokens top-p/top-k keep and without the " \
+        "stop tokens it bans, which are " \
         "then not the policy's (use --old-logp recompute or auto)"
+    server = s.rollout_engine == "vllm-server"
+    yield not (server and cfg.async_rl.rollout_workers), "rollout_workers", \
+        "cannot be combined with --rollout-engine vllm-server: the servers are the rollout side (add servers with " \
+        "--vllm-server-url; --max-staleness still applies)"
+    yield not (cfg.vllm.vllm_server_url and not server), "vllm_server_url", \
+        f"names servers to sample on, and --rollout-engine is {s.rollout_engine} (give --rollout-engine vllm-server)"
 
 
 def _corrections_rules(cfg: TrainConfig):

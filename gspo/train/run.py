@@ -255,7 +255,7 @@ def _check_unused(cfg: TrainConfig, inputs: Inputs, task, only=None) -> list[str
             raise ConfigError(f"{flag(name, getattr(cfg, name))}: {why}")
     notes = [f"{flag(name, getattr(cfg, name))}: not used: {why}" for name, why in idle]
     vllm = ([flag(n, getattr(cfg, n)) for n in mine if n.startswith("vllm_")]
-            if cfg.sampling.rollout_engine != "vllm" else [])
+            if cfg.sampling.rollout_engine == "hf" else [])
     notes += [f"{', '.join(vllm)}: not used: they set the vLLM engine, and this run samples with --rollout-engine "
               f"{cfg.sampling.rollout_engine}"] if vllm else []
     if "task" in mine and facts.dataset:

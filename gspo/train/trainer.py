@@ -55,6 +55,7 @@ from gspo.rewards.builtin import TrainerState
 from gspo.sampling.episodes import EpisodeSpec
 from gspo.sampling.pipeline import Pipeline, make_pipeline, serve_rank
 from gspo.sampling.produce import step_generator
+from gspo.sampling.vllm_server import ServerError, ServerSampler
 from gspo.tasks.scoring import RewardError
 from gspo.train import checkpoint as ckpt
 from gspo.train.batch import Batch, expert_load, prepare
@@ -125,10 +126,17 @@ def _train_in_process(cfg: TrainConfig, resume, log, inputs, callbacks, keep) ->
         if isinstance(e, RewardError) and ckpt.latest_checkpoint(run.run_dir) is not None:  # mid-run: resumable
             raise RewardError(f"{e}; fix it and continue with: "
                               f"{distributed.command_line(['train', '--resume', str(run.run_dir)])}") from e
+        if isinstance(e, ServerError):  # a server down, slow or restarted: the run continues where it was saved
+            last = ckpt.latest_checkpoint(run.run_dir)
+            where = "from its last checkpoint" if last is not None else "from the start (no checkpoint yet)"
+            raise ServerError(f"{e}; continue {where} with: "
+                              f"{distributed.command_line(['train', '--resume', str(run.run_dir)])}") from e
         raise
     finally:
         if run.pipeline is not None:
             run.pipeline.close()  # rollout workers stop, whatever ended the run
+        if isinstance(run.sampler, ServerSampler):
+            run.sampler.close()  # a server gspo started is stopped; the pushed weights are removed
         guard.release()
     run.dist.close()
     if keep is not None:

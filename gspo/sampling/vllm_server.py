@@ -1,0 +1,576 @@
+"""Rollouts on vLLM's own inference server: `vllm serve` as a service, driven over HTTP so it cannot hang a run.
+
+    gspo train --rollout-engine vllm-server                                   # gspo starts one here, and stops it
+    VLLM_API_KEY=... gspo train --rollout-engine vllm-server \\
+        --vllm-server-url http://10.0.0.5:8000 --vllm-server-url http://10.0.0.6:8000   # the user's servers
+
+    sampler = ServerSampler(servers, options, dtype="float32", push=DirectoryPush(...))
+    sampler.sync(policy)                 # the policy's current weights on every server (skipped where held)
+    ro = sampler.sample(prompt_ids, params, generator=g)   # a Rollout, as the colocated engine's
+    sampler.close()                      # a server gspo started is stopped (its whole process group)
+
+It implements the `gspo.sampling.rollout.Sampler` interface (sync, sample, end_rollout) as the
+colocated engine does (gspo.sampling.vllm_engine), over vLLM's OpenAI-compatible API:
+
+- **Token-exact.** Each prompt is one `/v1/completions` request: its token ids as the prompt,
+  `n` = the group size, one seed per prompt drawn from the step's generator (as the colocated
+  engine: a completion does not depend on how the batch is split), the stop-token set,
+  `return_token_ids` and `logprobs: 0` (the sampled token's log-prob). The server must run
+  in `processed_logprobs` mode (log softmax(logits / tau), the trainer's distribution): a server
+  that does not is caught by the sync check below at any temperature but 1, and by the
+  integrity check at every step. Requests are spread over the servers, prompt i on server
+  i mod M, concurrently.
+- **Weight sync through vLLM's API** (`push`): before a rollout whose weights the servers do not
+  hold yet. Generation is paused (`/pause?mode=wait`: in-flight requests finish first), the
+  weights go over, the prefix cache is reset, `/update_weight_version` tags the server with the
+  run and the version (`<run-id>:<version>`), generation resumes. Two ways over:
+  DirectoryPush (`/collective_rpc` with vLLM's `reload_weights(weights_path=...)`: the weights
+  written as safetensors shards to a directory the server reads; CPU, laptops, one machine or
+  a shared filesystem) and NcclPush (vLLM's NCCL weight-transfer engine: GPUs, across nodes;
+  gspo.sampling.server_nccl).
+- **Versions.** Every server is asked for its weight version before each rollout: a server that
+  restarted reports vLLM's "default" and is health-checked and re-synced before it samples.
+  A resumed run syncs before it samples (a new sampler holds no version).
+- **Deadlines on everything.** Each request, probe and sync has a deadline
+  (`--vllm-server-timeout`, `--vllm-server-sync-timeout`, `--vllm-server-start-timeout`); a
+  server that is down, slow or gone is a ServerError: one line naming the server, what it was
+  asked and the deadline (the CLI: exit 2, and `gspo train --resume RUN` continues from the
+  last checkpoint).
+- **The sync check** (`--vllm-check-weight-sync`, on by default): after each sync, every server
+  samples 8 tokens of a fixed prompt at the run's temperature and their log-probs are compared
+  with the trainer's forward of the same tokens; a gap past the dtype's bound is a ServerError
+  (wrong weights, another model, raw log-probs).
+
+What is checked before step 1 (`connect`): each URL is well formed and answers `/health` within
+the deadline; `/v1/models` with the key names the model and its max_model_len; the dev routes
+(`/weight_info`) answer (the server runs with VLLM_SERVER_DEV_MODE=1); the served model is this
+run's (its name, or its directory's) and holds the run's longest prompt + completion.
+
+Security: vLLM checks the API key (`--api-key`, or VLLM_API_KEY) on /v1 routes only; the dev
+routes that pause a server and replace its weights answer anyone who reaches them. A server gspo
+starts listens on 127.0.0.1 only, with a random key passed in its environment (not on a command
+line `ps` shows); a user's key comes from VLLM_API_KEY, never a flag (docs/server.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gspo.models.sequences import Rollout
+from gspo.sampling.rollout import SamplingParams
+from gspo.sampling.vllm_engine import checkpoint_weights, rollout_from
+
+KEY_VARIABLE = "VLLM_API_KEY"  # the variable vLLM's server reads its key from, and gspo a user's key
+CHECK_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # the sync check's prompt (token ids every vocabulary has)
+CHECK_TOKENS = 8
+SHARD_BYTES = 1 << 30  # DirectoryPush: a safetensors file per ~1 GiB of weights
+
+
+class ServerError(ValueError):
+    """A server that is down, slow, restarted or wrong: one line naming it, what it was asked and the deadline."""
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    request: float = 300.0  # one prompt's group of completions (or one probe)
+    sync: float = 300.0  # one weight sync, every server
+    start: float = 600.0  # a server gspo starts: until it answers /health
+
+
+@dataclass
+class Server:
+    """One vLLM server: where it is, the key its /v1 routes want, and what it said of itself."""
+
+    url: str
+    key: str | None = None
+    model: str = ""  # the model id /v1/models names
+    max_model_len: int = 0
+    version: str = ""  # vLLM's version
+    weights: str | None = None  # the weight version it holds ("<run>:<version>"), as last seen
+    device: str = ""  # where it computes (its vllm_config's device_config: cpu, cuda)
+
+    def __post_init__(self):
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
+                or parts.query or parts.fragment:
+            raise ServerError(f"vllm_server_url: {self.url!r} is not a server's address; expected "
+                              "http://HOST:PORT (no path: gspo calls /v1/completions and vLLM's routes itself)")
+        try:
+            _ = parts.port
+        except ValueError:
+            raise ServerError(f"vllm_server_url: {self.url!r} has an invalid port") from None
+        self.url = f"{parts.scheme}://{parts.netloc}"
+
+    def call(self, path: str, body: dict | None = None, *, timeout: float, what: str | None = None,
+             method: str | None = None):
+        """The JSON answer of one request, within `timeout` seconds; ServerError otherwise."""
+        parts = urllib.parse.urlsplit(self.url)
+        conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        what = what or path
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        data = json.dumps(body).encode() if body is not None else None
+        method = method or ("POST" if body is not None else "GET")
+        started = time.monotonic()
+        conn = conn_type(parts.hostname, parts.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            # the socket's timeout bounds each read; the whole answer is bounded here too
+            response = conn.getresponse()
+            raw = _read_within(response, started + timeout)
+        except TimeoutError:
+            raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
+                              "(--vllm-server-timeout / --vllm-server-sync-timeout)") from None
+        except (ConnectionError, OSError, http.client.HTTPException) as e:
+            raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e)})") from None
+        finally:
+            conn.close()
+        if response.status == 401:
+            raise ServerError(f"vLLM server {self.url}: {what} refused the API key (401); give the server's key in "
+                              f"{KEY_VARIABLE}")
+        if response.status == 404 and not path.startswith("/v1"):
+            raise ServerError(f"vLLM server {self.url}: {what} is not there (404); gspo drives vLLM's dev routes: "
+                              "start the server with VLLM_SERVER_DEV_MODE=1 (docs/server.md)")
+        if response.status != 200:
+            raise ServerError(f"vLLM server {self.url}: {what} answered {response.status} "
+                              f"({' '.join(raw.decode(errors='replace').split())[:200]})")
+        try:
+            return json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            raise ServerError(f"vLLM server {self.url}: {what} answered something that is not JSON "
+                              f"({raw[:80]!r})") from None
+
+
+def _read_within(response, deadline: float) -> bytes:
+    chunks = []
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        chunk = response.read(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _reason(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:200]
+
+
+def servers_from(urls, key: str | None = None) -> list[Server]:
+    """Server objects for the URLs (their key: `key`, else VLLM_API_KEY); a repeated URL is refused."""
+    key = key if key is not None else os.environ.get(KEY_VARIABLE) or None
+    servers = [Server(u, key) for u in urls]
+    seen = set()
+    for s in servers:
+        if s.url in seen:
+            raise ServerError(f"vllm_server_url: {s.url} is given twice")
+        seen.add(s.url)
+    return servers
+
+
+def connect(servers: list[Server], *, model: str, needed_len: int, deadlines: Deadlines,
+            served_dir: str | None = None) -> None:
+    """Check every server before step 1: it answers, has the dev routes, serves this run's model (named
+    as the run names it, or its directory `served_dir`) and holds `needed_len` tokens. Fills in each
+    Server's facts."""
+    for s in servers:
+        probe(s, deadlines.request)
+        if not (same_model(s.model, model) or (served_dir is not None and same_model(s.model, served_dir))):
+            raise ServerError(f"vLLM server {s.url} serves {s.model!r}, and this run trains {model!r}; start it with "
+                              f"this model (or --served-model-name {Path(str(model)).name})")
+        if s.max_model_len and s.max_model_len < needed_len:
+            raise ServerError(f"vLLM server {s.url}: max_model_len {s.max_model_len} is shorter than this run's "
+                              f"longest prompt + completion ({needed_len} tokens); start it with --max-model-len "
+                              f"{needed_len} or more")
+
+
+def probe(s: Server, timeout: float) -> None:
+    s.call("/health", timeout=timeout, what="/health")
+    s.version = str((s.call("/version", timeout=timeout) or {}).get("version", "?"))
+    models = (s.call("/v1/models", timeout=timeout) or {}).get("data") or []
+    if not models:
+        raise ServerError(f"vLLM server {s.url}: /v1/models lists no model")
+    s.model = str(models[0].get("id", ""))
+    s.max_model_len = int(models[0].get("max_model_len") or 0)
+    s.weights = str((s.call("/weight_info", timeout=timeout) or {}).get("weight_version"))
+    config = str((s.call("/server_info", timeout=timeout) or {}).get("vllm_config", ""))
+    found = re.search(r"device_config=(\w+)", config)
+    s.device = found.group(1) if found else ""
+
+
+def same_model(served: str, model: str) -> bool:
+    """Whether a server's model id names this run's model: the same id, the same directory, or a
+    directory of the same name (a server started elsewhere with the model's path there)."""
+    a, b = str(served).rstrip("/"), str(model).rstrip("/")
+    if a == b:
+        return True
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    try:
+        if pa.exists() and pb.exists() and pa.resolve() == pb.resolve():
+            return True
+    except OSError:
+        pass
+    return pa.name == pb.name and bool(pa.name)
+
+
+# --- weight pushes -----------------------------------------------------------------------------
+
+
+class DirectoryPush:
+    """Weights through a directory the servers read: the policy's (name, tensor) pairs written as
+    safetensors shards (~1 GiB each, one tensor in memory at a time beyond the shard being
+    written), then each server reloads them in place with vLLM's own `reload_weights`
+    (`/collective_rpc`); the previous version's directory is removed after."""
+
+    name = "directory"
+
+    def __init__(self, root: Path, dtype: torch.dtype):
+        self.root, self.dtype = Path(root), dtype
+        self.current: Path | None = None
+
+    def push(self, policy, servers: list[Server], tag: str, timeout: float, deadline: float) -> None:
+        from safetensors.torch import save_file
+
+        target = self.root / tag.replace(":", "-")
+        if target.exists():
+            shutil.rmtree(target)
+        target.mkdir(parents=True)
+        shard, size, n = {}, 0, 0
+        for name, tensor in checkpoint_weights(policy, self.dtype):
+            value = tensor.detach().to("cpu").contiguous()
+            if any(value.data_ptr() == v.data_ptr() for v in shard.values()):  # a tied weight's second name
+                value = value.clone()
+            shard[name] = value
+            size += tensor.numel() * tensor.element_size()
+            if size >= SHARD_BYTES:
+                save_file(shard, str(target / f"model-{n:05d}.safetensors"))
+                shard, size, n = {}, 0, n + 1
+        if shard or n == 0:
+            save_file(shard, str(target / f"model-{n:05d}.safetensors"))
+        for s in servers:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServerError(f"vLLM server {s.url}: the weight sync did not finish within {timeout:g} s "
+                                  "(--vllm-server-sync-timeout)")
+            s.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target.absolute())}},
+                   timeout=left, what="the weight sync (/collective_rpc reload_weights)")
+        if self.current is not None and self.current != target:
+            shutil.rmtree(self.current, ignore_errors=True)
+        self.current = target
+
+    def close(self) -> None:
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            self.current = None
+
+
+# --- the sampler -------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerSampler:
+    """vLLM servers behind the gspo.sampling.rollout.Sampler interface (see the module docstring).
+
+    run_id: tags the servers' weight versions (a server another run synced is re-synced).
+    check: a callable(policy, tokens, server_logps) -> None|str run after each sync (the sync check;
+    None: off). dist: under torchrun every process samples its share; rank 0 pushes the weights."""
+
+    servers: list[Server]
+    push: object
+    deadlines: Deadlines
+    run_id: str
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    check: object = None
+    temperature: float = 1.0
+    dist: object = None
+    owned: object = None  # an OwnedServer gspo started: stopped by close()
+    scratch: Path | None = None  # a directory of this sampler's own (pushed weights, a started server's log): removed
+    method: str = "directory"  # how the weights go over (the plan says)
+    stamp: int | None = None  # the policy version of the last push (None: unknown, always pushed)
+    tag: str | None = None  # the tag of the last push ("<run>:<n>")
+    pushes: int = 0
+    sync_seconds: float = 0.0  # the last push's
+    max_model_len: int = 0
+    vocab_size: int = 0
+    last_check: dict = field(default_factory=dict)  # the sync check's figures: server -> max |delta log p|
+    _pool: ThreadPoolExecutor | None = None
+
+    # --- the Sampler interface ---
+
+    versioned = True  # gspo.sampling.produce passes the policy version to `sync`
+
+    def sync(self, policy, version: int | None = None) -> None:
+        """Every server holds `policy`'s current weights when this returns. The push is skipped only
+        where a server already holds them: `version` (the policy version, the steps done) is the
+        last push's and the server still carries that push's tag. A server that restarted (vLLM's
+        "default" tag) or that something else synced is probed and pushed to."""
+        main = self.dist is None or self.dist.is_main
+        changed = version is None or version != self.stamp
+        tag = f"{self.run_id}:{self.pushes + 1}" if changed else self.tag
+        stale = []
+        if main:
+            for s in self.servers:
+                s.weights = self._tag_of(s)
+                if changed or s.weights != self.tag:
+                    stale.append(s)
+        stale_any = bool(stale)
+        if self.dist is not None and self.dist.enabled:  # every rank joins the push's gathers (FSDP), or none does
+            stale_any = self.dist.broadcast_object(stale_any)
+        if not stale_any:
+            return
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.deadlines.sync
+        if main:
+            for s in stale:
+                if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
+                    probe(s, min(self.deadlines.request, _left(deadline, s, self.deadlines.sync)))
+            for s in stale:
+                s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, self.deadlines.sync), what="/pause")
+        try:
+            if main:
+                self.push.push(policy, stale, tag, self.deadlines.sync, deadline)
+            else:  # the other ranks take part in the gathers of the weights rank 0 sends
+                for _ in checkpoint_weights(policy, getattr(self.push, "dtype", None)):
+                    pass
+            if main:
+                for s in stale:
+                    left = _left(deadline, s, self.deadlines.sync)
+                    s.call("/reset_prefix_cache", {}, timeout=left, what="/reset_prefix_cache")
+                    s.call("/update_weight_version", {"new_version": tag}, timeout=left, what="/update_weight_version")
+                    s.weights = tag
+        finally:
+            if main:
+                for s in stale:
+                    try:
+                        s.call("/resume", {}, timeout=self.deadlines.request, what="/resume")
+                    except ServerError:
+                        pass  # the error that brought us here says more
+        self.stamp, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
+        self.sync_seconds = time.perf_counter() - t0
+        if self.check is not None and main:
+            self._check(policy, stale)
+        if self.dist is not None and self.dist.enabled:
+            self.dist.barrier()
+
+    def _tag_of(self, s: Server) -> str:
+        return str((s.call("/weight_info", timeout=self.deadlines.request) or {}).get("weight_version"))
+
+    def verify(self) -> None:
+        """After a rollout: every server still holds the weights it was synced with (a server that
+        restarted mid-rollout came back with its checkpoint's, and sampled from them)."""
+        for s in self.servers:
+            now = self._tag_of(s)
+            if now != self.tag:
+                raise ServerError(f"vLLM server {s.url}: its weights changed during the rollout (it holds {now!r}, "
+                                  f"synced {self.tag!r}): it restarted or something else synced it; this batch is not "
+                                  "the policy's")
+
+    def sample(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
+               rows: tuple[int, int] | None = None) -> Rollout:
+        G = params.group_size
+        offset, total = rows or (0, len(prompts) * G)
+        mine = slice(offset // G, offset // G + len(prompts))
+        seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[mine].tolist()
+        first = offset // G  # prompt i of the whole batch goes to server i mod M: the same split on every rank
+        jobs = [(self.servers[(first + i) % len(self.servers)], p, s) for i, (p, s) in enumerate(zip(prompts, seeds))]
+        pool = self._executor()
+        answers = list(pool.map(lambda job: self._complete(job[0], job[1], params, job[2]), jobs))
+        seqs, logps, truncated = [], [], []
+        for choices in answers:
+            for ids, lps, cut in choices:
+                seqs.append(ids)
+                logps.append(lps)
+                truncated.append(cut)
+        self.verify()
+        return rollout_from(prompts, seqs, logps, truncated, params, self.device)
+
+    def end_rollout(self) -> None:
+        """Nothing to free: the servers keep their memory (another process's, or another machine's)."""
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self.owned is not None:
+            self.owned.stop()
+            self.owned = None
+        close = getattr(self.push, "close", None)
+        if close is not None:
+            close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
+
+    # --- the pieces ---
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gspo-vllm-server")
+        return self._pool
+
+    def _complete(self, server: Server, prompt: list[int], params: SamplingParams, seed: int,
+                  n: int | None = None, ignore_eos: bool = False) -> list[tuple[list[int], list[float], bool]]:
+        body = {"model": server.model, "prompt": list(prompt), "n": n or params.group_size,
+                "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k if params.top_k > 0 else -1, "min_tokens": params.min_new_tokens,
+                "stop_token_ids": list(params.stop_token_ids), "seed": seed, "logprobs": 0,
+                "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
+                "ignore_eos": ignore_eos, "include_stop_str_in_output": True}
+        answer = server.call("/v1/completions", body, timeout=self.deadlines.request,
+                             what=f"a completion request ({len(prompt)} prompt tokens, n={body['n']})")
+        choices = sorted((answer or {}).get("choices") or [], key=lambda c: c.get("index", 0))
+        if len(choices) != body["n"]:
+            raise ServerError(f"vLLM server {server.url}: asked for {body['n']} completions, got {len(choices)}")
+        out = []
+        for c in choices:
+            ids = c.get("token_ids")
+            lps = (c.get("logprobs") or {}).get("token_logprobs")
+            if ids is None or lps is None or len(ids) != len(lps):
+                raise ServerError(f"vLLM server {server.url}: a completion came without its token ids and log-probs "
+                                  "(gspo needs vLLM >= 0.10.2's return_token_ids)")
+            if any(lp is None for lp in lps):
+                raise ServerError(f"vLLM server {server.url}: a completion token came without its log-prob")
+            out.append(([int(t) for t in ids], [float(lp) for lp in lps], c.get("finish_reason") == "length"))
+        return out
+
+    def _check(self, policy, servers: list[Server]) -> None:
+        """The sync check: each server's log-probs of 8 sampled tokens of a fixed prompt against the trainer's."""
+        params = SamplingParams(group_size=1, max_new_tokens=CHECK_TOKENS, stop_token_ids=(), pad_token_id=0,
+                                temperature=self.temperature)
+        for s in servers:
+            [(ids, lps, _)] = self._complete(s, CHECK_PROMPT, params, seed=0, n=1, ignore_eos=True)
+            problem = self.check(policy, CHECK_PROMPT, ids, lps)
+            self.last_check[s.url] = problem[1] if problem else 0.0
+            if problem and problem[0]:
+                raise ServerError(f"vLLM server {s.url}: after the sync its log-probs of a fixed prompt differ from "
+                                  f"the trainer's by {problem[1]:.3g} on average (bound {problem[2]:g}): it does not "
+                                  "sample the policy (another model's config, a failed reload, or a server not "
+                                  "started with "
+                                  "--logprobs-mode processed_logprobs)")
+
+
+def _left(deadline: float, s: Server, total: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ServerError(f"vLLM server {s.url}: the weight sync did not finish within {total:g} s "
+                          "(--vllm-server-sync-timeout)")
+    return left
+
+
+# --- a server gspo starts ----------------------------------------------------------------------
+
+
+class OwnedServer:
+    """A `vllm serve` gspo starts for a one-machine run and stops at its end: 127.0.0.1 only, a free
+    port, a random API key in its environment, its own process group (stopped whole: the API
+    server and vLLM's engine process), and on Linux told to end if this process dies
+    (PR_SET_PDEATHSIG). Its output goes to `log`."""
+
+    def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int, log: Path,
+                 kv_cache_gib: float, gpu_memory_utilization: float, weight_transfer: str | None = None,
+                 python: str | None = None):
+        self.key = secrets.token_urlsafe(32)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                     "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--seed", str(seed),
+                     "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
+                     "--enable-prefix-caching", "--served-model-name", model_dir]
+        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{KEY_VARIABLE: self.key})
+        if weight_transfer:  # vLLM's weight-transfer engine (NCCL): the trainer joins its group at the first sync
+            self.argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+        if torch.cuda.is_available():
+            self.argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        else:  # vLLM's CPU rules: no chunked prefill (seeded generators), eager, a whole prompt per step
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+            self.argv += ["--no-enable-chunked-prefill", "--enforce-eager",
+                          "--max-num-batched-tokens", str(max(max_model_len, 2048))]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self._lock = threading.Lock()
+        atexit.register(self.stop)  # this interpreter ending (an error before the run began included)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        server = Server(self.url)
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"the vLLM server gspo started exited ({code}) before it answered; its output: "
+                                  f"{self.log} ({_last_error(self.log)})")
+            try:
+                server.call("/health", timeout=5, what="/health")
+                return
+            except ServerError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise ServerError(f"the vLLM server gspo started did not answer /health within {timeout:g} s "
+                                      f"(--vllm-server-start-timeout); its output: {self.log}") from None
+                time.sleep(1.0)
+
+    def stop(self, grace: float = 15.0) -> None:
+        with self._lock:
+            if self.proc.poll() is not None:
+                return
+            for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    return
+                try:
+                    self.proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            try:  # the engine process vLLM started is in the same group: make sure it went too
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _last_error(log: Path) -> str:
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "unreadable"
+    errors = [line for line in lines if "Error" in line and "Warning" not in line]
+    return " ".join((errors or lines or ["no output"])[-1].split())[:200]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: end when the trainer's process does (Linux), so a killed trainer leaves no server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
