@@ -142,9 +142,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
     import secrets
     import tempfile
 
-    from gspo.models.logprobs import completion_logprobs
     from gspo.sampling import vllm_server as vs
-    from gspo.sampling.integrity import tolerance
 
     v = cfg.vllm
     max_pos = int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
@@ -163,57 +161,67 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
         if dist.enabled:
             raise ConfigError("vllm_server_url: under torchrun give the servers (--vllm-server-url); gspo starts one "
                               "only for a one-process run")
-        owned = vs.OwnedServer(path, dtype=name, seed=cfg.run.seed, max_model_len=max_len,
-                               log=scratch / "vllm-server.log", kv_cache_gib=v.vllm_kv_cache_gib,
-                               gpu_memory_utilization=v.vllm_gpu_memory_utilization,
-                               weight_transfer="nccl" if method == "nccl" else None)
-        try:
-            owned.wait_ready(deadlines.start)
-        except BaseException:
-            owned.stop()
-            raise
+        owned = vs.OwnedServer(path, vs.Serve(name, cfg.run.seed, max_len, kv_cache_gib=v.vllm_kv_cache_gib,
+                                              gpu_memory_utilization=v.vllm_gpu_memory_utilization,
+                                              weight_transfer="nccl" if method == "nccl" else None),
+                               log=scratch / "vllm-server.log")
         servers = vs.servers_from([owned.url], key=owned.key)
     try:
+        if owned is not None:
+            owned.wait_ready(deadlines.start)
         if dist.is_main:
             vs.connect(servers, model=path if owned else str(cfg.policy.model), served_dir=path,
                        needed_len=min(max_pos, cfg.data.max_prompt_length + (cfg.sampling.max_new_tokens or 0)),
                        deadlines=deadlines)
-        cpu = [s.url for s in servers if s.device == "cpu"]
-        if is_moe(policy) and cpu:
-            raise ConfigError(f"rollout_engine: vllm-server with a Mixture-of-Experts model on a CPU server "
-                              f"({cpu[0]}): vLLM 0.32 on CPU does not repack expert weights on a reload, so the "
-                              "server would sample from stale experts (use --rollout-engine vllm, which repacks "
-                              "them, or a GPU server)")
+        _refuse_cpu_moe(policy, servers)
         if method == "nccl":
             from gspo.sampling.server_nccl import NcclPush
 
             push = NcclPush(dtype, deadlines)
         else:
             push = vs.DirectoryPush(Path(v.vllm_server_weights_dir) if v.vllm_server_weights_dir else scratch, dtype)
-        bound = tolerance("vllm", name, name)
-        check = None
-        if v.vllm_check_weight_sync:
-            def check(model, prompt, ids, logps):
-                full = torch.tensor([list(prompt) + list(ids)], device=dist.device)
-                mask = torch.ones_like(full)
-                cmask = torch.ones((1, len(ids)), device=dist.device)
-                with torch.no_grad():
-                    mine = completion_logprobs(unwrap(model), full, mask, cmask,
-                                               temperature=cfg.sampling.temperature)[0].float().cpu()
-                gap = float((mine - torch.tensor(logps)).abs().mean())  # the row mean, as the integrity bound
-                limit = bound.row if bound is not None else 2.0
-                return gap > limit, gap, limit
-        sampler = vs.ServerSampler(servers, push, deadlines, run_id=f"{Path(cfg.run.output_dir).name}-"
-                                   f"{secrets.token_hex(4)}", device=dist.device, check=check,
-                                   temperature=cfg.sampling.temperature, dist=dist, owned=owned, scratch=scratch,
-                                   max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
-                                                     default=max_len),
-                                   method=method)
+        return vs.ServerSampler(servers, push, deadlines, run_id=f"{Path(cfg.run.output_dir).name}-"
+                                f"{secrets.token_hex(4)}", device=dist.device,
+                                check=sync_check(cfg, dist, name) if v.vllm_check_weight_sync else None,
+                                temperature=cfg.sampling.temperature, dist=dist, owned=owned, scratch=scratch,
+                                max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
+                                                  default=max_len),
+                                method=method)
     except BaseException:
         if owned is not None:
             owned.stop()
         raise
-    return sampler
+
+
+def _refuse_cpu_moe(policy, servers) -> None:
+    cpu = [s.url for s in servers if s.device == "cpu"]
+    if is_moe(policy) and cpu:
+        raise ConfigError(f"rollout_engine: vllm-server with a Mixture-of-Experts model on a CPU server "
+                          f"({cpu[0]}): vLLM 0.32 on CPU does not repack expert weights on a reload, so the "
+                          "server would sample from stale experts (use --rollout-engine vllm, which repacks "
+                          "them, or a GPU server)")
+
+
+def sync_check(cfg: TrainConfig, dist: Dist, dtype: str):
+    """The sync check's comparison (gspo.sampling.vllm_server.ServerSampler `check`): the trainer's
+    log-probs of a server's sampled tokens against the server's, as a row mean, with the integrity
+    check's row bound for vLLM in this dtype (float32: 0.02; bfloat16: 2.0)."""
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling.integrity import tolerance
+
+    bound = tolerance("vllm", dtype, dtype)
+    limit = bound.row if bound is not None else 2.0
+
+    def check(model, prompt, ids, logps):
+        full = torch.tensor([list(prompt) + list(ids)], device=dist.device)
+        cmask = torch.ones((1, len(ids)), device=dist.device)
+        with torch.no_grad():
+            mine = completion_logprobs(unwrap(model), full, torch.ones_like(full), cmask,
+                                       temperature=cfg.sampling.temperature)[0].float().cpu()
+        gap = float((mine - torch.tensor(logps)).abs().mean())  # the row mean, as the integrity bound
+        return gap > limit, gap, limit
+
+    return check
 
 
 def vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):

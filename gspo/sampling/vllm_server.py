@@ -480,29 +480,41 @@ def _left(deadline: float, s: Server, total: float) -> float:
 # --- a server gspo starts ----------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Serve:
+    """How a server gspo starts is started (OwnedServer)."""
+
+    dtype: str
+    seed: int
+    max_model_len: int
+    kv_cache_gib: float = 2.0  # CPU: VLLM_CPU_KVCACHE_SPACE, unless set
+    gpu_memory_utilization: float = 0.3  # CUDA
+    weight_transfer: str | None = None  # "nccl": vLLM's weight-transfer engine on (--weight-transfer-config)
+    python: str | None = None  # the interpreter with vLLM (None: this one)
+
+
 class OwnedServer:
     """A `vllm serve` gspo starts for a one-machine run and stops at its end: 127.0.0.1 only, a free
     port, a random API key in its environment, its own process group (stopped whole: the API
     server and vLLM's engine process), and on Linux told to end if this process dies
     (PR_SET_PDEATHSIG). Its output goes to `log`."""
 
-    def __init__(self, model_dir: str, *, dtype: str, seed: int, max_model_len: int, log: Path,
-                 kv_cache_gib: float, gpu_memory_utilization: float, weight_transfer: str | None = None,
-                 python: str | None = None):
+    def __init__(self, model_dir: str, how: Serve, log: Path):
+        dtype, seed, max_model_len = how.dtype, how.seed, how.max_model_len
         self.key = secrets.token_urlsafe(32)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+        self.argv = [how.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                      "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--seed", str(seed),
                      "--max-model-len", str(max_model_len), "--logprobs-mode", "processed_logprobs",
                      "--enable-prefix-caching", "--served-model-name", model_dir]
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", **{KEY_VARIABLE: self.key})
-        if weight_transfer:  # vLLM's weight-transfer engine (NCCL): the trainer joins its group at the first sync
-            self.argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
+        if how.weight_transfer:  # vLLM's weight-transfer engine (NCCL): the trainer joins its group at the first sync
+            self.argv += ["--weight-transfer-config", json.dumps({"backend": how.weight_transfer})]
         if torch.cuda.is_available():
-            self.argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+            self.argv += ["--gpu-memory-utilization", str(how.gpu_memory_utilization)]
         else:  # vLLM's CPU rules: no chunked prefill (seeded generators), eager, a whole prompt per step
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(how.kv_cache_gib))))
             self.argv += ["--no-enable-chunked-prefill", "--enforce-eager",
                           "--max-num-batched-tokens", str(max(max_model_len, 2048))]
         log.parent.mkdir(parents=True, exist_ok=True)
