@@ -1,0 +1,281 @@
+"""A fake vLLM OpenAI-compatible server (stdlib only) for gspo.sampling.vllm_server's client.
+
+It speaks the routes gspo drives, answering as vLLM 0.32 does (measured on a real server):
+
+    GET  /health                  -> 200, empty body
+    GET  /version                 -> {"version": "0.32.0"}
+    GET  /v1/models               -> {"data": [{"id": MODEL, "max_model_len": 64, ...}]}  (Bearer key checked: 401)
+    GET  /weight_info             -> {"weight_version": "default"}                       (dev routes: no key)
+    GET  /server_info             -> {"vllm_config": "model='...', ..., device_config=cpu, ..."}
+    POST /pause?mode=wait         -> {"status": "paused"}
+    POST /resume                  -> {"status": "resumed"}
+    POST /collective_rpc          -> {"results": [null]}     (reload_weights: the path is kept in `reloads`)
+    POST /reset_prefix_cache      -> {"success": true}
+    POST /update_weight_version   -> {}                      (the tag /weight_info reports from then on)
+    POST /v1/completions          -> {"choices": [{"index", "token_ids", "logprobs": {"token_logprobs"},
+                                                   "finish_reason"}, ...]}
+
+The "model" is deterministic: completion i of a prompt, token j is (sum(prompt) + seed + i + j) % vocab,
+its log-prob `token_logp(token)`; a completion ends at a stop token (kept, finish_reason "stop"),
+else after max_tokens ("length"). `FakeVLLM.completion(...)` gives what the server answers.
+
+Every request is recorded (`requests`: path with its query, method, JSON body, headers, arrival time).
+Faults, set as attributes (any time, also while serving; routes are named without their query):
+
+    delay = {"/health": 3.0}           # sleep before answering (cut short when the server closes)
+    status = {"/weight_info": 404}     # answer this status (with a short JSON error body)
+    not_json = {"/version"}            # answer 200 with a body that is not JSON
+    drop = {"/v1/completions"}         # close the connection without answering
+    trickle = {"/health": (0.05, 2.0)} # headers, then one body byte per 0.05 s (a long Content-Length)
+                                       # for 2.0 s at most (None: until the client goes or the server closes)
+    choices_delta = -1                 # answer n + delta choices
+    no_token_ids = True                # choices without token_ids
+    restart_after_completions = 1      # after that many completion answers the weight version is "default"
+    key = "secret"                     # /v1 routes want "Authorization: Bearer secret"
+    model, max_model_len, device       # what /v1/models and /server_info report
+
+Use it as a context manager: `with FakeVLLM() as fake: Server(fake.url) ...`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Request:
+    path: str  # with its query (/pause?mode=wait)
+    method: str
+    body: object  # the JSON body (None: none, or not JSON: the raw bytes)
+    headers: dict
+    time: float  # time.monotonic() when it arrived
+
+    @property
+    def route(self) -> str:
+        return urllib.parse.urlsplit(self.path).path
+
+
+def token_logp(token: int) -> float:
+    return -0.1 * (token % 7 + 1)
+
+
+@dataclass
+class FakeVLLM:
+    model: str = "tiny-model"
+    max_model_len: int = 64
+    vocab: int = 50
+    key: str | None = None
+    version: str = "0.32.0"
+    device: str = "cpu"
+    weight_version: str = "default"
+    delay: dict = field(default_factory=dict)
+    status: dict = field(default_factory=dict)
+    not_json: set = field(default_factory=set)
+    drop: set = field(default_factory=set)
+    trickle: dict = field(default_factory=dict)
+    choices_delta: int = 0
+    no_token_ids: bool = False
+    restart_after_completions: int | None = None
+    requests: list = field(default_factory=list)
+    reloads: list = field(default_factory=list)  # the weights_path of every reload_weights
+    paused: bool = False
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._completions = 0
+        self._httpd = None
+        self._thread = None
+
+    # --- the model ---
+
+    def completion(self, prompt, seed: int, i: int, max_tokens: int, stop=()):
+        """Completion i of `prompt`: (token ids, log-probs, finish_reason)."""
+        ids, lps, s = [], [], sum(prompt)
+        for j in range(max_tokens):
+            t = (s + seed + i + j) % self.vocab
+            ids.append(t)
+            lps.append(token_logp(t))
+            if t in stop:
+                return ids, lps, "stop"
+        return ids, lps, "length"
+
+    # --- serving ---
+
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FakeVLLM:
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                fake._handle(self, "GET")
+
+            def do_POST(self):
+                fake._handle(self, "POST")
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        daemon=True, name="fakevllm")
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> FakeVLLM:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def routes(self) -> list[str]:
+        """The routes asked, in order (with their query)."""
+        with self._lock:
+            return [r.path for r in self.requests]
+
+    def asked(self, route: str) -> list[Request]:
+        with self._lock:
+            return [r for r in self.requests if r.route == route]
+
+    # --- one request ---
+
+    def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
+        h.close_connection = True
+        length = int(h.headers.get("Content-Length") or 0)
+        raw = h.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            body = raw
+        route = urllib.parse.urlsplit(h.path).path
+        with self._lock:
+            self.requests.append(Request(h.path, method, body, dict(h.headers), time.monotonic()))
+        if route in self.delay and self._stop.wait(self.delay[route]):
+            return
+        if route in self.drop:
+            return  # the connection closes with no answer
+        if route in self.trickle:
+            self._trickle(h, *self.trickle[route])
+            return
+        if route in self.status:
+            self._send(h, self.status[route], {"error": f"fake status {self.status[route]}"})
+            return
+        if route in self.not_json:
+            self._send_raw(h, 200, b"<html>not json</html>", "text/html")
+            return
+        if route.startswith("/v1") and self.key is not None \
+                and h.headers.get("Authorization") != f"Bearer {self.key}":
+            self._send(h, 401, {"error": "Unauthorized"})
+            return
+        try:
+            status, answer = self._answer(method, route, body)
+        except Exception as e:  # a request the fake cannot answer: a 400, as a server would
+            status, answer = 400, {"error": f"{type(e).__name__}: {e}"}
+        if answer is None:
+            self._send_raw(h, status, b"", "application/json")
+        else:
+            self._send(h, status, answer)
+
+    def _answer(self, method: str, route: str, body):
+        if method == "GET":
+            if route == "/health":
+                return 200, None
+            if route == "/version":
+                return 200, {"version": self.version}
+            if route == "/v1/models":
+                return 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm",
+                                                         "root": self.model, "max_model_len": self.max_model_len}]}
+            if route == "/weight_info":
+                return 200, {"weight_version": self.weight_version}
+            if route == "/server_info":
+                return 200, {"vllm_config": f"model='{self.model}', dtype=torch.float32, "
+                                            f"device_config={self.device}, seed=0"}
+        else:
+            if route == "/pause":
+                self.paused = True
+                return 200, {"status": "paused"}
+            if route == "/resume":
+                self.paused = False
+                return 200, {"status": "resumed"}
+            if route == "/collective_rpc":
+                if body.get("method") == "reload_weights":
+                    self.reloads.append(body["kwargs"]["weights_path"])
+                return 200, {"results": [None]}
+            if route == "/reset_prefix_cache":
+                return 200, {"success": True}
+            if route == "/update_weight_version":
+                self.weight_version = body["new_version"]
+                return 200, None
+            if route == "/v1/completions":
+                return 200, self._complete(body)
+        return 404, {"detail": "Not Found"}
+
+    def _complete(self, body: dict) -> dict:
+        prompt, n, seed = body["prompt"], int(body.get("n", 1)), int(body.get("seed") or 0)
+        if len(prompt) + int(body["max_tokens"]) > self.max_model_len:
+            raise ValueError("longer than max_model_len")
+        stop = () if body.get("ignore_eos") else tuple(body.get("stop_token_ids") or ())
+        choices = []
+        for i in range(max(0, n + self.choices_delta)):
+            ids, lps, reason = self.completion(prompt, seed, i, int(body["max_tokens"]), stop)
+            logprobs = {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids]}
+            choice = {"index": i, "text": "", "logprobs": logprobs, "finish_reason": reason, "token_ids": ids,
+                      "prompt_token_ids": None}
+            if self.no_token_ids:
+                del choice["token_ids"]
+            choices.append(choice)
+        with self._lock:
+            self._completions += 1
+            if self.restart_after_completions is not None and self._completions >= self.restart_after_completions:
+                self.weight_version = "default"
+        return {"id": "cmpl-fake", "object": "text_completion", "model": self.model, "choices": choices}
+
+    def _trickle(self, h, every: float, limit: float | None) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(1 << 20))
+        h.end_headers()
+        h.wfile.flush()
+        end = None if limit is None else time.monotonic() + limit
+        try:
+            while not self._stop.wait(every) and (end is None or time.monotonic() < end):
+                h.wfile.write(b" ")
+                h.wfile.flush()
+        except OSError:
+            pass  # the client went
+
+    @staticmethod
+    def _send(h, status: int, answer) -> None:
+        FakeVLLM._send_raw(h, status, json.dumps(answer).encode(), "application/json")
+
+    @staticmethod
+    def _send_raw(h, status: int, data: bytes, kind: str) -> None:
+        try:
+            h.send_response(status)
+            h.send_header("Content-Type", kind)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            h.wfile.write(data)
+            h.wfile.flush()
+        except OSError:
+            pass
