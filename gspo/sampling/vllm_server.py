@@ -130,20 +130,33 @@ class Server:
             headers["Authorization"] = f"Bearer {self.key}"
         data = json.dumps(body).encode() if body is not None else None
         method = method or ("POST" if body is not None else "GET")
-        started = time.monotonic()
         conn = conn_type(parts.hostname, parts.port, timeout=timeout)
+        # the socket's timeout bounds each wait for bytes; a watchdog bounds the whole exchange (a server that
+        # trickles its headers or body a byte at a time never trips the socket's timeout): at the deadline it
+        # shuts the socket, and the read in progress fails at once
+        late = threading.Event()
+        watchdog = None
         try:
+            conn.connect()  # within the socket's timeout
+            # the socket itself: http.client drops conn.sock once a response that closes the connection began
+            watchdog = threading.Timer(timeout, _cut, (conn.sock, late))
+            watchdog.daemon = True
+            watchdog.start()
             conn.request(method, path, body=data, headers=headers)
-            # the socket's timeout bounds each read; the whole answer is bounded here too
             response = conn.getresponse()
-            raw = _read_within(response, started + timeout)
-        except TimeoutError:
-            raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
-                              "(--vllm-server-timeout / --vllm-server-sync-timeout)") from None
-        except (ConnectionError, OSError, http.client.HTTPException) as e:
+            raw = response.read()
+        except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
+            if late.is_set() or isinstance(e, TimeoutError):
+                raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
+                                  "(--vllm-server-timeout / --vllm-server-sync-timeout)") from None
             raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e)})") from None
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             conn.close()
+        if late.is_set():
+            raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
+                              "(--vllm-server-timeout / --vllm-server-sync-timeout)")
         if response.status == 401:
             raise ServerError(f"vLLM server {self.url}: {what} refused the API key (401); give the server's key in "
                               f"{KEY_VARIABLE}")
@@ -160,15 +173,13 @@ class Server:
                               f"({raw[:80]!r})") from None
 
 
-def _read_within(response, deadline: float) -> bytes:
-    chunks = []
-    while True:
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        chunk = response.read(1 << 16)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+def _cut(sock, late: threading.Event) -> None:
+    """The deadline of a request passed: mark it and shut its socket (the blocked read returns)."""
+    late.set()
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _reason(e: BaseException) -> str:
@@ -204,16 +215,30 @@ def connect(servers: list[Server], *, model: str, needed_len: int, deadlines: De
                               f"{needed_len} or more")
 
 
-def probe(s: Server, timeout: float) -> None:
-    s.call("/health", timeout=timeout, what="/health")
-    s.version = str((s.call("/version", timeout=timeout) or {}).get("version", "?"))
-    models = (s.call("/v1/models", timeout=timeout) or {}).get("data") or []
+def probe(s: Server, timeout: float, deadline: float | None = None, total: float | None = None) -> None:
+    """Ask a server what it is: healthy, its vLLM version, model, length, weight tag and device. Each
+    call within `timeout` seconds; all of them before `deadline` (time.monotonic(); a sync's, whose
+    length is `total` seconds) when given."""
+    def within(path: str):
+        if deadline is None:
+            return s.call(path, timeout=timeout, what=path) or {}
+        left = _left(deadline, s, total or timeout)
+        try:
+            return s.call(path, timeout=min(timeout, left), what=path) or {}
+        except ServerError:
+            if left < timeout and time.monotonic() >= deadline - 0.05:  # the sync's deadline, not the request's
+                _left(deadline - 1.0, s, total or timeout)
+            raise
+
+    within("/health")
+    s.version = str(within("/version").get("version", "?"))
+    models = within("/v1/models").get("data") or []
     if not models:
         raise ServerError(f"vLLM server {s.url}: /v1/models lists no model")
     s.model = str(models[0].get("id", ""))
     s.max_model_len = int(models[0].get("max_model_len") or 0)
-    s.weights = str((s.call("/weight_info", timeout=timeout) or {}).get("weight_version"))
-    config = str((s.call("/server_info", timeout=timeout) or {}).get("vllm_config", ""))
+    s.weights = str(within("/weight_info").get("weight_version"))
+    config = str(within("/server_info").get("vllm_config", ""))
     found = re.search(r"device_config=(\w+)", config)
     s.device = found.group(1) if found else ""
 
@@ -292,8 +317,9 @@ class ServerSampler:
     """vLLM servers behind the gspo.sampling.rollout.Sampler interface (see the module docstring).
 
     run_id: tags the servers' weight versions (a server another run synced is re-synced).
-    check: a callable(policy, tokens, server_logps) -> None|str run after each sync (the sync check;
-    None: off). dist: under torchrun every process samples its share; rank 0 pushes the weights."""
+    check: a callable(policy, prompt, ids, server_logps) -> (breach, gap, bound) run after each sync on
+    every synced server (the sync check, gspo.sampling.samplers.sync_check; None: off).
+    dist: under torchrun every process samples its share; rank 0 pushes the weights."""
 
     servers: list[Server]
     push: object
@@ -323,7 +349,7 @@ class ServerSampler:
         """Every server holds `policy`'s current weights when this returns. The push is skipped only
         where a server already holds them: `version` (the policy version, the steps done) is the
         last push's and the server still carries that push's tag. A server that restarted (vLLM's
-        "default" tag) or that something else synced is probed and pushed to."""
+        "default" tag) is probed, then pushed to; one that something else synced is pushed to."""
         main = self.dist is None or self.dist.is_main
         changed = version is None or version != self.stamp
         tag = f"{self.run_id}:{self.pushes + 1}" if changed else self.tag
@@ -340,13 +366,15 @@ class ServerSampler:
             return
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.deadlines.sync
-        if main:
-            for s in stale:
-                if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
-                    probe(s, min(self.deadlines.request, _left(deadline, s, self.deadlines.sync)))
-            for s in stale:
-                s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, self.deadlines.sync), what="/pause")
+        paused = []
         try:
+            if main:
+                for s in stale:
+                    if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
+                        probe(s, self.deadlines.request, deadline, self.deadlines.sync)
+                for s in stale:
+                    paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
+                    s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, self.deadlines.sync), what="/pause")
             if main:
                 self.push.push(policy, stale, tag, self.deadlines.sync, deadline)
             else:  # the other ranks take part in the gathers of the weights rank 0 sends
@@ -359,12 +387,11 @@ class ServerSampler:
                     s.call("/update_weight_version", {"new_version": tag}, timeout=left, what="/update_weight_version")
                     s.weights = tag
         finally:
-            if main:
-                for s in stale:
-                    try:
-                        s.call("/resume", {}, timeout=self.deadlines.request, what="/resume")
-                    except ServerError:
-                        pass  # the error that brought us here says more
+            for s in paused:
+                try:  # bounded: a dead server costs at most a few seconds here, on top of the error said
+                    s.call("/resume", {}, timeout=min(self.deadlines.request, 5.0), what="/resume")
+                except ServerError:
+                    pass  # the error that brought us here says more
         self.stamp, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
         self.sync_seconds = time.perf_counter() - t0
         if self.check is not None and main:
