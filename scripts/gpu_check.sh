@@ -18,6 +18,14 @@
 #             --dtype bfloat16 --param-dtype float32 --device cuda (reward: the share of even token
 #             ids, which varies between samples of a random model; see make_qwen_shaped.py).
 #   torchrun  the same run under torchrun on every local GPU with --parallel fsdp (SKIPPED on one GPU).
+#   server    vLLM's own server (docs/server.md) on the tiny model, started with docs/server.md's GPU
+#             command (127.0.0.1, a random key in its environment, its own process group; on 2+ GPUs
+#             the last GPU, else beside the trainer); `gspo train --rollout-engine vllm-server` for 3
+#             steps with --vllm-server-sync nccl (stage server-nccl), then 3 with directory sync
+#             (server-directory); each step's seconds and each sync's seconds (a wrapper around
+#             ServerSampler.sync) printed and written to OUT/server/summary.md; the server stopped.
+#             SKIPPED when vLLM is not importable, and in --cpu. GSPO_GPU_CHECK_SERVER_START: seconds
+#             the server has to answer /health (default 600).
 #   summary   per run: the resolved config that matters, first and median step time, rollout and
 #             update time, peak GPU memory (torch's max_memory_allocated per process, through a
 #             wrapper around gspo.cli.main, and nvidia-smi's memory.used, which counts vLLM's pools),
@@ -35,7 +43,7 @@ cd "$(dirname "$0")/.."
 cpu="${GSPO_GPU_CHECK_CPU:-0}"
 out="${GSPO_GPU_CHECK_OUT:-runs/gpu-check}"
 steps=""
-stages="env,tests,model,single,torchrun,summary"
+stages="env,tests,model,single,torchrun,server,summary"
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -205,6 +213,131 @@ elif want torchrun; then
         --nproc-per-node "$nproc" -- "${tr_args[@]}"
 fi
 
+# --- server ---------------------------------------------------------------------------------
+# gspo.cli.main with each weight sync's seconds appended to $GSPO_SYNC_LOG (a push: pause, push, reset,
+# version, resume; and the whole call, the sync check included)
+cat > "$out/server_sync.py" <<'PY'
+"""gspo.cli.main, with each weight sync's seconds (ServerSampler.sync_seconds) appended to $GSPO_SYNC_LOG."""
+import json, os, sys, time
+from gspo.cli import main
+from gspo.sampling.vllm_server import ServerSampler
+
+_sync = ServerSampler.sync
+
+
+def sync(self, policy, version=None):
+    t0 = time.perf_counter()
+    self.sync_seconds = None  # set again only by a sync that pushed
+    try:
+        _sync(self, policy, version)
+    finally:
+        pushed, self.sync_seconds = self.sync_seconds is not None, self.sync_seconds or 0.0
+    if pushed and os.environ.get("GSPO_SYNC_LOG"):
+        with open(os.environ["GSPO_SYNC_LOG"], "a") as f:
+            f.write(json.dumps({"method": self.method, "version": version, "sync_seconds": self.sync_seconds,
+                                "with_check_seconds": time.perf_counter() - t0}) + "\n")
+
+
+ServerSampler.sync = sync
+sys.exit(main(sys.argv[1:]))
+PY
+srv_dir="$out/server"; srv_tiny="$PWD/gspo/assets/tiny"; srv_pid=""; srv_url=""; srv_key=""
+
+server_alive() { [ -n "$srv_pid" ] && kill -0 "$srv_pid" 2>/dev/null && [[ "$(ps -o stat= -p "$srv_pid" 2>/dev/null)" != *Z* ]]; }
+server_stop() {  # the server's whole process group (the API server and vLLM's engine): SIGTERM, SIGKILL after 15 s
+    [ -n "$srv_pid" ] || return 0
+    kill -TERM -- "-$srv_pid" 2>/dev/null
+    for _ in $(seq 15); do server_alive || break; sleep 1; done
+    kill -KILL -- "-$srv_pid" 2>/dev/null
+    wait "$srv_pid" 2>/dev/null
+    srv_pid=""
+}
+server_start() {  # docs/server.md's GPU command on the tiny model; ready when /health answers
+    srv_key="$("$vllm_py" -c "import secrets; print(secrets.token_urlsafe(32))")"
+    local port gpus visible=""
+    port="$("$vllm_py" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")"
+    srv_url="http://127.0.0.1:$port"
+    gpus="$("$py" -c "import torch; print(torch.cuda.device_count())")"
+    if [ "$gpus" -ge 2 ]; then  # the last GPU for the server, the trainer on the first (NCCL: one rank per GPU)
+        visible="${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((gpus - 1)))}"; visible="${visible##*,}"
+    fi
+    say "server: starting vLLM on $srv_url (GPU ${visible:-shared with the trainer}), output in $srv_dir/server.log"
+    (
+        export VLLM_SERVER_DEV_MODE=1 VLLM_API_KEY="$srv_key"
+        [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES="$visible"
+        # a process group of its own (os.setsid), so that stopping it stops vLLM's engine process too
+        exec "$vllm_py" -c 'import os, sys; os.setsid(); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])' \
+            -m vllm.entrypoints.openai.api_server --model "$srv_tiny" --host 127.0.0.1 --port "$port" \
+            --dtype float32 --seed 0 --max-model-len 64 --logprobs-mode processed_logprobs --enable-prefix-caching \
+            --weight-transfer-config '{"backend":"nccl"}' --gpu-memory-utilization 0.3
+    ) >> "$srv_dir/server.log" 2>&1 < /dev/null &
+    srv_pid=$!
+    local t0=$SECONDS limit="${GSPO_GPU_CHECK_SERVER_START:-600}"
+    while [ $((SECONDS - t0)) -lt "$limit" ]; do
+        if ! server_alive; then say "server: exited before it answered /health (see $srv_dir/server.log)"; return 1; fi
+        if "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/health', timeout=5)" \
+                "$srv_url" 2>/dev/null; then
+            echo $((SECONDS - t0)) > "$srv_dir/ready_seconds.txt"
+            say "server: ready (GET /health 200) $((SECONDS - t0)) s after start"
+            return 0
+        fi
+        sleep 2
+    done
+    say "server: no answer to /health within $limit s (GSPO_GPU_CHECK_SERVER_START)"
+    return 1
+}
+server_run() {  # server_run SYNC: 3 steps of gspo train on the server, in OUT/server/SYNC
+    local d="$srv_dir/$1"
+    rm -rf "$d"; mkdir -p "$d"
+    VLLM_API_KEY="$srv_key" GSPO_SYNC_LOG="$d/syncs.jsonl" "$vllm_py" "$out/server_sync.py" train \
+        --model "$srv_tiny" --rollout-engine vllm-server --vllm-server-url "$srv_url" --vllm-server-sync "$1" \
+        --steps 3 --eval-size 0 --device "$device" --output-dir "$d/run" --no-progress 2>&1 | tee "$d/log.txt"
+    return "${PIPESTATUS[0]}"
+}
+
+if want server; then
+    if [ "$cpu" = "1" ]; then
+        record server "SKIPPED (CPU dry run)"
+    elif [ "$have_vllm" != "1" ]; then
+        record server "SKIPPED (vLLM not importable)"
+    else
+        rm -rf "$srv_dir"; mkdir -p "$srv_dir"
+        trap server_stop EXIT  # the server goes whatever ends the script
+        if run_stage server server_start; then
+            run_stage server-nccl server_run nccl
+            server_alive || { say "server: gone after the nccl run; starting it again"; server_start; }
+            run_stage server-directory server_run directory
+        fi
+        server_stop
+        trap - EXIT
+        "$vllm_py" - "$srv_dir" <<'PY'
+"""Each server run's step seconds (metrics.jsonl) and sync seconds (syncs.jsonl): OUT/server/summary.md."""
+import json, sys
+from pathlib import Path
+
+d = Path(sys.argv[1])
+ready = d / "ready_seconds.txt"
+lines = [f"server stage (tiny model, float32, 3 steps a run): ready {ready.read_text().strip()} s after start"
+         if ready.is_file() else "server stage: the server never answered /health"]
+for sync in ("nccl", "directory"):
+    metrics, syncs = d / sync / "run" / "metrics.jsonl", d / sync / "syncs.jsonl"
+    if not metrics.is_file():
+        lines.append(f"- {sync}: no steps (see {d / sync / 'log.txt'})")
+        continue
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    pushes = [json.loads(x) for x in syncs.read_text().splitlines() if x.strip()] if syncs.is_file() else []
+    steps = ", ".join(f"{r['time/step_seconds']:.2f}" for r in rows)
+    rollouts = ", ".join(f"{r['time/rollout_seconds']:.2f}" for r in rows)
+    each = ", ".join(f"{p['sync_seconds']:.3f} ({p['with_check_seconds']:.3f})" for p in pushes)
+    lines.append(f"- {sync}: {len(rows)} steps of {steps} s (rollouts, the sync included: {rollouts} s); "
+                 f"{len(pushes)} syncs of {each or 'n/a'} s (in brackets: with the sync check)")
+text = "\n".join(lines) + "\n"
+(d / "summary.md").write_text(text)
+print(text)
+PY
+    fi
+fi
+
 # --- summary --------------------------------------------------------------------------------
 "$train_py" - "$out" <<'PY'
 """The summary table of gpu_check.sh, from each run's config.yaml, metrics.jsonl and peak memory files."""
@@ -267,6 +400,9 @@ if rows:
     lines += ["| " + " | ".join(r[c] for c in cols) + " |" for r in rows]
 else:
     lines.append("(no training run finished in this invocation: no table)")
+server = out / "server" / "summary.md"
+if "server" in dict(stages) and server.is_file():  # the server stage ran in this invocation
+    lines += ["", server.read_text().strip()]
 lines += ["", "median step, rollout, update: over steps 2.. (the first pays for warm-up); mismatch: median over steps;",
           "peak allocated: torch.cuda.max_memory_allocated, max over processes (vLLM's pools not included);",
           "peak used: nvidia-smi memory.used, max over GPUs and 200 ms samples (every process on the GPU)."]
