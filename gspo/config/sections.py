@@ -327,8 +327,9 @@ class VLLM:
         "vLLM's reload_weights: CPU, one machine or a shared filesystem), nccl (vLLM's NCCL weight transfer: "
         "GPUs, other nodes) or auto (nccl when the trainer is on CUDA, else directory).", resume=True)
     vllm_server_weights_dir: str | None = opt(None,
-        "vllm-server with directory sync: where the weights are written for the servers to read (default: "
-        "server-weights/ in the run directory; across machines, a shared filesystem path).", resume=True)
+        "vllm-server with directory sync: where the weights are written for the servers to read (default: a "
+        "temporary directory of the run's, removed at its end; across machines, a shared filesystem path).",
+        resume=True)
     vllm_check_weight_sync: bool = opt(True,
         "vllm-server: after every sync, each server's log-probs of a fixed prompt are compared with the "
         "trainer's forward; a gap past the dtype's bound stops the run.", resume=True)
