@@ -140,6 +140,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
     """vLLM servers (--vllm-server-url), or one gspo starts on this machine, checked before step 1
     (gspo.sampling.vllm_server.connect); the policy's weights reach them before every rollout."""
     import secrets
+    import shutil
     import tempfile
 
     from gspo.sampling import vllm_server as vs
@@ -151,28 +152,24 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
     path = str(resolve_model_path(cfg.policy.model, revision=cfg.policy.revision))
     deadlines = vs.Deadlines(request=v.vllm_server_timeout, sync=v.vllm_server_sync_timeout,
                              start=v.vllm_server_start_timeout)
-    scratch = Path(tempfile.mkdtemp(prefix="gspo-vllm-server-"))  # pushed weights (by default), a started server's log
     method = v.vllm_server_sync if v.vllm_server_sync != "auto" else \
         ("nccl" if dist.device.type == "cuda" else "directory")
-    owned = None
-    if v.vllm_server_url:
-        servers = vs.servers_from(v.vllm_server_url)
-    else:
-        if dist.enabled:
-            raise ConfigError("vllm_server_url: under torchrun give the servers (--vllm-server-url); gspo starts one "
-                              "only for a one-process run")
-        owned = vs.OwnedServer(path, vs.Serve(name, cfg.run.seed, max_len, kv_cache_gib=v.vllm_kv_cache_gib,
-                                              gpu_memory_utilization=v.vllm_gpu_memory_utilization,
-                                              weight_transfer="nccl" if method == "nccl" else None),
-                               log=scratch / "vllm-server.log")
-        servers = vs.servers_from([owned.url], key=owned.key)
+    owned, servers = None, vs.servers_from(v.vllm_server_url) if v.vllm_server_url else []
+    if not servers and dist.enabled:
+        raise ConfigError("vllm_server_url: under torchrun give the servers (--vllm-server-url); gspo starts one "
+                          "only for a one-process run")
+    scratch = Path(tempfile.mkdtemp(prefix="gspo-vllm-server-"))  # pushed weights (by default), a started server's log
     try:
-        if owned is not None:
+        if not servers:
+            owned = vs.OwnedServer(path, vs.Serve(name, cfg.run.seed, max_len, kv_cache_gib=v.vllm_kv_cache_gib,
+                                                  gpu_memory_utilization=v.vllm_gpu_memory_utilization,
+                                                  weight_transfer="nccl" if method == "nccl" else None),
+                                   log=scratch / "vllm-server.log")
+            servers = vs.servers_from([owned.url], key=owned.key)
             owned.wait_ready(deadlines.start)
-        if dist.is_main:
-            vs.connect(servers, model=path if owned else str(cfg.policy.model), served_dir=path,
-                       needed_len=min(max_pos, cfg.data.max_prompt_length + (cfg.sampling.max_new_tokens or 0)),
-                       deadlines=deadlines)
+        vs.connect(servers, model=path if owned else str(cfg.policy.model), served_dir=path,  # every rank samples
+                   needed_len=min(max_pos, cfg.data.max_prompt_length + (cfg.sampling.max_new_tokens or 0)),
+                   deadlines=deadlines)
         _refuse_cpu_moe(policy, servers)
         if method == "nccl":
             from gspo.sampling.server_nccl import NcclPush
@@ -190,6 +187,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
     except BaseException:
         if owned is not None:
             owned.stop()
+        shutil.rmtree(scratch, ignore_errors=True)  # refused before step 1: nothing of it is left
         raise
 
 
