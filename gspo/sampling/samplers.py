@@ -184,10 +184,11 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
                                 max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
                                                   default=max_len),
                                 method=method)
-    except BaseException:
+    except BaseException as e:
         if owned is not None:
             owned.stop()
-        shutil.rmtree(scratch, ignore_errors=True)  # refused before step 1: nothing of it is left
+        if owned is None or str(owned.log) not in str(e):  # a server that would not start: its log is kept
+            shutil.rmtree(scratch, ignore_errors=True)  # refused before step 1: nothing of it is left
         raise
 
 
