@@ -33,8 +33,9 @@ from tests.fakevllm import FakeVLLM
 MARGIN = 0.35  # seconds past a deadline a call may take to give up (thread wake-ups on a loaded 2-core machine)
 FAST = Deadlines(request=2.0, sync=10.0, start=2.0)
 PROBE_ROUTES = ["/health", "/version", "/v1/models", "/weight_info", "/server_info"]
-SYNC_ROUTES = ["/weight_info", "/pause?mode=wait", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version",
-               "/resume"]
+# the pending tag before the reload, read back after it (a sync by someone else meanwhile is seen), the final tag
+SYNC_ROUTES = ["/weight_info", "/pause?mode=wait", "/update_weight_version", "/collective_rpc", "/weight_info",
+               "/reset_prefix_cache", "/update_weight_version", "/resume"]
 
 
 @pytest.fixture(autouse=True)
@@ -308,7 +309,8 @@ def test_sync_order_and_the_weights_written(fake, tmp_path):
     # a fresh server ("default") is probed before it is pushed to
     assert routes_from(fake, start) == [SYNC_ROUTES[0], *PROBE_ROUTES, *SYNC_ROUTES[1:]]
     assert fake.weight_version == "run:1" and not fake.paused
-    assert fake.asked("/update_weight_version")[0].body == {"new_version": "run:1"}
+    assert [r.body for r in fake.asked("/update_weight_version")] == [{"new_version": "run:1.pending"},
+                                                                     {"new_version": "run:1"}]
     [rpc] = fake.asked("/collective_rpc")
     assert rpc.body["method"] == "reload_weights"
     where = Path(rpc.body["kwargs"]["weights_path"])
@@ -387,7 +389,8 @@ def test_resume_follows_a_failed_push(fake, tmp_path):
     start = len(fake.requests)
     with pytest.raises(ServerError, match=r"reload_weights\) answered 500"):
         sampler.sync(Policy(), version=0)
-    assert routes_from(fake, start) == ["/weight_info", *PROBE_ROUTES, "/pause?mode=wait", "/collective_rpc", "/resume"]
+    assert routes_from(fake, start) == ["/weight_info", *PROBE_ROUTES, "/pause?mode=wait", "/update_weight_version",
+                                        "/collective_rpc", "/resume"]
     assert not fake.paused and sampler.stamp is None and sampler.pushes == 0
     del fake.status["/collective_rpc"]
     sampler.sync(Policy(), version=0)  # the next sync pushes

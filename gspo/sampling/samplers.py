@@ -181,6 +181,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
                                 f"{secrets.token_hex(4)}", device=dist.device,
                                 check=sync_check(cfg, dist, name) if v.vllm_check_weight_sync else None,
                                 temperature=cfg.sampling.temperature, dist=dist, owned=owned, scratch=scratch,
+                                vocab_size=int(unwrap(policy).get_input_embeddings().num_embeddings),
                                 max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
                                                   default=max_len),
                                 method=method)

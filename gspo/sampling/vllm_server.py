@@ -57,6 +57,7 @@ from __future__ import annotations
 import atexit
 import http.client
 import json
+import math
 import os
 import re
 import secrets
@@ -81,7 +82,8 @@ from gspo.sampling.vllm_engine import checkpoint_weights, rollout_from
 KEY_VARIABLE = "VLLM_API_KEY"  # the variable vLLM's server reads its key from, and gspo a user's key
 CHECK_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # the sync check's prompt (token ids every vocabulary has)
 CHECK_TOKENS = 8
-SHARD_BYTES = 1 << 30  # DirectoryPush: a safetensors file per ~1 GiB of weights
+SHARD_BYTES = 1 << 30
+LOGP_SLACK = 1e-5  # a sampled token's log-prob is <= 0; float rounding may put log 1 a hair above
 
 
 class ServerError(ValueError):
@@ -375,7 +377,10 @@ class ServerSampler:
                 for s in stale:
                     paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
                     s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, self.deadlines.sync), what="/pause")
-            if main:
+            if main:  # a pending tag first: a sync by someone else meanwhile replaces it, and is seen below
+                for s in stale:
+                    s.call("/update_weight_version", {"new_version": f"{tag}.pending"},
+                           timeout=_left(deadline, s, self.deadlines.sync), what="/update_weight_version")
                 self.push.push(policy, stale, tag, self.deadlines.sync, deadline)
             else:  # the other ranks take part in the gathers of the weights rank 0 sends
                 for _ in checkpoint_weights(policy, getattr(self.push, "dtype", None)):
@@ -383,6 +388,10 @@ class ServerSampler:
             if main:
                 for s in stale:
                     left = _left(deadline, s, self.deadlines.sync)
+                    if (now := self._tag_of(s)) != f"{tag}.pending":
+                        raise ServerError(f"vLLM server {s.url}: something else synced it during this run's weight "
+                                          f"sync (it now holds {now!r}): two runs on one server? Give each run its "
+                                          "own servers")
                     s.call("/reset_prefix_cache", {}, timeout=left, what="/reset_prefix_cache")
                     s.call("/update_weight_version", {"new_version": tag}, timeout=left, what="/update_weight_version")
                     s.weights = tag
@@ -465,20 +474,34 @@ class ServerSampler:
                 "ignore_eos": ignore_eos, "include_stop_str_in_output": True}
         answer = server.call("/v1/completions", body, timeout=self.deadlines.request,
                              what=f"a completion request ({len(prompt)} prompt tokens, n={body['n']})")
-        choices = sorted((answer or {}).get("choices") or [], key=lambda c: c.get("index", 0))
-        if len(choices) != body["n"]:
-            raise ServerError(f"vLLM server {server.url}: asked for {body['n']} completions, got {len(choices)}")
-        out = []
-        for c in choices:
-            ids = c.get("token_ids")
-            lps = (c.get("logprobs") or {}).get("token_logprobs")
-            if ids is None or lps is None or len(ids) != len(lps):
-                raise ServerError(f"vLLM server {server.url}: a completion came without its token ids and log-probs "
-                                  "(gspo needs vLLM >= 0.10.2's return_token_ids)")
-            if any(lp is None for lp in lps):
-                raise ServerError(f"vLLM server {server.url}: a completion token came without its log-prob")
-            out.append(([int(t) for t in ids], [float(lp) for lp in lps], c.get("finish_reason") == "length"))
-        return out
+        choices = (answer or {}).get("choices") or []
+        if sorted(c.get("index", -1) if isinstance(c, dict) else -1 for c in choices) != list(range(body["n"])):
+            raise ServerError(f"vLLM server {server.url}: asked for {body['n']} completions, got "
+                              f"{len(choices)} whose indices are not 0..{body['n'] - 1} once each")
+        return [self._choice(server, c, params) for c in sorted(choices, key=lambda c: c["index"])]
+
+    def _choice(self, server: Server, c: dict, params: SamplingParams) -> tuple[list[int], list[float], bool]:
+        """One completion of a server's answer, checked: whatever a batch takes from a server must be a
+        sample of the policy (token ids in the vocabulary, finite log-probs <= 0, at most max_tokens,
+        ended by a stop token or by the length limit)."""
+        ids, lps = c.get("token_ids"), (c.get("logprobs") or {}).get("token_logprobs")
+        bad = None
+        if not isinstance(ids, list) or not isinstance(lps, list) or len(ids) != len(lps):
+            bad = "came without its token ids and log-probs (gspo needs vLLM >= 0.10.2's return_token_ids)"
+        elif not all(isinstance(t, int) and 0 <= t < (self.vocab_size or 2**62) for t in ids):
+            bad = f"holds a token id outside the vocabulary (0..{self.vocab_size - 1})"
+        elif not all(isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= LOGP_SLACK for lp in lps):
+            bad = "holds a log-prob that is missing, not finite or above 0"
+        elif len(ids) > params.max_new_tokens:
+            bad = f"is longer ({len(ids)} tokens) than the {params.max_new_tokens} asked for"
+        elif c.get("finish_reason") not in ("stop", "length"):
+            bad = f"ended with finish_reason {c.get('finish_reason')!r} (expected stop or length)"
+        elif c.get("finish_reason") == "stop" and params.stop_token_ids and (not ids or ids[-1] not in
+                                                                              params.stop_token_ids):
+            bad = "says it stopped, and does not end with a stop token"
+        if bad:
+            raise ServerError(f"vLLM server {server.url}: a completion {bad}")
+        return [int(t) for t in ids], [float(lp) for lp in lps], c.get("finish_reason") == "length"
 
     def _check(self, policy, servers: list[Server]) -> None:
         """The sync check: each server's log-probs of 8 sampled tokens of a fixed prompt against the trainer's."""
