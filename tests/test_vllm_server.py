@@ -467,9 +467,6 @@ def test_a_run_on_a_server_gspo_starts_leaves_no_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="defect: an agent run (--env calculator_agent.py:rollout) on "
-                   "--rollout-engine vllm-server stops at step 1: 'agent rollout: the sampler behind the endpoint "
-                   "failed: TypeError: only integer tensors of a single element can be converted to an index'")
 def test_an_agent_run_on_a_server_gspo_starts_and_stops(tmp_path):
     # 8: the calculator agent (examples/agents) over gspo's OpenAI endpoint, the server behind it;
     # 7: no --vllm-server-url: gspo starts its own (tiny-tool, the task's model) and stops it whole
@@ -524,10 +521,6 @@ def test_a_killed_trainer_takes_its_server_with_it(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="defect: with --min-new-tokens vLLM renormalises the first N tokens' log-probs "
-                   "(stop tokens banned); --old-logp auto recomputes pi_old for that, but the integrity check still "
-                   "compares the first on-policy minibatch with the sampler's log-probs and stops the run at step 1 "
-                   "(gap ~6 a row here, tolerance 0.02)")
 def test_min_new_tokens_on_the_server_trains(server, tmp_path):
     run = tmp_path / "run"
     r = gspo_cli("train", *on(server, *FAST), "--min-new-tokens", "8", "--steps", "1", "--output-dir", run,

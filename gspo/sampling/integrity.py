@@ -79,6 +79,14 @@ def tolerance(engine: str, sampler_dtype: str, train_dtype: str) -> Tolerance | 
     return TOLERANCES.get(("vllm" if engine == "vllm-server" else engine, sampler_dtype))
 
 
+def renormalises(engine: str, sampling) -> bool:
+    """Whether a vLLM engine's recorded log-probs are not the policy's full distribution: vLLM
+    renormalises them over what top-p/top-k keep, and without the stop tokens --min-new-tokens
+    bans (gspo.train.resolve then recomputes pi_old). The on-policy log-ratio check has nothing to
+    compare there; the token check still holds."""
+    return engine != "hf" and (sampling.top_p < 1 or sampling.top_k > 0 or sampling.min_new_tokens > 0)
+
+
 def tf32_matmuls() -> bool:
     """Whether float32 matmuls on CUDA may run in TensorFloat-32: set by the older
     (`torch.set_float32_matmul_precision`, `allow_tf32`) or the newer API (`torch.backends.

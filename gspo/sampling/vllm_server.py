@@ -425,10 +425,13 @@ class ServerSampler:
                rows: tuple[int, int] | None = None) -> Rollout:
         G = params.group_size
         offset, total = rows or (0, len(prompts) * G)
-        mine = slice(offset // G, offset // G + len(prompts))
-        seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[mine].tolist()
-        first = offset // G  # prompt i of the whole batch goes to server i mod M: the same split on every rank
-        jobs = [(self.servers[(first + i) % len(self.servers)], p, s) for i, (p, s) in enumerate(zip(prompts, seeds))]
+        # rows: this process's share of the batch, from row `offset` on, or (an episode's later turns, an agent's
+        # calls) a tensor of the batch rows these prompts are, one per prompt times G
+        index = (list(range(offset // G, offset // G + len(prompts))) if isinstance(offset, int)
+                 else [int(r) // G for r in torch.as_tensor(offset).reshape(-1)])
+        seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[index].tolist()
+        # the batch's prompt i goes to server i mod M: the same split on every rank
+        jobs = [(self.servers[i % len(self.servers)], p, s) for i, p, s in zip(index, prompts, seeds)]
         pool = self._executor()
         answers = list(pool.map(lambda job: self._complete(job[0], job[1], params, job[2]), jobs))
         seqs, logps, truncated = [], [], []

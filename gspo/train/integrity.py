@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gspo.io.reporting import warn
-from gspo.sampling.integrity import Breach, Tolerance, check_rows, tf32_matmuls, tolerance
+from gspo.sampling.integrity import Breach, Tolerance, check_rows, renormalises, tf32_matmuls, tolerance
 from gspo.train.run import Run
 
 if TYPE_CHECKING:
@@ -60,7 +60,8 @@ def first_minibatch(run: Run, produced: Produced, step: int) -> Watch | None:
     if sampler == "float32" and run.dist.device.type == "cuda" and tf32_matmuls():
         sampler = "tf32"  # float32 matmuls in TensorFloat-32: its tolerance
     train = sampler if sampler == "tf32" and cfg.policy.dtype == "float32" else cfg.policy.dtype
-    return Watch(step, tolerance(engine, sampler, train), f"{engine}, {sampler}", cfg.sampling.integrity)
+    bound = None if renormalises(engine, cfg.sampling) else tolerance(engine, sampler, train)
+    return Watch(step, bound, f"{engine}, {sampler}", cfg.sampling.integrity)
 
 
 def check_tokens(run: Run, step: int, batch: Batch, produced: Produced) -> dict[str, float]:

@@ -64,7 +64,7 @@ from gspo.models import gguf as gguf_models
 from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.processes import distributed
 from gspo.sampling import fastdecode
-from gspo.sampling.integrity import tolerance
+from gspo.sampling.integrity import renormalises, tolerance
 from gspo.sampling.rollout import PolicySampler
 from gspo.tasks.env import is_agent
 from gspo.train.critic import estimator_name
@@ -132,7 +132,7 @@ def plan(run: Run) -> dict:
 
 def _integrity(cfg: TrainConfig, engine: str, sampler_dtype: str) -> dict:
     """What a breach does and the on-policy log-ratio check's bounds (None: not checked)."""
-    tol = tolerance(engine, sampler_dtype, cfg.policy.dtype)
+    tol = None if renormalises(engine, cfg.sampling) else tolerance(engine, sampler_dtype, cfg.policy.dtype)
     return {"on_breach": cfg.sampling.integrity,
             "tolerance": {"row": tol.row, "mean": tol.mean} if tol is not None else None}
 
