@@ -310,7 +310,7 @@ def test_a_server_killed_mid_rollout_stops_the_run_and_it_resumes_exactly(server
     r = gspo_cli("train", *on(server, *args), "--output-dir", ref, env=server.env)
     assert r.returncode == 0, r.stderr[-3000:]
     # (a rollout here lasts ~0.9-1.6 s with its sync: the tiny model's completions end at EOS after ~4 tokens
-    # whatever --max-new-tokens; --min-new-tokens would lengthen them, but see the xfail at the bottom)
+    # whatever --max-new-tokens; --min-new-tokens would lengthen them: test_min_new_tokens_on_the_server_trains)
 
     killed = tmp_path / "killed"  # the same run, on B
     p = gspo_cli("train", *on(spare, *args), "--output-dir", killed, env=spare.env, popen=True)
