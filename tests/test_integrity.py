@@ -178,3 +178,17 @@ def test_gspo_train_stops_in_one_line_and_writes_nothing_of_the_step(tmp_path):
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("gspo train: error: integrity: step 1: row ") and "Traceback" not in p.stderr
     assert not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text() == ""  # nothing of step 1
+
+
+def test_the_log_ratio_check_skips_where_vllm_renormalises_its_logprobs():
+    # vLLM's recorded log-probs are renormalised over what top-p/top-k keep and without the stop tokens
+    # --min-new-tokens bans: not the policy's (a real server measured a 5.98 row gap with --min-new-tokens 4)
+    from gspo.config import TrainConfig
+    from gspo.sampling.integrity import renormalises
+
+    plain = TrainConfig().sampling
+    assert not renormalises("vllm-server", plain) and not renormalises("vllm", plain)
+    for change in ({"min_new_tokens": 2}, {"top_p": 0.9}, {"top_k": 5}):
+        s = TrainConfig(**change).sampling
+        assert renormalises("vllm", s) and renormalises("vllm-server", s)
+        assert not renormalises("hf", s)  # gspo's sampler records the full distribution's log-probs
