@@ -234,7 +234,7 @@ def sync(self, policy, version=None):
         pushed, self.sync_seconds = self.sync_seconds is not None, self.sync_seconds or 0.0
     if pushed and os.environ.get("GSPO_SYNC_LOG"):
         with open(os.environ["GSPO_SYNC_LOG"], "a") as f:
-            f.write(json.dumps({"method": self.method, "version": version, "sync_seconds": self.sync_seconds,
+            f.write(json.dumps({"method": self.push.name, "version": version, "sync_seconds": self.sync_seconds,
                                 "with_check_seconds": time.perf_counter() - t0}) + "\n")
 
 

@@ -147,7 +147,7 @@ def test_a_sampler_that_kept_old_weights_fails_the_on_policy_check(tmp_path):
     run = build_run(TrainConfig(model="tiny", task="arithmetic", prompts_per_step=4, group_size=4, lr=1e-2,
                                 num_minibatches=1, eval_size=0, progress=False, output_dir=str(tmp_path / "r")))
     stale = PolicySampler(copy.deepcopy(run.policy))
-    stale.sync = lambda policy: None
+    stale.sync = lambda policy, version=None: None
     run.sampler = stale
     metrics, _ = train_step(run, 1)  # the same weights still: within 1e-3 a row, 1e-4 on average
     assert metrics["integrity/log_ratio_row_max"] < 1e-4 and metrics["integrity/log_ratio_mean"] < 1e-5

@@ -46,7 +46,7 @@ class ScriptedSampler:
     def __init__(self, tokenizer, turns):
         self.tok, self.turns, self.calls = tokenizer, turns, 0
 
-    def sync(self, policy):
+    def sync(self, policy, version=None):
         pass
 
     def sample(self, prompts, params, *, generator=None, rows=None):

@@ -234,7 +234,7 @@ class ReadingSampler:
     def __init__(self, tokenizer):
         self.tok, self.prompts = tokenizer, []
 
-    def sync(self, policy):
+    def sync(self, policy, version=None):
         pass
 
     def sample(self, prompts, params, *, generator=None, rows=None):

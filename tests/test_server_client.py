@@ -323,7 +323,7 @@ def test_sync_order_and_the_weights_written(fake, tmp_path):
     for name, value in state.items():
         assert torch.equal(written[name], value), name
     assert torch.equal(written["lm_head.weight"], written["embed.weight"])  # the tied head under both names
-    assert sampler.pushes == 1 and sampler.stamp == 0 and sampler.tag == "run:1"
+    assert sampler.pushes == 1 and sampler.pushed_version == 0 and sampler.tag == "run:1"
     sampler.close()
     assert not where.exists()
 
@@ -391,7 +391,7 @@ def test_resume_follows_a_failed_push(fake, tmp_path):
         sampler.sync(Policy(), version=0)
     assert routes_from(fake, start) == ["/weight_info", *PROBE_ROUTES, "/pause?mode=wait", "/update_weight_version",
                                         "/collective_rpc", "/resume"]
-    assert not fake.paused and sampler.stamp is None and sampler.pushes == 0
+    assert not fake.paused and sampler.pushed_version is None and sampler.pushes == 0
     del fake.status["/collective_rpc"]
     sampler.sync(Policy(), version=0)  # the next sync pushes
     assert fake.weight_version == "run:1"
@@ -585,3 +585,4 @@ def test_the_call_speaks_http_1_1_with_json():
         assert r.status == 200 and r.read() == b'{"success": true}'
         conn.close()
         assert fake.routes() == ["/reset_prefix_cache"] and fake.requests[0].body == {}
+

@@ -137,16 +137,12 @@ def rollout(run: SamplingSide, examples: list, step: int, purpose: str = "", rec
     turn). Several processes: these are rows (offset, total) of the global batch (see
     gspo.sampling.rollout.generate). purpose: a refill round's suffix of the generators' purpose.
     receipts: where every sample leaves what it drew (gspo.sampling.integrity; None: nowhere).
-    version: the policy version the weights are (a versioned sampler, vLLM's servers, pushes them
-    only when it changes; None: always synced)."""
+    version: the policy version the weights are (`Sampler.sync`'s; None: unknown)."""
     cfg, dist, G = run.cfg, run.dist, run.cfg.sampling.group_size
     params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.sampling.max_new_tokens,
                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                              min_new_tokens=cfg.sampling.min_new_tokens)
-    if getattr(run.sampler, "versioned", False):
-        run.sampler.sync(run.policy, version=version)
-    else:
-        run.sampler.sync(run.policy)
+    run.sampler.sync(run.policy, version=version)
     sampler = Recorded(run.sampler, receipts) if receipts is not None else run.sampler
     rows = (dist.rank * len(examples) * G, cfg.sampling.prompts_per_step * G)
     if run.env is not None:

@@ -85,8 +85,10 @@ def sampling_params(tokenizer, *, stop: tuple[int, ...] | None = None, **kw) -> 
 class Sampler(Protocol):
     """A rollout engine: gspo's own `PolicySampler`, or an inference engine (vLLM)."""
 
-    def sync(self, policy) -> None:
-        """Load the policy's current weights, so the next rollout samples from it."""
+    def sync(self, policy, version: int | None = None) -> None:
+        """Load the policy's current weights, so the next rollout samples from it. `version`: the
+        policy version they are (the steps done; None: unknown). vLLM's servers push only a
+        version they do not hold yet; the in-process samplers load every time, and ignore it."""
 
     def sample(self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None,
                rows: tuple[int, int] | None = None) -> Rollout:
@@ -121,7 +123,7 @@ class PolicySampler:
         if self.turns is not None:
             self.turns.drop()
 
-    def sync(self, policy) -> None:
+    def sync(self, policy, version: int | None = None) -> None:
         self.end_rollout()
         if self.model is not policy:
             with torch.no_grad():

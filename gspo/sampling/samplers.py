@@ -147,9 +147,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
 
     v = cfg.vllm
     max_pos = int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
-    max_len = v.vllm_max_model_len or max_pos
-    name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    path = str(resolve_model_path(cfg.policy.model, revision=cfg.policy.revision))
+    path, max_len, name = _engine_model(cfg, policy, dtype)
     deadlines = vs.Deadlines(request=v.vllm_server_timeout, sync=v.vllm_server_sync_timeout,
                              start=v.vllm_server_start_timeout)
     method = v.vllm_server_sync if v.vllm_server_sync != "auto" else \
@@ -183,8 +181,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
                                 temperature=cfg.sampling.temperature, dist=dist, owned=owned, scratch=scratch,
                                 vocab_size=int(unwrap(policy).get_input_embeddings().num_embeddings),
                                 max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
-                                                  default=max_len),
-                                method=method)
+                                                  default=max_len))
     except BaseException as e:
         if owned is not None:
             owned.stop()
@@ -227,8 +224,15 @@ def sync_check(cfg: TrainConfig, dist: Dist, dtype: str):
 def vllm_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
     """A colocated vLLM engine over the model's directory (the base model for LoRA); the
     policy's weights are loaded into it before every rollout."""
+    path, max_len, name = _engine_model(cfg, policy, dtype)
+    return VLLMSampler(path, dataclasses.replace(cfg.vllm, vllm_max_model_len=max_len), dtype=name,
+                       seed=cfg.run.seed, dist=dist)
+
+
+def _engine_model(cfg: TrainConfig, policy, dtype: torch.dtype) -> tuple[str, int, str]:
+    """What a vLLM engine or server is given: the model's directory (a Hub id: its snapshot; the
+    base model for LoRA), its longest prompt + completion (--vllm-max-model-len, else the model's
+    max_position_embeddings) and the dtype's name."""
     max_len = cfg.vllm.vllm_max_model_len or int(getattr(unwrap(policy).config, "max_position_embeddings", 4096))
     name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
-    path = resolve_model_path(cfg.policy.model, revision=cfg.policy.revision)  # a Hub id: its snapshot directory
-    return VLLMSampler(str(path), dataclasses.replace(cfg.vllm, vllm_max_model_len=max_len), dtype=name,
-                       seed=cfg.run.seed, dist=dist)
+    return str(resolve_model_path(cfg.policy.model, revision=cfg.policy.revision)), max_len, name

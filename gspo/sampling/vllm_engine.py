@@ -166,7 +166,7 @@ class VLLMSampler:
 
     # --- the Sampler interface ------------------------------------------------------------
 
-    def sync(self, policy) -> None:
+    def sync(self, policy, version: int | None = None) -> None:
         """Load the policy's current weights (merged LoRA, unfused experts, gathered shards),
         streamed one tensor at a time in the engine's dtype: vLLM's `reload_weights` pulls each
         from the generator as it loads it."""

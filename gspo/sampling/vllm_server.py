@@ -121,9 +121,9 @@ class Server:
             raise ServerError(f"vllm_server_url: {self.url!r} has an invalid port") from None
         self.url = f"{parts.scheme}://{parts.netloc}"
 
-    def call(self, path: str, body: dict | None = None, *, timeout: float, what: str | None = None,
-             method: str | None = None):
-        """The JSON answer of one request, within `timeout` seconds; ServerError otherwise."""
+    def call(self, path: str, body: dict | None = None, *, timeout: float, what: str | None = None):
+        """The JSON answer of one request (POST with a body, else GET), within `timeout` seconds;
+        ServerError otherwise."""
         parts = urllib.parse.urlsplit(self.url)
         conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         what = what or path
@@ -131,7 +131,7 @@ class Server:
         if self.key:
             headers["Authorization"] = f"Bearer {self.key}"
         data = json.dumps(body).encode() if body is not None else None
-        method = method or ("POST" if body is not None else "GET")
+        method = "POST" if body is not None else "GET"
         conn = conn_type(parts.hostname, parts.port, timeout=timeout)
         # the socket's timeout bounds each wait for bytes; a watchdog bounds the whole exchange (a server that
         # trickles its headers or body a byte at a time never trips the socket's timeout): at the deadline it
@@ -148,10 +148,9 @@ class Server:
             response = conn.getresponse()
             raw = response.read()
         except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
-            if late.is_set() or isinstance(e, TimeoutError):
-                raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
-                                  "(--vllm-server-timeout / --vllm-server-sync-timeout)") from None
-            raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e)})") from None
+            if not (late.is_set() or isinstance(e, TimeoutError)):
+                raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e)})") from None
+            late.set()  # the socket's own timeout, or the watchdog's cut: said once, below
         finally:
             if watchdog is not None:
                 watchdog.cancel()
@@ -228,8 +227,8 @@ def probe(s: Server, timeout: float, deadline: float | None = None, total: float
         try:
             return s.call(path, timeout=min(timeout, left), what=path) or {}
         except ServerError:
-            if left < timeout and time.monotonic() >= deadline - 0.05:  # the sync's deadline, not the request's
-                _left(deadline - 1.0, s, total or timeout)
+            if left < timeout and time.monotonic() >= deadline - 0.05:  # cut by the sync's deadline: say that one
+                raise _sync_overrun(s, total or timeout) from None
             raise
 
     within("/health")
@@ -295,12 +294,8 @@ class DirectoryPush:
         if shard or n == 0:
             save_file(shard, str(target / f"model-{n:05d}.safetensors"))
         for s in servers:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ServerError(f"vLLM server {s.url}: the weight sync did not finish within {timeout:g} s "
-                                  "(--vllm-server-sync-timeout)")
             s.call("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(target.absolute())}},
-                   timeout=left, what="the weight sync (/collective_rpc reload_weights)")
+                   timeout=_left(deadline, s, timeout), what="the weight sync (/collective_rpc reload_weights)")
         if self.current is not None and self.current != target:
             shutil.rmtree(self.current, ignore_errors=True)
         self.current = target
@@ -333,8 +328,7 @@ class ServerSampler:
     dist: object = None
     owned: object = None  # an OwnedServer gspo started: stopped by close()
     scratch: Path | None = None  # a directory of this sampler's own (pushed weights, a started server's log): removed
-    method: str = "directory"  # how the weights go over (the plan says)
-    stamp: int | None = None  # the policy version of the last push (None: unknown, always pushed)
+    pushed_version: int | None = None  # the policy version of the last push (None: unknown, always pushed)
     tag: str | None = None  # the tag of the last push ("<run>:<n>")
     pushes: int = 0
     sync_seconds: float = 0.0  # the last push's
@@ -345,68 +339,69 @@ class ServerSampler:
 
     # --- the Sampler interface ---
 
-    versioned = True  # gspo.sampling.produce passes the policy version to `sync`
-
     def sync(self, policy, version: int | None = None) -> None:
         """Every server holds `policy`'s current weights when this returns. The push is skipped only
         where a server already holds them: `version` (the policy version, the steps done) is the
         last push's and the server still carries that push's tag. A server that restarted (vLLM's
         "default" tag) is probed, then pushed to; one that something else synced is pushed to."""
         main = self.dist is None or self.dist.is_main
-        changed = version is None or version != self.stamp
+        changed = version is None or version != self.pushed_version
         tag = f"{self.run_id}:{self.pushes + 1}" if changed else self.tag
-        stale = []
+        stale = []  # the indices of the servers to push to: rank 0 asks them, every rank knows
         if main:
-            for s in self.servers:
+            for i, s in enumerate(self.servers):
                 s.weights = self._tag_of(s)
                 if changed or s.weights != self.tag:
-                    stale.append(s)
-        stale_any = bool(stale)
+                    stale.append(i)
         if self.dist is not None and self.dist.enabled:  # every rank joins the push's gathers (FSDP), or none does
-            stale_any = self.dist.broadcast_object(stale_any)
-        if not stale_any:
+            stale = self.dist.broadcast_object(stale)
+        if not stale:
             return
+        servers = [self.servers[i] for i in stale]
         t0 = time.perf_counter()
-        deadline = time.monotonic() + self.deadlines.sync
+        if main:
+            self._push_to(servers, policy, tag)
+        else:  # the other ranks take part in the gathers of the weights rank 0 sends
+            for _ in checkpoint_weights(policy, getattr(self.push, "dtype", None)):
+                pass
+        self.pushed_version, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
+        self.sync_seconds = time.perf_counter() - t0
+        if self.check is not None and main:
+            self._check(policy, servers)
+        if self.dist is not None and self.dist.enabled:
+            self.dist.barrier()
+
+    def _push_to(self, stale: list[Server], policy, tag: str) -> None:
+        """Rank 0's part of a sync: probe the restarted, pause, tag pending, push, see the pending tag is
+        still there, reset the prefix cache, tag, and resume every server paused, whatever failed."""
+        deadline, total = time.monotonic() + self.deadlines.sync, self.deadlines.sync
         paused = []
         try:
-            if main:
-                for s in stale:
-                    if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
-                        probe(s, self.deadlines.request, deadline, self.deadlines.sync)
-                for s in stale:
-                    paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
-                    s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, self.deadlines.sync), what="/pause")
-            if main:  # a pending tag first: a sync by someone else meanwhile replaces it, and is seen below
-                for s in stale:
-                    s.call("/update_weight_version", {"new_version": f"{tag}.pending"},
-                           timeout=_left(deadline, s, self.deadlines.sync), what="/update_weight_version")
-                self.push.push(policy, stale, tag, self.deadlines.sync, deadline)
-            else:  # the other ranks take part in the gathers of the weights rank 0 sends
-                for _ in checkpoint_weights(policy, getattr(self.push, "dtype", None)):
-                    pass
-            if main:
-                for s in stale:
-                    left = _left(deadline, s, self.deadlines.sync)
-                    if (now := self._tag_of(s)) != f"{tag}.pending":
-                        raise ServerError(f"vLLM server {s.url}: something else synced it during this run's weight "
-                                          f"sync (it now holds {now!r}): two runs on one server? Give each run its "
-                                          "own servers")
-                    s.call("/reset_prefix_cache", {}, timeout=left, what="/reset_prefix_cache")
-                    s.call("/update_weight_version", {"new_version": tag}, timeout=left, what="/update_weight_version")
-                    s.weights = tag
+            for s in stale:
+                if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
+                    probe(s, self.deadlines.request, deadline, total)
+            for s in stale:
+                paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
+                s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, total), what="/pause")
+            for s in stale:  # a pending tag first: a sync by someone else meanwhile replaces it, and is seen below
+                s.call("/update_weight_version", {"new_version": f"{tag}.pending"},
+                       timeout=_left(deadline, s, total), what="/update_weight_version")
+            self.push.push(policy, stale, tag, total, deadline)
+            for s in stale:
+                left = _left(deadline, s, total)
+                if (now := self._tag_of(s)) != f"{tag}.pending":
+                    raise ServerError(f"vLLM server {s.url}: something else synced it during this run's weight "
+                                      f"sync (it now holds {now!r}): two runs on one server? Give each run its "
+                                      "own servers")
+                s.call("/reset_prefix_cache", {}, timeout=left, what="/reset_prefix_cache")
+                s.call("/update_weight_version", {"new_version": tag}, timeout=left, what="/update_weight_version")
+                s.weights = tag
         finally:
             for s in paused:
                 try:  # bounded: a dead server costs at most a few seconds here, on top of the error said
                     s.call("/resume", {}, timeout=min(self.deadlines.request, 5.0), what="/resume")
                 except ServerError:
                     pass  # the error that brought us here says more
-        self.stamp, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
-        self.sync_seconds = time.perf_counter() - t0
-        if self.check is not None and main:
-            self._check(policy, stale)
-        if self.dist is not None and self.dist.enabled:
-            self.dist.barrier()
 
     def _tag_of(self, s: Server) -> str:
         return str((s.call("/weight_info", timeout=self.deadlines.request) or {}).get("weight_version"))
@@ -518,16 +513,20 @@ class ServerSampler:
                 raise ServerError(f"vLLM server {s.url}: after the sync its log-probs of a fixed prompt differ from "
                                   f"the trainer's by {problem[1]:.3g} on average (bound {problem[2]:g}): it does not "
                                   "sample the policy (another model's config, a failed reload, or a server not "
-                                  "started with "
-                                  "--logprobs-mode processed_logprobs)")
+                                  "started with --logprobs-mode processed_logprobs)")
 
 
 def _left(deadline: float, s: Server, total: float) -> float:
+    """Seconds left before a sync's `deadline` (time.monotonic()), or its ServerError when none are."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise ServerError(f"vLLM server {s.url}: the weight sync did not finish within {total:g} s "
-                          "(--vllm-server-sync-timeout)")
+        raise _sync_overrun(s, total)
     return left
+
+
+def _sync_overrun(s: Server, total: float) -> ServerError:
+    return ServerError(f"vLLM server {s.url}: the weight sync did not finish within {total:g} s "
+                       "(--vllm-server-sync-timeout)")
 
 
 # --- a server gspo starts ----------------------------------------------------------------------

@@ -254,7 +254,7 @@ def server_words(sampler, dtype: str) -> str:
         plural(len(servers), "vLLM server")
     each = "; ".join(f"{s.url} ({s.model}, vLLM {s.version})" for s in servers)
     how = {"directory": "weights synced through vLLM's reload_weights from a directory",
-           "nccl": "weights synced over NCCL (vLLM's weight transfer)"}.get(getattr(sampler, "method", ""), "")
+           "nccl": "weights synced over NCCL (vLLM's weight transfer)"}.get(sampler.push.name, "")
     check = ", sync checked every step" if getattr(sampler, "check", None) is not None else ""
     return f"{who} in {dtype}: {each}; {how}{check}"
 
