@@ -586,3 +586,28 @@ def test_the_call_speaks_http_1_1_with_json():
         conn.close()
         assert fake.routes() == ["/reset_prefix_cache"] and fake.requests[0].body == {}
 
+
+def test_the_sync_check_runs_on_every_rank_where_only_rank_0_pushes(fake, tmp_path):
+    # under torchrun the trainer's forward may be collective (FSDP gathers each layer's shards): a check on
+    # rank 0 alone would wait on the other ranks forever. Rank 1 here: rank 0's answer (server 0 stale) comes
+    # by broadcast; rank 1 pushes nothing, takes part in the gathers, and checks as rank 0 does
+    class Rank1:
+        enabled, is_main = True, False
+        told = []
+
+        def broadcast_object(self, obj):
+            self.told.append(obj)
+            return [0]  # rank 0 found server 0 stale
+
+        def barrier(self):
+            self.told.append("barrier")
+
+    seen = []
+    sampler = sampler_for([Server(fake.url)], tmp_path, dist=Rank1(),
+                          check=lambda *a: seen.append(a[2]) or (False, 0.0, 0.5))
+    start = len(fake.requests)
+    sampler.sync(Policy(), version=0)
+    assert Rank1.told == [[], "barrier"]  # rank 1 asked nothing itself (an empty list), then waited for all
+    assert routes_from(fake, start) == ["/v1/completions"]  # no pause, no push, no tag: the check's request
+    assert len(seen) == 1 and sampler.tag == "run:1" and sampler.pushed_version == 0
+    sampler.close()

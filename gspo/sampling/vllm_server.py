@@ -366,7 +366,7 @@ class ServerSampler:
                 pass
         self.pushed_version, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
         self.sync_seconds = time.perf_counter() - t0
-        if self.check is not None and main:
+        if self.check is not None:  # on every rank: the trainer's forward may be collective (FSDP)
             self._check(policy, servers)
         if self.dist is not None and self.dist.enabled:
             self.dist.barrier()
