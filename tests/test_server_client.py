@@ -235,7 +235,7 @@ def test_a_server_trickling_its_answer_is_cut_at_the_deadline(fake):
 
 
 def test_a_closed_port_fails_fast():
-    port = vs._free_port()
+    port = vs.free_port("127.0.0.1")
     t0 = time.monotonic()
     with pytest.raises(ServerError) as e:
         probe(Server(f"http://127.0.0.1:{port}"), 5.0)
@@ -244,7 +244,7 @@ def test_a_closed_port_fails_fast():
 
 
 def test_free_port_is_bindable():
-    port = vs._free_port()
+    port = vs.free_port("127.0.0.1")
     assert 0 < port < 65536
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))

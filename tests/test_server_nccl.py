@@ -13,8 +13,8 @@ import torch
 
 from gspo.config import ConfigError
 from gspo.sampling import server_nccl
-from gspo.sampling.server_nccl import HttpClient, NcclPush, free_port, local_address
-from gspo.sampling.vllm_server import Server, ServerError
+from gspo.sampling.server_nccl import HttpClient, NcclPush, local_address
+from gspo.sampling.vllm_server import Server, ServerError, free_port
 
 
 @pytest.fixture(scope="module")

@@ -56,8 +56,9 @@ import urllib.parse
 import torch
 
 from gspo.config import ConfigError
+from gspo.config.checks import one_line
 from gspo.sampling.vllm_engine import checkpoint_weights
-from gspo.sampling.vllm_server import Deadlines, Server, ServerError, _reason
+from gspo.sampling.vllm_server import Deadlines, Server, ServerError, _reason, free_port
 
 CHUNK_BYTES = 1 << 30  # the tensors sent per /update_weights (~1 GiB, vLLM's packed buffer size)
 INSTALL = ("pip install 'gspo[vllm]' in the trainer's environment: the NCCL sync uses vLLM's trainer-side engine")
@@ -342,13 +343,5 @@ def local_address(url: str) -> str:
                           "reaches this machine at") from None
 
 
-def free_port(address: str) -> int:
-    """A port free on `address` now (the rendezvous opens it a moment later)."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+    return one_line(e) or type(e).__name__

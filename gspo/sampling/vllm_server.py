@@ -75,6 +75,7 @@ from pathlib import Path
 
 import torch
 
+from gspo.config.checks import one_line
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams
 from gspo.sampling.vllm_engine import checkpoint_weights, rollout_from
@@ -184,8 +185,8 @@ def _cut(sock, late: threading.Event) -> None:
 
 
 def _reason(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text[:200]
+    """An error in a ServerError's parenthesis: its message on one line (its type where it has none), cut."""
+    return (one_line(e) or type(e).__name__)[:200]
 
 
 def servers_from(urls, key: str | None = None) -> list[Server]:
@@ -554,7 +555,7 @@ class OwnedServer:
     def __init__(self, model_dir: str, how: Serve, log: Path):
         dtype, seed, max_model_len = how.dtype, how.seed, how.max_model_len
         self.key = secrets.token_urlsafe(32)
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [how.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                      "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype, "--seed", str(seed),
@@ -624,9 +625,11 @@ def _last_error(log: Path) -> str:
     return " ".join((errors or lines or ["no output"])[-1].split())[:200]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(address: str) -> int:
+    """A port free on `address` now (whoever opens it does so a moment later)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
