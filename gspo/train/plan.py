@@ -232,11 +232,10 @@ def _dtype(model) -> str | None:
 def _sampler(run: Run, engine: str, fsdp: bool, weights: str) -> tuple[str, str]:
     """Who samples, in words, and in which dtype."""
     cfg = run.cfg
-    if engine == "vllm-server":
-        dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
-        return server_words(run.sampler, dtype), dtype
     if engine != "hf":
         dtype = cfg.policy.dtype if cfg.sampling.rollout_dtype == "same" else cfg.sampling.rollout_dtype
+        if engine == "vllm-server":
+            return server_words(run.sampler, dtype), dtype
         sleeps = " (sleeps between rollouts)" if getattr(run.sampler, "sleep", False) else ""
         return f"vLLM {dtype}{sleeps}", dtype
     if fsdp:  # the sharded policy itself, gathered in its MixedPrecisionPolicy's dtype: the compute dtype

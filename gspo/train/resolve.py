@@ -28,6 +28,7 @@ from gspo.config import RESUME_SAFE, ConfigError, TrainConfig, bounds_error, opt
 from gspo.config.checks import check_value
 from gspo.io.words import plural
 from gspo.models.loading import BUILTIN_MODELS
+from gspo.sampling.integrity import renormalises
 from gspo.tasks import TASKS, GymTask, get_task, is_gym
 from gspo.tasks.data import DatasetTask
 
@@ -114,11 +115,10 @@ def _sampling_rules(cfg: TrainConfig):
     yield not (vllm and cfg.moe.routing_replay), "routing_replay", \
         f"cannot be combined with --rollout-engine {s.rollout_engine}: this vLLM cannot return the experts it " \
         "routed each token to (R3 needs its Model Runner V2); use --rollout-engine hf"
-    yield not (vllm and cfg.loss.old_logp == "sampling" and (s.top_p < 1 or s.top_k > 0 or s.min_new_tokens > 0)), \
+    yield not (renormalises(s.rollout_engine, s) and cfg.loss.old_logp == "sampling"), \
         "old_logp", f"sampling with --rollout-engine {s.rollout_engine} needs --top-p 1, --top-k 0 and " \
         "--min-new-tokens 0: vLLM renormalises its log-probs over the tokens top-p/top-k keep and without the " \
-        "stop tokens it bans, which are " \
-        "then not the policy's (use --old-logp recompute or auto)"
+        "stop tokens it bans, which are then not the policy's (use --old-logp recompute or auto)"
     server = s.rollout_engine == "vllm-server"
     yield not (server and cfg.async_rl.rollout_workers), "rollout_workers", \
         "cannot be combined with --rollout-engine vllm-server: the servers are the rollout side (add servers with " \
@@ -283,7 +283,7 @@ def _old_logp(cfg: TrainConfig) -> str:
     same_precision = cfg.policy.dtype == "float32" and s.rollout_dtype in ("same", "float32")
     # vLLM renormalises its log-probs over the tokens top-p/top-k keep, and over the non-stop
     # tokens for the first min_new_tokens (it bans them first): not the policy's distribution
-    full_distribution = s.rollout_engine == "hf" or (s.top_p == 1.0 and s.top_k == 0 and s.min_new_tokens == 0)
+    full_distribution = not renormalises(s.rollout_engine, s)
     # stale batches (--max-staleness > 0): pi_old is the proximal policy, the weights that train
     # the batch, recomputed (AReaL's decoupled objective); --rollout-is then corrects proximal vs behaviour
     fresh = cfg.async_rl.max_staleness == 0
