@@ -375,6 +375,10 @@ class AsyncRL:
     rollout_devices: tuple[str, ...] = opt((),
         "The device of each rollout worker (cpu, cuda:N; N per trainer process, or N x processes in rank order); "
         "default: the trainer's --device (under torchrun: each rollout rank's own).", resume=True)
+    partial_rollouts: bool = opt(False,
+        "--rollout-engine vllm-server with --max-staleness >= 1: a weight sync aborts the generations under way and "
+        "each continues under the new weights from where it stopped (partial rollouts), instead of the sync waiting "
+        "for them; every token records the version that sampled it. docs/server.md.", resume=True)
     drop_uniform_groups: bool = opt(False,
         "Replace groups whose rewards are all equal (no signal) by groups with signal from fresh prompts "
         "(DAPO's dynamic sampling); what is still uniform after --resample-rounds is left out of the loss.")

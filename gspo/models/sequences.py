@@ -38,6 +38,9 @@ class Rollout:
     # turns, which the model reads (attention) but is never trained on (completion_mask is 0
     # there, logp 0); `lengths` then counts model and environment tokens
     env_mask: Tensor | None = None  # (B, T)
+    # partial rollouts (gspo.sampling.vllm_server, --partial-rollouts): the policy version that sampled each
+    # completion token, where a generation spanned a weight sync (-1 on padding); None: the batch's own version
+    versions: Tensor | None = None  # (B, T) int32
 
     @property
     def input_ids(self) -> Tensor:

@@ -53,6 +53,7 @@ import dataclasses
 import gc
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def make_pipeline(run: SamplingSide, run_dir: Path, pending: list[Produced] = ()
     building its sampling side with `build`. run_dir: where the run writes (a worker's death says
     how to resume it)."""
     if run.cfg.async_rl.rollout_workers == 0:
-        return Pipeline(run, pending)
+        return ServerPipeline(run, pending) if overlaps(run) else Pipeline(run, pending)
     assert build is not None, "rollout workers build their sampling side: make_pipeline(..., build=)"
     return WorkerPipeline(run, pending, run_dir=run_dir, build=build)
 
@@ -119,6 +120,9 @@ class Pipeline:
     def drain(self) -> list[Produced]:
         """The sampled batches not yet trained (a checkpoint saves them), once none is in flight."""
         return [self.pending[s] for s in sorted(self.pending)]
+
+    def hold(self) -> None:
+        """Wait for whatever samples in this process (nothing here: it samples when asked)."""
 
     def close(self) -> None:
         """Stop whatever samples (nothing here)."""
@@ -315,3 +319,82 @@ class WorkerPipeline(Pipeline):
     def close(self) -> None:
         self.link.close()
         gc.collect()  # the queues' semaphores released before an os._exit (gspo.processes.distributed.exit_process)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference servers: sampling in a thread of the trainer's process, while it trains
+# ----------------------------------------------------------------------------------------------
+
+
+def overlaps(run: SamplingSide) -> bool:
+    """Whether batches are sampled on the servers while the trainer trains (ServerPipeline):
+    --rollout-engine vllm-server with --max-staleness K >= 1, one trainer process, single-turn
+    rollouts. Under torchrun, and with multi-turn episodes or agents, the K-late batches are sampled
+    in the trainer's thread instead (the same lag, no overlap; the plan says which)."""
+    return (run.cfg.async_rl.max_staleness > 0 and run.cfg.sampling.rollout_engine == "vllm-server"
+            and not run.dist.enabled and run.env is None and getattr(run.sampler, "gate", None) is not None)
+
+
+class _Synced:
+    """The sampler as the sampling thread sees it: its weights are the trainer's to sync (a sync
+    reads the policy the trainer is updating), so `sync` here does nothing."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+
+    def sync(self, policy, version: int | None = None) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
+class ServerPipeline(Pipeline):
+    """Batches sampled on vLLM servers (--rollout-engine vllm-server) by a thread of the trainer's
+    process while the trainer trains, each by weights at most K versions old.
+
+    At the start of step t the trainer syncs version t-1 to the servers (in its own thread, between
+    updates), then asks for batches t .. t+K; the sampling thread samples and scores them in order,
+    one at a time, over HTTP (the trainer's computation and the servers' run side by side). A sync
+    and the sampling meet at the sampler's gate (gspo.sampling.vllm_server.Gate): the sync waits for
+    the generations under way, or with --partial-rollouts aborts them and they continue under the new
+    weights. Every token records the version that sampled it (Produced.versions): a batch asked for
+    at version v may hold tokens of v+1 .. t-1, never older than v. Not bit-reproducible (which
+    version samples which token depends on timing); the fixed-lag run in the trainer's thread is
+    (--rollout-engine vllm-server under torchrun, or the other engines)."""
+
+    def __init__(self, run: SamplingSide, pending: list[Produced] = ()):
+        super().__init__(run, pending)
+        fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(SamplingSide)}
+        self.side = SamplingSide(**{**fields, "sampler": _Synced(run.sampler)})
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gspo-sampling")  # one batch at a time
+        self.in_flight: dict[int, Future] = {}
+
+    def request(self, step: int, version: int) -> None:
+        t0 = time.perf_counter()
+        self.run.sampler.sync(self.run.policy, version=version)  # the trainer's thread: the weights are still
+        self.sync_seconds += time.perf_counter() - t0
+        self.in_flight[step] = self.thread.submit(produce, self.side, step, version)
+
+    def wait(self, step: int) -> Produced:
+        if step in self.in_flight:
+            self.pending[step] = self.in_flight.pop(step).result()  # the thread's error is raised here
+        return self.pending.pop(step)
+
+    def drain(self) -> list[Produced]:
+        for step in sorted(self.in_flight):
+            self.pending[step] = self.in_flight.pop(step).result()
+        return super().drain()
+
+    def hold(self) -> None:
+        """Wait for the batches in flight (before the trainer uses what the sampling thread does: the
+        tokenizer, in a held-out evaluation)."""
+        self.drain()
+
+    def overlap(self, produced: Produced, waited: float) -> float:
+        return max(0.0, 1.0 - waited / produced.seconds) if produced.seconds > 0 else 1.0
+
+    def close(self) -> None:
+        for f in self.in_flight.values():
+            f.cancel()
+        self.thread.shutdown(wait=False, cancel_futures=True)  # a request under way ends by its deadline

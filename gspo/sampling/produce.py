@@ -101,7 +101,14 @@ def produce(side: SamplingSide, step: int, version: int) -> Produced:
     groups = {"groups/dropped": 0.0, "groups/resampled": 0.0, "groups/rounds": 1.0}
     if cfg.async_rl.drop_uniform_groups:
         ro, scored, groups = _drop_uniform(side, step, (ro, scored), receipts, version)
-    versions = torch.where(ro.completion_mask.cpu() > 0, version, -1).to(torch.int32)
+    live = ro.completion_mask.cpu() > 0
+    if ro.versions is not None:  # partial rollouts: each token's own (a generation that spanned a weight sync)
+        versions = torch.where(live, ro.versions.cpu(), -1).to(torch.int32)
+        if bool((versions[live] < version).any()):  # a token older than the batch's request: a bug, never the user's
+            raise RuntimeError(f"batch {step}: a token sampled by version {int(versions[live].min())}, older than "
+                               f"the version {version} that asked for it")
+    else:
+        versions = torch.where(live, version, -1).to(torch.int32)
     return Produced(step, version, ro, scored, versions, groups, time.perf_counter() - t0, receipts=receipts)
 
 
@@ -276,6 +283,8 @@ def _pad(ro: Rollout, P: int, T: int) -> Rollout:
     out = dataclasses.replace(ro, prompt_ids=left(ro.prompt_ids), prompt_mask=left(ro.prompt_mask),
                               completion_ids=right(ro.completion_ids), completion_mask=right(ro.completion_mask),
                               logp=right(ro.logp))
+    if ro.versions is not None:
+        out.versions = torch.nn.functional.pad(ro.versions, (0, t), value=-1)
     if ro.routing is not None:  # (B, P+T, L, k): -1 where nothing was fed
         r = ro.routing
         pad = lambda n: r.new_full((r.shape[0], n, *r.shape[2:]), -1)  # noqa: E731

@@ -156,6 +156,9 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
     if not servers and dist.enabled:
         raise ConfigError("vllm_server_url: under torchrun give the servers (--vllm-server-url); gspo starts one "
                           "only for a one-process run")
+    if cfg.async_rl.partial_rollouts and dist.enabled:
+        raise ConfigError("partial_rollouts: not under torchrun yet (every process samples its share, and a sync "
+                          "would abort the other processes' generations mid-request); run one trainer process")
     scratch = Path(tempfile.mkdtemp(prefix="gspo-vllm-server-"))  # pushed weights (by default), a started server's log
     try:
         if not servers:
@@ -179,6 +182,7 @@ def server_sampler(cfg: TrainConfig, policy, dist: Dist, dtype: torch.dtype):
                                 f"{secrets.token_hex(4)}", device=dist.device,
                                 check=sync_check(cfg, dist, name) if v.vllm_check_weight_sync else None,
                                 temperature=cfg.sampling.temperature, dist=dist, owned=owned, scratch=scratch,
+                                partial=cfg.async_rl.partial_rollouts,
                                 vocab_size=int(unwrap(policy).get_input_embeddings().num_embeddings),
                                 max_model_len=min((s.max_model_len for s in servers if s.max_model_len),
                                                   default=max_len))

@@ -55,6 +55,8 @@ line `ps` shows); a user's key comes from VLLM_API_KEY, never a flag (docs/serve
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import hashlib
 import http.client
 import json
 import math
@@ -307,6 +309,53 @@ class DirectoryPush:
             self.current = None
 
 
+class Gate:
+    """Who may use the servers' weights now: samples (readers, many at once) or a weight sync (the
+    writer, alone). A sync closes the gate to new samples, waits for those under way (with
+    --partial-rollouts it first aborts their generations, which then continue under the new
+    weights), pushes, and opens it with the new version. So every request knows the one version
+    that answered it. A sync waiting takes precedence over samples arriving."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.readers = 0
+        self.closed = False  # a sync is under way or waiting: no new sample starts
+        self.version: int | None = None  # the policy version the servers hold (None: unknown, none pushed)
+        self.syncs = 0  # syncs begun: a generation aborted while one was under way was aborted by it
+
+    def enter(self, timeout: float) -> tuple[int | None, int]:
+        """A sample starts: (the version it samples with, the syncs begun so far)."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: not self.closed, timeout):
+                raise ServerError(f"no weight sync ended within {timeout:g} s (--vllm-server-sync-timeout) while a "
+                                  "sample waited for it")
+            self.readers += 1
+            return self.version, self.syncs
+
+    def leave(self) -> None:
+        with self.cond:
+            self.readers -= 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """A sync begins: no new sample starts from here on."""
+        with self.cond:
+            self.closed = True
+            self.syncs += 1
+
+    def drain(self, timeout: float) -> None:
+        """Wait for the samples under way to end."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.readers == 0, timeout):
+                raise ServerError(f"the generations under way did not end within {timeout:g} s of a weight sync's "
+                                  "start (--vllm-server-timeout)")
+
+    def open(self, version: int | None) -> None:
+        with self.cond:
+            self.closed, self.version = False, version
+            self.cond.notify_all()
+
+
 # --- the sampler -------------------------------------------------------------------------------
 
 
@@ -336,6 +385,11 @@ class ServerSampler:
     max_model_len: int = 0
     vocab_size: int = 0
     last_check: dict = field(default_factory=dict)  # the sync check's figures: server -> max |delta log p|
+    # --partial-rollouts: a sync aborts the generations under way (/pause?mode=abort), and each continues under
+    # the new weights from where it stopped (its tokens so far as the prompt's tail); off: a sync waits for them
+    partial: bool = False
+    gate: Gate = field(default_factory=Gate)  # samples against syncs (a sync may come from another thread)
+    continued: int = 0  # generations continued across a sync (partial rollouts), over the run
     _pool: ThreadPoolExecutor | None = None
 
     # --- the Sampler interface ---
@@ -360,15 +414,19 @@ class ServerSampler:
             return
         servers = [self.servers[i] for i in stale]
         t0 = time.perf_counter()
-        if main:
-            self._push_to(servers, policy, tag)
-        else:  # the other ranks take part in the gathers of the weights rank 0 sends
-            for _ in checkpoint_weights(policy, getattr(self.push, "dtype", None)):
-                pass
-        self.pushed_version, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
-        self.sync_seconds = time.perf_counter() - t0
-        if self.check is not None:  # on every rank: the trainer's forward may be collective (FSDP)
-            self._check(policy, servers)
+        self.gate.close()  # no sample starts until the new weights are in (one may be under way: another thread's)
+        try:
+            if main:
+                self._push_to(servers, policy, tag)
+            else:  # the other ranks take part in the gathers of the weights rank 0 sends
+                for _ in checkpoint_weights(policy, getattr(self.push, "dtype", None)):
+                    pass
+            self.pushed_version, self.tag, self.pushes = version, tag, self.pushes + (1 if changed else 0)
+            self.sync_seconds = time.perf_counter() - t0
+            if self.check is not None:  # on every rank: the trainer's forward may be collective (FSDP)
+                self._check(policy, servers)
+        finally:  # a failed sync leaves the version unknown: the samples waiting raise (the run stops anyway)
+            self.gate.open(version if self.tag == tag else None)
         if self.dist is not None and self.dist.enabled:
             self.dist.barrier()
 
@@ -381,9 +439,11 @@ class ServerSampler:
             for s in stale:
                 if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
                     probe(s, self.deadlines.request, deadline, total)
+            mode = "abort" if self.partial else "wait"  # abort: the generations under way continue after the sync
             for s in stale:
                 paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
-                s.call("/pause?mode=wait", {}, timeout=_left(deadline, s, total), what="/pause")
+                s.call(f"/pause?mode={mode}", {}, timeout=_left(deadline, s, total), what="/pause")
+            self.gate.drain(min(self.deadlines.request, max(0.0, deadline - time.monotonic())))  # their answers in
             for s in stale:  # a pending tag first: a sync by someone else meanwhile replaces it, and is seen below
                 s.call("/update_weight_version", {"new_version": f"{tag}.pending"},
                        timeout=_left(deadline, s, total), what="/update_weight_version")
@@ -427,17 +487,55 @@ class ServerSampler:
                  else [int(r) // G for r in torch.as_tensor(offset).reshape(-1)])
         seeds = torch.randint(0, 2**31 - 1, (total // G,), generator=generator)[index].tolist()
         # the batch's prompt i goes to server i mod M: the same split on every rank
-        jobs = [(self.servers[i % len(self.servers)], p, s) for i, p, s in zip(index, prompts, seeds)]
-        pool = self._executor()
-        answers = list(pool.map(lambda job: self._complete(job[0], job[1], params, job[2]), jobs))
-        seqs, logps, truncated = [], [], []
-        for choices in answers:
-            for ids, lps, cut in choices:
-                seqs.append(ids)
-                logps.append(lps)
-                truncated.append(cut)
-        self.verify()
-        return rollout_from(prompts, seqs, logps, truncated, params, self.device)
+        servers = [self.servers[i % len(self.servers)] for i in index]
+        version, seen = self._enter()
+        try:
+            answers = list(self._executor().map(lambda job: self._complete(job[0], job[1], params, job[2]),
+                                                zip(servers, prompts, seeds)))
+            self.verify()
+        finally:
+            self.gate.leave()
+        # each completion: [ids, log-probs, the version of each token, finish reason]
+        outs = [[ids, lps, [version] * len(ids), finish] for choices in answers for ids, lps, finish in choices]
+        while todo := [k for k, o in enumerate(outs) if o[3] == "abort"]:  # partial rollouts: continue them
+            if self.gate.syncs == seen:
+                raise ServerError(f"vLLM server {servers[todo[0] // G].url}: it aborted a generation while no weight "
+                                  "sync of this run was under way (another client paused it, or it is shutting down)")
+            version, seen = self._enter()
+            try:
+                more = list(self._executor().map(
+                    lambda k: self._continue(servers[k // G], prompts[k // G], outs[k], params, seeds[k // G], k % G),
+                    todo))
+                self.verify()
+            finally:
+                self.gate.leave()
+            self.continued += len(todo)
+            for k, (ids, lps, finish) in zip(todo, more):
+                o = outs[k]
+                o[0], o[1], o[2], o[3] = o[0] + ids, o[1] + lps, o[2] + [version] * len(ids), finish
+        seqs, logps, versions = [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
+        return rollout_from(prompts, seqs, logps, [o[3] == "length" for o in outs], params, self.device,
+                            versions=versions if version is not None else None)
+
+    def _enter(self) -> tuple[int | None, int]:
+        """A sample's turn at the servers: waits for a sync under way (bounded by its deadline)."""
+        return self.gate.enter(self.deadlines.sync + self.deadlines.request)
+
+    def _continue(self, server: Server, prompt: list[int], out: list, params: SamplingParams, seed: int,
+                  g: int) -> tuple[list[int], list[float], str]:
+        """Completion g of `prompt`, aborted by a sync after the tokens `out` holds, continued under the
+        new weights: its tokens so far become the prompt's tail (token-exact), the budget what is left."""
+        ids = out[0]
+        if ids and ids[-1] in params.stop_token_ids and len(ids) >= params.min_new_tokens:
+            return [], [], "stop"  # aborted just as it ended
+        if len(ids) >= params.max_new_tokens:
+            return [], [], "length"
+        rest = dataclasses.replace(params, group_size=1, max_new_tokens=params.max_new_tokens - len(ids),
+                                   min_new_tokens=max(0, params.min_new_tokens - len(ids)))
+        # a seed of its own (the first part's seed would replay the first part's uniforms)
+        seed = int.from_bytes(hashlib.sha256(f"{seed}-{g}-{len(ids)}".encode()).digest()[:4], "little") & (2**31 - 1)
+        [choice] = self._complete(server, list(prompt) + ids, rest, seed, n=1)
+        return choice
 
     def end_rollout(self) -> None:
         """Nothing to free: the servers keep their memory (another process's, or another machine's)."""
@@ -464,7 +562,7 @@ class ServerSampler:
         return self._pool
 
     def _complete(self, server: Server, prompt: list[int], params: SamplingParams, seed: int,
-                  n: int | None = None, ignore_eos: bool = False) -> list[tuple[list[int], list[float], bool]]:
+                  n: int | None = None, ignore_eos: bool = False) -> list[tuple[list[int], list[float], str]]:
         body = {"model": server.model, "prompt": list(prompt), "n": n or params.group_size,
                 "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k if params.top_k > 0 else -1, "min_tokens": params.min_new_tokens,
@@ -479,7 +577,7 @@ class ServerSampler:
                               f"{len(choices)} whose indices are not 0..{body['n'] - 1} once each")
         return [self._choice(server, c, params) for c in sorted(choices, key=lambda c: c["index"])]
 
-    def _choice(self, server: Server, c: dict, params: SamplingParams) -> tuple[list[int], list[float], bool]:
+    def _choice(self, server: Server, c: dict, params: SamplingParams) -> tuple[list[int], list[float], str]:
         """One completion of a server's answer, checked: whatever a batch takes from a server must be a
         sample of the policy (token ids in the vocabulary, finite log-probs <= 0, at most max_tokens,
         ended by a stop token or by the length limit)."""
@@ -493,14 +591,15 @@ class ServerSampler:
             bad = "holds a log-prob that is missing, not finite or above 0"
         elif len(ids) > params.max_new_tokens:
             bad = f"is longer ({len(ids)} tokens) than the {params.max_new_tokens} asked for"
-        elif c.get("finish_reason") not in ("stop", "length"):
-            bad = f"ended with finish_reason {c.get('finish_reason')!r} (expected stop or length)"
+        elif c.get("finish_reason") not in ("stop", "length", *(("abort",) if self.partial else ())):
+            bad = (f"ended with finish_reason {c.get('finish_reason')!r} (expected stop or length"
+                   f"{', or abort by a sync' if self.partial else ''})")
         elif c.get("finish_reason") == "stop" and params.stop_token_ids and (not ids or ids[-1] not in
                                                                               params.stop_token_ids):
             bad = "says it stopped, and does not end with a stop token"
         if bad:
             raise ServerError(f"vLLM server {server.url}: a completion {bad}")
-        return [int(t) for t in ids], [float(lp) for lp in lps], c.get("finish_reason") == "length"
+        return [int(t) for t in ids], [float(lp) for lp in lps], c.get("finish_reason")
 
     def _check(self, policy, servers: list[Server]) -> None:
         """The sync check: each server's log-probs of 8 sampled tokens of a fixed prompt against the trainer's."""

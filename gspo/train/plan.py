@@ -43,7 +43,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `max_turns` | model turns per episode at most (1 without an environment; an agent's calls per episode) |
 | `agent` | None, or `{"timeout"}`: `env` is agent code (gspo.agents.runner) talking to the policy through an OpenAI endpoint on loopback, each episode within `timeout` seconds (0: none) |
 | `integrity` | `{"on_breach", "tolerance"}`: what a breach of the integrity check does (`--integrity`: `"stop"` or `"warn"`) and the first on-policy minibatch's log-ratio bounds, `{"row", "mean"}` (gspo.sampling.integrity.tolerance; None where the sampler's precision is not the trainer's) |
-| `rollouts` | `{"max_staleness", "workers", "devices", "mode"}`: batches sampled up to K versions late, by N rollout workers on these devices; mode `"this process"`, `"processes"` (each trainer process starts its N) or `"ranks"` (the torchrun world's last N ranks) (gspo.sampling.pipeline) |
+| `rollouts` | `{"max_staleness", "workers", "devices", "mode"}`: batches sampled up to K versions late, by N rollout workers on these devices; mode `"this process"`, `"processes"` (each trainer process starts its N), `"ranks"` (the torchrun world's last N ranks) or `"servers"` (vllm-server: a sampling thread while the trainer trains); `"partial"`: --partial-rollouts (gspo.sampling.pipeline) |
 | `warnings` | the run's start-up notes (`run.notes`: every fallback from what was asked), plus any the plan finds |
 
 Left out: facts decided during the run (the compact decode step's first-step check can still
@@ -65,6 +65,7 @@ from gspo.models.lmhead import _SPECIAL_HEAD_ATTRS, chunk_tokens, fused_head
 from gspo.processes import distributed
 from gspo.sampling import fastdecode
 from gspo.sampling.integrity import renormalises, tolerance
+from gspo.sampling.pipeline import overlaps
 from gspo.sampling.rollout import PolicySampler
 from gspo.tasks.env import is_agent
 from gspo.train.critic import estimator_name
@@ -99,7 +100,8 @@ def plan(run: Run) -> dict:
         "model": _model(run),
         "engine": engine,
         "rollouts": {"max_staleness": cfg.async_rl.max_staleness, "workers": workers, "devices": devices,
-                     "mode": "ranks" if dist.link is not None else "processes" if workers else "this process"},
+                     "mode": "ranks" if dist.link is not None else "processes" if workers else
+                     "servers" if overlaps(run) else "this process", "partial": cfg.async_rl.partial_rollouts},
         "processes": dist.world,
         "threads": {"count": torch.get_num_threads(), "why": run.threads},
         "parallel": dist.parallel if dist.enabled else "none",
@@ -200,8 +202,13 @@ def describe(p: dict, warnings: bool = True) -> str:
     r = p["rollouts"]
     if r["max_staleness"] or r["workers"]:
         by = {"ranks": f"the torchrun world's last {r['workers']} rank(s)",
-              "processes": f"{r['workers']} worker process(es) per trainer process"}.get(r["mode"], "this process")
-        lines.append(f"  rollouts: at most {r['max_staleness']} version(s) stale, sampled by {by}")
+              "processes": f"{r['workers']} worker process(es) per trainer process",
+              "servers": "the servers while the trainer trains (a sampling thread of this process)"
+              }.get(r["mode"], "this process (no overlap)")
+        how = ("; a sync aborts the generations under way and they continue under the new weights (partial "
+               "rollouts)" if r["partial"] else "; a sync waits for the generations under way" if r["mode"] == "servers"
+               else "")
+        lines.append(f"  rollouts: at most {r['max_staleness']} version(s) stale, sampled by {by}{how}")
     if (i := p.get("integrity")) is not None:
         ratio = (f"an on-policy step's log-probs against the sampler's (mean gap at most {i['tolerance']['row']:g} "
                  f"a row, {i['tolerance']['mean']:g} over the minibatch)" if i["tolerance"]

@@ -145,6 +145,12 @@ def _async_rules(cfg: TrainConfig):
     yield not (a.drop_uniform_groups and cfg.sampling.group_size < 2), "drop_uniform_groups", \
         "needs --group-size >= 2 (a group of one is always uniform)"
     episodes = cfg.episodes.env or cfg.data.task == "calculator" or is_verifiers(cfg.data.task)  # tasks with an env
+    yield not (a.partial_rollouts and cfg.sampling.rollout_engine != "vllm-server"), "partial_rollouts", \
+        "continues generations across a weight sync on vLLM servers: give --rollout-engine vllm-server"
+    yield not (a.partial_rollouts and a.max_staleness == 0), "partial_rollouts", \
+        "needs --max-staleness >= 1: with 0 no sync happens while a batch is sampled"
+    yield not (a.partial_rollouts and episodes), "partial_rollouts", \
+        "cannot be combined with multi-turn episodes or agents yet (their turns do not carry per-token versions)"
     yield not (a.drop_uniform_groups and episodes), "drop_uniform_groups", \
         "cannot be combined with multi-turn episodes yet (their refill rounds would need their episodes joined)"
 

@@ -178,6 +178,7 @@ def _train(run: Run, guard: Guard, log, callbacks=()) -> dict:
                 trainable.scheduler.step()
             if cfg.eval.eval_every and cfg.eval.eval_size and step % cfg.eval.eval_every == 0 and step < cfg.run.steps:
                 spent = run.progress.eval_seconds
+                run.pipeline.hold()  # a sampling thread (vllm-server) is done with the tokenizer the evaluation uses
                 ev = run_eval(run)
                 metrics["eval/accuracy"] = ev["accuracy"]
                 metrics["time/eval_seconds"] = run.progress.eval_seconds - spent  # run_eval adds its wall time
