@@ -31,6 +31,13 @@ Faults, set as attributes (any time, also while serving; routes are named withou
     choices_delta = -1                 # answer n + delta choices
     no_token_ids = True                # choices without token_ids
     restart_after_completions = 1      # after that many completion answers the weight version is "default"
+    token_seconds = 0.01               # each generated token takes this long (0: answers at once)
+
+Weights and pauses, as vLLM's: each reload_weights is a new generation of the weights, and a token's
+log-prob is token_logp(token) - 0.001 * generation (`generation_of(token, logp)` reads it back). While
+paused, a completion that arrives waits for /resume before it starts. /pause?mode=wait waits for the
+completions under way to finish; /pause?mode=abort ends them at once with the tokens they have,
+finish_reason "abort" (token_seconds > 0 makes them last long enough to be caught).
     key = "secret"                     # /v1 routes want "Authorization: Bearer secret"
     model, max_model_len, device       # what /v1/models and /server_info report
 
@@ -64,6 +71,11 @@ def token_logp(token: int) -> float:
     return -0.1 * (token % 7 + 1)
 
 
+def generation_of(token: int, logp: float) -> int:
+    """Which reload of the fake's weights sampled `token` (its log-prob says: 0 before the first)."""
+    return round((token_logp(token) - logp) / 0.001)
+
+
 @dataclass
 class FakeVLLM:
     model: str = "tiny-model"
@@ -84,9 +96,13 @@ class FakeVLLM:
     requests: list = field(default_factory=list)
     reloads: list = field(default_factory=list)  # the weights_path of every reload_weights
     paused: bool = False
+    token_seconds: float = 0.0
 
     def __post_init__(self):
         self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._running = 0  # completions under way
+        self._aborts = 0  # /pause?mode=abort calls so far
         self._stop = threading.Event()
         self._completions = 0
         self._httpd = None
@@ -94,13 +110,19 @@ class FakeVLLM:
 
     # --- the model ---
 
-    def completion(self, prompt, seed: int, i: int, max_tokens: int, stop=()):
-        """Completion i of `prompt`: (token ids, log-probs, finish_reason)."""
+    def completion(self, prompt, seed: int, i: int, max_tokens: int, stop=(), aborts: int | None = None):
+        """Completion i of `prompt`: (token ids, log-probs, finish_reason). aborts: the /pause?mode=abort
+        count when it started (a later abort ends it, "abort")."""
         ids, lps, s = [], [], sum(prompt)
         for j in range(max_tokens):
-            t = (s + seed + i + j) % self.vocab
-            ids.append(t)
-            lps.append(token_logp(t))
+            if self.token_seconds and self._stop.wait(self.token_seconds):
+                break
+            with self._cond:
+                if aborts is not None and self._aborts != aborts:
+                    return ids, lps, "abort"
+                t = (s + seed + i + j) % self.vocab
+                ids.append(t)
+                lps.append(token_logp(t) - 0.001 * len(self.reloads))
             if t in stop:
                 return ids, lps, "stop"
         return ids, lps, "length"
@@ -188,7 +210,7 @@ class FakeVLLM:
             self._send(h, 401, {"error": "Unauthorized"})
             return
         try:
-            status, answer = self._answer(method, route, body)
+            status, answer = self._answer(method, route, body, urllib.parse.urlsplit(h.path).query)
         except Exception as e:  # a request the fake cannot answer: a 400, as a server would
             status, answer = 400, {"error": f"{type(e).__name__}: {e}"}
         if answer is None:
@@ -196,7 +218,7 @@ class FakeVLLM:
         else:
             self._send(h, status, answer)
 
-    def _answer(self, method: str, route: str, body):
+    def _answer(self, method: str, route: str, body, query: str = ""):
         if method == "GET":
             if route == "/health":
                 return 200, None
@@ -212,14 +234,21 @@ class FakeVLLM:
                                             f"device_config={self.device}, seed=0"}
         else:
             if route == "/pause":
-                self.paused = True
+                with self._cond:
+                    self.paused = True
+                    if "mode=abort" in query:
+                        self._aborts += 1
+                    self._cond.wait_for(lambda: self._running == 0, 60)  # the generations under way end
                 return 200, {"status": "paused"}
             if route == "/resume":
-                self.paused = False
+                with self._cond:
+                    self.paused = False
+                    self._cond.notify_all()
                 return 200, {"status": "resumed"}
             if route == "/collective_rpc":
                 if body.get("method") == "reload_weights":
-                    self.reloads.append(body["kwargs"]["weights_path"])
+                    with self._cond:
+                        self.reloads.append(body["kwargs"]["weights_path"])
                 return 200, {"results": [None]}
             if route == "/reset_prefix_cache":
                 return 200, {"success": True}
@@ -235,9 +264,19 @@ class FakeVLLM:
         if len(prompt) + int(body["max_tokens"]) > self.max_model_len:
             raise ValueError("longer than max_model_len")
         stop = () if body.get("ignore_eos") else tuple(body.get("stop_token_ids") or ())
+        with self._cond:  # a paused server starts nothing until /resume
+            self._cond.wait_for(lambda: not self.paused, 60)
+            self._running += 1
+            aborts = self._aborts
+        try:
+            made = [self.completion(prompt, seed, i, int(body["max_tokens"]), stop, aborts)
+                    for i in range(max(0, n + self.choices_delta))]
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
         choices = []
-        for i in range(max(0, n + self.choices_delta)):
-            ids, lps, reason = self.completion(prompt, seed, i, int(body["max_tokens"]), stop)
+        for i, (ids, lps, reason) in enumerate(made):
             logprobs = {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids]}
             choice = {"index": i, "text": "", "logprobs": logprobs, "finish_reason": reason, "token_ids": ids,
                       "prompt_token_ids": None}

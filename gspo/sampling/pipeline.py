@@ -135,11 +135,17 @@ class Pipeline:
         stale = (version - versions)[live].long()  # (n,) policy versions behind, per token
         counts = dist.all_sum(torch.bincount(stale, minlength=self.lag + 1)[: self.lag + 1].double())  # (K+1,)
         top = dist.all_max(stale.max().reshape(1).double() if stale.numel() else torch.zeros(1, dtype=torch.float64))
+        # rows whose tokens more than one version sampled (partial rollouts: a generation that spanned a sync)
+        big = torch.where(live, versions, torch.iinfo(versions.dtype).min).amax(1)  # (B,)
+        small = torch.where(live, versions, torch.iinfo(versions.dtype).max).amin(1)  # (B,)
+        spanning, rows = dist.all_sum(torch.tensor([float(((big > small) & live.any(1)).sum()),
+                                                    float(live.any(1).sum())], dtype=torch.float64)).tolist()
         total = counts.sum().clamp(min=1)
         out = {
             "async/staleness_mean": float((counts * torch.arange(self.lag + 1)).sum() / total),
             "async/staleness_max": float(top),
             **{f"async/staleness_hist/{k}": float(counts[k] / total) for k in range(self.lag + 1)},
+            "async/spanning_rows": spanning / max(rows, 1.0),  # share of the batch's completions
             "async/queue_depth": float(self.requested - produced.step),  # batches asked for ahead of this one
             "async/ready_batches": float(len(self.pending)),  # ... of which sampled already
             "async/trainer_idle_seconds": waited,
