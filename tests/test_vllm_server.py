@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -509,3 +510,79 @@ def test_min_new_tokens_on_the_server_trains(server, tmp_path):
                  env=server.env)
     assert r.returncode == 0, r.stderr[-1000:]
     assert rows(run)[0]["integrity/breaches"] == 0
+
+
+# --- generations that span a weight sync (--partial-rollouts) --------------------------------------
+
+
+@pytest.mark.slow
+def test_a_generation_spanning_a_sync_records_each_tokens_version_as_the_real_server_sampled_it(server, tmp_path):
+    """A rollout under way when new weights are pushed with --partial-rollouts: vLLM aborts it, gspo
+    continues each completion under the new weights. Every token's log-prob must be its own
+    version's: the trainer's forward of the whole sequence under the base weights (version 0) for
+    the tokens marked 0, under the perturbed ones (version 1) for those marked 1, to 1e-4 a token."""
+    from gspo.models.loading import load_policy
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling import vllm_server as vs
+    from gspo.sampling.rollout import sampling_params
+
+    base, tok = load_policy(str(server.model))
+    perturbed = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in perturbed.parameters():
+            p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    deadlines = vs.Deadlines(request=60, sync=120, start=60)
+    servers = vs.servers_from([server.url], key=server.key)
+    vs.connect(servers, model=str(server.model), needed_len=64, deadlines=deadlines)
+    prompts = [tok(f"{a}+{b}=")["input_ids"] for a in range(10, 74) for b in (3,)]  # 64 prompts x 4: 256 rows
+    params = sampling_params(tok, group_size=4, max_new_tokens=64 - max(map(len, prompts)))
+    ro = None
+    for attempt in range(4):  # the push must land while the rows generate (~1 s of them here)
+        sampler = vs.ServerSampler(servers, vs.DirectoryPush(tmp_path / f"w{attempt}", torch.float32), deadlines,
+                                   run_id=f"partial-{attempt}", partial=True)
+        try:
+            sampler.sync(base, version=0)
+            out = {}
+            thread = threading.Thread(target=lambda: out.update(ro=sampler.sample(
+                prompts, params, generator=torch.Generator().manual_seed(attempt))))
+            thread.start()
+            end = time.monotonic() + 30
+            while server.running() == 0 and time.monotonic() < end:
+                time.sleep(0.002)
+            sampler.sync(perturbed, version=1)
+            thread.join(120)
+            ro = out["ro"]
+        finally:
+            sampler.close()
+        m = ro.completion_mask.bool()
+        v0, v1 = m & ro.versions.eq(0), m & ro.versions.eq(1)
+        if (v0.any(1) & v1.any(1)).any():  # a completion begun under version 0 and ended under 1
+            break
+    assert (v0.any(1) & v1.any(1)).any(), "no completion spanned the sync in 4 tries"
+    assert sampler.continued > 0
+    assert bool((ro.versions[:, 1:] >= ro.versions[:, :-1]).logical_or(~m[:, 1:]).all())  # versions only move on
+    with torch.no_grad():
+        under0 = completion_logprobs(base, ro.input_ids, ro.attention_mask, ro.completion_mask)
+        under1 = completion_logprobs(perturbed, ro.input_ids, ro.attention_mask, ro.completion_mask)
+    assert (under0 - ro.logp)[v0].abs().max() < 1e-4  # float32: ~1e-6 measured
+    assert (under1 - ro.logp)[v1].abs().max() < 1e-4
+    assert (under0 - ro.logp)[v1].abs().max() > 1e-2  # the versions are told apart: the perturbation shows
+
+
+@pytest.mark.slow
+def test_partial_rollouts_train_while_the_server_samples_and_resume(server, tmp_path):
+    """--max-staleness 1 --partial-rollouts: 4 steps with a checkpoint at 2 (the batch sampled ahead
+    saved with its per-token versions), then the run resumed from step 2 to 4."""
+    run = tmp_path / "run"
+    args = [*on(server, *FAST), "--max-staleness", "1", "--partial-rollouts", "--output-dir", run]
+    r = gspo_cli("train", *args, "--steps", "2", env=server.env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "sampled by the servers while the trainer trains" in r.stdout and "(partial rollouts)" in r.stdout, r.stdout
+    r = gspo_cli("train", "--resume", run, "--steps", "4", env=server.env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = rows(run)
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert all(x["integrity/breaches"] == 0 for x in m)
+    assert all(0 <= x["async/staleness_max"] <= 1 and 0 <= x["async/spanning_rows"] <= 1 for x in m)
+    assert m[0]["async/staleness_max"] == 0  # batch 1: version 0, the only one there is

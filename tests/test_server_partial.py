@@ -1,0 +1,256 @@
+"""Generations that span a weight sync (--partial-rollouts) and sampling while the trainer trains,
+against the fake vLLM server (tests/fakevllm.py): the sampler's gate, per-token versions, the
+continuations' requests, and the faults.
+
+The fake generates one token per `token_seconds`; each reload of its weights is a new generation,
+and a token's log-prob says which generation sampled it (`generation_of`). The sampler's first
+sync is version 0 (the fake's reload 1), the next version 1 (reload 2): a token of version v was
+sampled by generation v + 1, and each test checks every token's recorded version against that.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from gspo.sampling.rollout import SamplingParams
+from gspo.sampling.vllm_server import Deadlines, Gate, Server, ServerError
+from tests.fakevllm import FakeVLLM, generation_of
+from tests.test_server_client import Policy, no_weight_conversions, sampler_for  # noqa: F401
+
+PROMPTS = [[1, 2, 3], [4, 5]]
+# no stop token: every completion runs its 30 tokens (30 x 0.02 s = 0.6 s a choice), long enough to be caught
+PARAMS = SamplingParams(group_size=2, max_new_tokens=30, stop_token_ids=(), pad_token_id=0)
+
+
+@pytest.fixture
+def fake():
+    with FakeVLLM(token_seconds=0.02) as f:
+        yield f
+
+
+def generating(fake, tokens: int = 3, timeout: float = 10.0) -> None:
+    """Wait until a completion is under way on the fake and has made a few tokens."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if fake._running and fake.asked("/v1/completions") and \
+                time.monotonic() - fake.asked("/v1/completions")[-1].time > tokens * fake.token_seconds:
+            return
+        time.sleep(0.005)
+    raise AssertionError("no completion under way on the fake")
+
+
+def sample_in_thread(sampler, prompts=PROMPTS, params=PARAMS):
+    out = {}
+
+    def go():
+        try:
+            out["ro"] = sampler.sample(prompts, params, generator=torch.Generator().manual_seed(0))
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            out["error"] = e
+        out["ended"] = time.monotonic()
+
+    t = threading.Thread(target=go)
+    t.start()
+    return t, out
+
+
+def tokens_and_versions(ro):
+    """(token, log-prob, version) of every completion token, row by row."""
+    rows = []
+    for b in range(ro.completion_ids.shape[0]):
+        n = int(ro.lengths[b])
+        rows.append(list(zip(ro.completion_ids[b, :n].tolist(), ro.logp[b, :n].tolist(), ro.versions[b, :n].tolist())))
+    return rows
+
+
+def test_a_partial_sync_aborts_and_every_token_keeps_the_version_that_sampled_it(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    policy = Policy()
+    try:
+        sampler.sync(policy, version=0)  # reload 1
+        thread, out = sample_in_thread(sampler)
+        generating(fake)
+        with torch.no_grad():
+            policy.layer.weight.add_(0.5)  # the next version's weights
+        t0 = time.monotonic()
+        sampler.sync(policy, version=1)  # reload 2, while the generations run
+        synced = time.monotonic()
+        thread.join(30)
+        assert "error" not in out, out.get("error")
+        ro = out["ro"]
+    finally:
+        sampler.close()
+    # the sync did not wait for the generations: 2 prompts x 2 choices x 30 tokens x 0.02 s = 1.2 s a prompt
+    assert synced - t0 < 0.6 * 30 * fake.token_seconds * 2, synced - t0
+    assert "/pause?mode=abort" in [r.path for r in fake.requests]
+    rows = tokens_and_versions(ro)
+    assert all(len(r) == 30 for r in rows)  # each completion ran its whole budget, across the sync
+    versions = {v for r in rows for _, _, v in r}
+    assert versions == {0, 1}, versions
+    for r in rows:  # the version each token records is the one whose weights sampled it: generation = version + 1
+        assert [generation_of(t, lp) for t, lp, _ in r] == [v + 1 for _, _, v in r]
+        vs = [v for _, _, v in r]
+        assert vs == sorted(vs)  # a generation moves forward in versions, never back
+    assert sampler.continued >= 1
+    assert not ro.truncated.logical_not().any()  # every row ended by the length limit (no stop token asked)
+
+
+def test_a_continuation_is_the_prompt_and_the_tokens_so_far_with_what_is_left_of_the_budget(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    policy = Policy()
+    try:
+        sampler.sync(policy, version=0)
+        thread, out = sample_in_thread(sampler, prompts=[[1, 2, 3]])
+        generating(fake)
+        sampler.sync(policy, version=1)
+        thread.join(30)
+        ro = out["ro"]
+    finally:
+        sampler.close()
+    first, *more = [r.body for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]
+    assert first["prompt"] == [1, 2, 3] and first["n"] == 2 and first["max_tokens"] == 30
+    assert more, "no continuation was asked for"
+    seeds = set()
+    for body in more:  # one per aborted choice: n = 1, the tokens it had as the prompt's tail, the budget left
+        assert body["n"] == 1
+        done = len(body["prompt"]) - 3
+        assert body["prompt"][:3] == [1, 2, 3] and body["max_tokens"] == 30 - done
+        # its row: the tokens it was given are the row's first `done`, all version 0, the rest version 1
+        assert any(ro.completion_ids[b, :done].tolist() == body["prompt"][3:] and ro.versions[b, done:].eq(1).all()
+                   and ro.versions[b, :done].eq(0).all() for b in range(2))
+        seeds.add(body["seed"])
+    assert first["seed"] not in seeds  # a continuation draws fresh uniforms, not the first part's again
+
+
+def test_without_partial_rollouts_a_sync_waits_for_the_generations_under_way(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, vocab_size=fake.vocab)
+    policy = Policy()
+    try:
+        sampler.sync(policy, version=0)
+        thread, out = sample_in_thread(sampler)
+        generating(fake)
+        sampler.sync(policy, version=1)
+        synced = time.monotonic()
+        thread.join(30)
+        ro = out["ro"]
+    finally:
+        sampler.close()
+    assert out["ended"] <= synced  # the sample ended (verified under version 0) before the push
+    assert "/pause?mode=wait" in [r.path for r in fake.requests]
+    rows = tokens_and_versions(ro)
+    assert {v for r in rows for _, _, v in r} == {0}
+    assert all(generation_of(t, lp) == 1 for r in rows for t, lp, _ in r)
+
+
+def test_a_sample_that_starts_during_a_sync_samples_the_new_weights(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    policy = Policy()
+    try:
+        sampler.sync(policy, version=0)
+        sampler.gate.close()  # a sync under way (as sync() does first)
+        thread, out = sample_in_thread(sampler, prompts=[[7]])
+        time.sleep(0.2)
+        assert "ro" not in out and not fake.asked("/v1/completions")  # it waits at the gate
+        sampler.gate.open(0)
+        sampler.sync(policy, version=1)  # (the push itself)
+        thread.join(30)
+        assert {v for r in tokens_and_versions(out["ro"]) for _, _, v in r} <= {0, 1}
+    finally:
+        sampler.close()
+
+
+def test_an_abort_by_another_client_is_a_server_error(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    try:
+        sampler.sync(Policy(), version=0)
+        thread, out = sample_in_thread(sampler)
+        generating(fake)
+        Server(fake.url).call("/pause?mode=abort", {}, timeout=5)  # not this run's sync
+        Server(fake.url).call("/resume", {}, timeout=5)
+        thread.join(30)
+    finally:
+        sampler.close()
+    e = out.get("error")
+    assert isinstance(e, ServerError) and "aborted a generation while no weight sync of this run was under way" in \
+        str(e) and "\n" not in str(e), e
+
+
+def test_an_abort_without_partial_rollouts_is_still_refused(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, vocab_size=fake.vocab)
+    try:
+        sampler.sync(Policy(), version=0)
+        thread, out = sample_in_thread(sampler)
+        generating(fake)
+        Server(fake.url).call("/pause?mode=abort", {}, timeout=5)
+        Server(fake.url).call("/resume", {}, timeout=5)
+        thread.join(30)
+    finally:
+        sampler.close()
+    assert isinstance(out.get("error"), ServerError) and "finish_reason 'abort'" in str(out["error"])
+
+
+def test_a_restart_between_the_parts_of_a_generation_is_caught(fake, tmp_path):
+    """The server restarts after the sync that aborted a generation and before its continuation: the
+    continuation would sample the restarted server's own weights; the check after it sees the tag."""
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    policy = Policy()
+    try:
+        sampler.sync(policy, version=0)
+        thread, out = sample_in_thread(sampler)
+        generating(fake)
+        original = sampler._push_to
+
+        def push_then_restart(*args):
+            original(*args)
+            fake.weight_version = "default"  # restarted right after the push, with its checkpoint's weights
+
+        sampler._push_to = push_then_restart
+        sampler.check = None
+        sampler.sync(policy, version=1)
+        thread.join(30)
+    finally:
+        sampler.close()
+    assert isinstance(out.get("error"), ServerError) and "weights changed during the rollout" in str(out["error"])
+
+
+def test_the_gate_orders_samples_and_syncs():
+    gate = Gate()
+    gate.open(3)
+    assert gate.enter(1.0) == (3, 0)
+    gate.close()  # a sync waits for the sample under way
+    ended = []
+    t = threading.Thread(target=lambda: (gate.drain(5.0), ended.append(time.monotonic())))
+    t.start()
+    time.sleep(0.1)
+    assert not ended
+    left = time.monotonic()
+    gate.leave()
+    t.join(5)
+    assert ended and ended[0] >= left
+    with pytest.raises(ServerError, match=r"within 0.2 s .*while a sample waited"):
+        gate.enter(0.2)  # closed: a sample waits for the sync, boundedly
+    gate.open(4)
+    assert gate.enter(1.0) == (4, 1)  # the new version, and one sync begun
+    gate.close()
+    with pytest.raises(ServerError, match=r"did not end within 0.1 s"):
+        gate.drain(0.1)  # a sample that never ends: the sync gives up at its deadline
+
+
+def test_a_sync_cannot_wait_forever_for_a_generation(fake, tmp_path):
+    """A generation that outlives the request deadline: the sample fails at its deadline and the
+    sync, waiting for it, goes on (wait mode)."""
+    sampler = sampler_for([Server(fake.url)], tmp_path, vocab_size=fake.vocab,
+                          deadlines=Deadlines(request=0.5, sync=10.0, start=2.0))
+    try:
+        sampler.sync(Policy(), version=0)
+        thread, out = sample_in_thread(sampler)  # 1.2 s a prompt: past the 0.5 s request deadline
+        generating(fake)
+        t0 = time.monotonic()
+        sampler.sync(Policy(), version=1)
+        assert time.monotonic() - t0 < 0.5 + 10.0
+        thread.join(30)
+    finally:
+        sampler.close()
+    assert isinstance(out.get("error"), ServerError) and "0.5 s" in str(out["error"])
