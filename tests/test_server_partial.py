@@ -254,3 +254,19 @@ def test_a_sync_cannot_wait_forever_for_a_generation(fake, tmp_path):
     finally:
         sampler.close()
     assert isinstance(out.get("error"), ServerError) and "0.5 s" in str(out["error"])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_staleness": 1}, "partial_rollouts: continues generations across a weight sync on vLLM servers: give "
+                           "--rollout-engine vllm-server"),
+    ({"rollout_engine": "vllm-server"}, "partial_rollouts: needs --max-staleness >= 1"),
+    ({"rollout_engine": "vllm-server", "max_staleness": 1, "task": "calculator", "model": "tiny-tool"},
+     "partial_rollouts: cannot be combined with multi-turn episodes or agents yet"),
+])
+def test_partial_rollouts_are_refused_where_no_generation_can_span_a_sync(options, message):
+    from gspo.config import ConfigError, TrainConfig
+    from gspo.train.resolve import resolve
+
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(TrainConfig(partial_rollouts=True, **options))
+    resolve(TrainConfig(partial_rollouts=True, rollout_engine="vllm-server", max_staleness=1))  # and this one runs
