@@ -101,6 +101,7 @@ class FakeVLLM:
     def __post_init__(self):
         self._lock = threading.Lock()
         self._cond = threading.Condition()
+        self._local = threading.local()
         self._running = 0  # completions under way
         self._aborts = 0  # /pause?mode=abort calls so far
         self._stop = threading.Event()
@@ -150,7 +151,11 @@ class FakeVLLM:
             def do_POST(self):
                 fake._handle(self, "POST")
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # the listen backlog: a sampler opens up to 64 connections at once (stdlib: 5)
+            daemon_threads = True
+
+        self._httpd = Server(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True, name="fakevllm")
@@ -210,7 +215,8 @@ class FakeVLLM:
             self._send(h, 401, {"error": "Unauthorized"})
             return
         try:
-            status, answer = self._answer(method, route, body, urllib.parse.urlsplit(h.path).query)
+            self._local.query = urllib.parse.urlsplit(h.path).query  # this request's (its thread's own)
+            status, answer = self._answer(method, route, body)
         except Exception as e:  # a request the fake cannot answer: a 400, as a server would
             status, answer = 400, {"error": f"{type(e).__name__}: {e}"}
         if answer is None:
@@ -218,7 +224,7 @@ class FakeVLLM:
         else:
             self._send(h, status, answer)
 
-    def _answer(self, method: str, route: str, body, query: str = ""):
+    def _answer(self, method: str, route: str, body):
         if method == "GET":
             if route == "/health":
                 return 200, None
@@ -236,7 +242,7 @@ class FakeVLLM:
             if route == "/pause":
                 with self._cond:
                     self.paused = True
-                    if "mode=abort" in query:
+                    if "mode=abort" in getattr(self._local, "query", ""):
                         self._aborts += 1
                     self._cond.wait_for(lambda: self._running == 0, 60)  # the generations under way end
                 return 200, {"status": "paused"}

@@ -270,3 +270,86 @@ def test_partial_rollouts_are_refused_where_no_generation_can_span_a_sync(option
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         resolve(TrainConfig(partial_rollouts=True, **options))
     resolve(TrainConfig(partial_rollouts=True, rollout_engine="vllm-server", max_staleness=1))  # and this one runs
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_a_batch_larger_than_the_request_pool_keeps_every_tokens_version(fake, tmp_path, partial):
+    """70 prompts, 64 requests at a time: when the sync comes, 6 have not been sent. They must not
+    go out after the pause (the paused server would hold them, and answer them under the new
+    weights): a sync keeps them from starting, and they are asked after it, under version 1."""
+    fake.token_seconds = 0.005
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=partial, vocab_size=fake.vocab)
+    policy = Policy()
+    prompts = [[1 + i % 40, 2] for i in range(70)]
+    params = SamplingParams(group_size=1, max_new_tokens=60, stop_token_ids=(), pad_token_id=0)  # 0.3 s a request
+    try:
+        sampler.sync(policy, version=0)
+        thread, out = sample_in_thread(sampler, prompts, params)
+        generating(fake, tokens=4)  # the first 64 under way, 6 waiting for a free thread
+        sampler.sync(policy, version=1)
+        thread.join(60)
+        assert "error" not in out, out.get("error")
+        ro = out["ro"]
+    finally:
+        sampler.close()
+    rows = tokens_and_versions(ro)
+    assert all(len(r) == 60 for r in rows)
+    assert {v for r in rows for _, _, v in r} == {0, 1}  # some rows sampled before the sync, some after
+    for r in rows:
+        assert [generation_of(t, lp) for t, lp, _ in r] == [v + 1 for _, _, v in r]
+
+
+def test_a_request_that_reaches_the_paused_server_late_is_cut_and_asked_again(fake, tmp_path):
+    """The race a gate alone leaves: a request's ticket taken just before the sync closed the gate,
+    its bytes sent just after the pause. The paused server holds it (vLLM queues what arrives while
+    paused, and would answer it under the new weights); the sync cuts it after Gate.GRACE, and the
+    sample asks again under the new version."""
+    sampler = sampler_for([Server(fake.url)], tmp_path, vocab_size=fake.vocab)
+    policy = Policy()
+    server = Server(fake.url)
+    sampler.servers = [server]
+    original = Server.call
+    slow = threading.Event()
+
+    def late_call(self, path, body=None, **kw):
+        if path == "/v1/completions" and not slow.is_set() and kw.get("ticket") is not None:
+            slow.set()
+            time.sleep(0.4)  # the ticket is taken; the bytes go out after the sync's pause
+        return original(self, path, body, **kw)
+
+    try:
+        sampler.sync(policy, version=0)
+        server.call = late_call.__get__(server)
+        thread, out = sample_in_thread(sampler, prompts=[[3]], params=SamplingParams(
+            group_size=1, max_new_tokens=5, stop_token_ids=(), pad_token_id=0))
+        while not slow.is_set():
+            time.sleep(0.001)
+        t0 = time.monotonic()
+        sampler.sync(policy, version=1)  # pauses while the request sleeps; it arrives paused, and is held
+        took = time.monotonic() - t0
+        thread.join(30)
+        assert "error" not in out, out.get("error")
+    finally:
+        sampler.close()
+    rows = tokens_and_versions(out["ro"])
+    assert [v for _, _, v in rows[0]] == [1] * 5  # asked again after the sync: the new weights, and marked so
+    assert [generation_of(t, lp) for t, lp, _ in rows[0]] == [2] * 5
+    assert took < 5.0  # cut after the grace, not held to the request deadline
+    assert len([r for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]) == 2
+
+
+def test_a_failed_sync_stops_the_samples_waiting_for_it(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    policy = Policy()
+    try:
+        sampler.sync(policy, version=0)
+        thread, out = sample_in_thread(sampler)
+        generating(fake)
+        fake.status["/collective_rpc"] = 500  # the push fails
+        with pytest.raises(ServerError, match="/collective_rpc"):
+            sampler.sync(policy, version=1)
+        thread.join(30)
+    finally:
+        sampler.close()
+    e = out.get("error")  # the aborted generations are not continued on weights nobody knows
+    assert isinstance(e, ServerError) and "a weight sync failed" in str(e) and "\n" not in str(e), e

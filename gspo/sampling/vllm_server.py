@@ -124,9 +124,10 @@ class Server:
             raise ServerError(f"vllm_server_url: {self.url!r} has an invalid port") from None
         self.url = f"{parts.scheme}://{parts.netloc}"
 
-    def call(self, path: str, body: dict | None = None, *, timeout: float, what: str | None = None):
+    def call(self, path: str, body: dict | None = None, *, timeout: float, what: str | None = None,
+             ticket: Ticket | None = None):
         """The JSON answer of one request (POST with a body, else GET), within `timeout` seconds;
-        ServerError otherwise."""
+        ServerError otherwise. ticket: its place at a sampler's gate (a sync may cut it: NotStarted)."""
         parts = urllib.parse.urlsplit(self.url)
         conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         what = what or path
@@ -143,6 +144,8 @@ class Server:
         watchdog = None
         try:
             conn.connect()  # within the socket's timeout
+            if ticket is not None:
+                ticket.attach(conn.sock)  # NotStarted if a sync cut it already
             # the socket itself: http.client drops conn.sock once a response that closes the connection began
             watchdog = threading.Timer(timeout, _cut, (conn.sock, late))
             watchdog.daemon = True
@@ -151,6 +154,8 @@ class Server:
             response = conn.getresponse()
             raw = response.read()
         except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
+            if ticket is not None and ticket.cancelled:
+                raise NotStarted from None
             if not (late.is_set() or isinstance(e, TimeoutError)):
                 raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e)})") from None
             late.set()  # the socket's own timeout, or the watchdog's cut: said once, below
@@ -309,19 +314,49 @@ class DirectoryPush:
             self.current = None
 
 
+class NotStarted(Exception):
+    """A request a weight sync kept from starting, or cut while the paused server held it unanswered:
+    nothing it may have sampled is taken; it is asked again under the new weights."""
+
+
+class Ticket:
+    """One request's place at the gate: its socket, for a sync to cut (`Gate.cut`)."""
+
+    def __init__(self, gate: Gate):
+        self.gate, self.sock, self.cancelled = gate, None, False
+
+    def attach(self, sock) -> None:
+        """The request's socket is connected: from here a cut shuts it. Raises NotStarted if cut already."""
+        with self.gate.cond:
+            if self.cancelled:
+                raise NotStarted
+            self.sock = sock
+
+
 class Gate:
     """Who may use the servers' weights now: samples (readers, many at once) or a weight sync (the
-    writer, alone). A sync closes the gate to new samples, waits for those under way (with
-    --partial-rollouts it first aborts their generations, which then continue under the new
-    weights), pushes, and opens it with the new version. So every request knows the one version
-    that answered it. A sync waiting takes precedence over samples arriving."""
+    writer, alone). A sample holds it for a round of requests and reads the version there; a sync
+    closes it, pauses the servers, waits for the rounds under way, pushes, and opens it with the new
+    version. A sync waiting takes precedence over samples arriving.
+
+    Exactness: every request takes a ticket before it is sent, and none is given while the gate is
+    closed. A request whose ticket came just before the sync closed it can reach the server after
+    the pause, which then holds it unanswered until /resume (vLLM queues what arrives while paused):
+    the sync waits a moment for the rounds under way, then cuts the requests still unanswered
+    (`cut`), which are asked again after the sync (NotStarted). So every answer a sample takes was
+    computed before the push (its round ended before the push began), and whatever was not answered
+    by then is sampled again under the new weights, and marked with them."""
+
+    GRACE = 1.0  # seconds after the pause for answers under way to arrive, before the rest are cut
 
     def __init__(self):
         self.cond = threading.Condition()
         self.readers = 0
-        self.closed = False  # a sync is under way or waiting: no new sample starts
+        self.closed = False  # a sync is under way or waiting: no new sample, no new request starts
         self.version: int | None = None  # the policy version the servers hold (None: unknown, none pushed)
         self.syncs = 0  # syncs begun: a generation aborted while one was under way was aborted by it
+        self.broken: str | None = None  # a sync failed: the servers' weights are unknown, nothing samples on
+        self.tickets: set[Ticket] = set()
 
     def enter(self, timeout: float) -> tuple[int | None, int]:
         """A sample starts: (the version it samples with, the syncs begun so far)."""
@@ -329,6 +364,8 @@ class Gate:
             if not self.cond.wait_for(lambda: not self.closed, timeout):
                 raise ServerError(f"no weight sync ended within {timeout:g} s (--vllm-server-sync-timeout) while a "
                                   "sample waited for it")
+            if self.broken:
+                raise ServerError(self.broken)
             self.readers += 1
             return self.version, self.syncs
 
@@ -337,22 +374,52 @@ class Gate:
             self.readers -= 1
             self.cond.notify_all()
 
+    def ticket(self) -> Ticket:
+        """A request of a round under way may start: its ticket. NotStarted when a sync closed the gate."""
+        with self.cond:
+            if self.closed:
+                raise NotStarted
+            t = Ticket(self)
+            self.tickets.add(t)
+            return t
+
+    def done(self, ticket: Ticket) -> None:
+        with self.cond:
+            self.tickets.discard(ticket)
+
     def close(self) -> None:
-        """A sync begins: no new sample starts from here on."""
+        """A sync begins: no new sample or request starts from here on."""
         with self.cond:
             self.closed = True
             self.syncs += 1
 
     def drain(self, timeout: float) -> None:
-        """Wait for the samples under way to end."""
+        """Wait for the rounds under way to end: GRACE seconds for their answers, then the requests
+        still unanswered are cut (a paused server holds them), and their rounds end at once."""
+        end = time.monotonic() + timeout
         with self.cond:
-            if not self.cond.wait_for(lambda: self.readers == 0, timeout):
+            if self.cond.wait_for(lambda: self.readers == 0, min(self.GRACE, timeout)):
+                return
+            self.cut()
+            if not self.cond.wait_for(lambda: self.readers == 0, max(0.0, end - time.monotonic())):
                 raise ServerError(f"the generations under way did not end within {timeout:g} s of a weight sync's "
                                   "start (--vllm-server-timeout)")
 
-    def open(self, version: int | None) -> None:
+    def cut(self) -> None:
+        """Cancel every request with a ticket: shut its socket (its call raises NotStarted)."""
         with self.cond:
-            self.closed, self.version = False, version
+            for t in self.tickets:
+                t.cancelled = True
+                if t.sock is not None:
+                    try:
+                        t.sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+    def open(self, version: int | None, broken: str | None = None) -> None:
+        """The sync ended: samples go on with `version`; `broken`: it failed, and every sample raises it."""
+        with self.cond:
+            self.closed, self.version, self.broken = False, version, broken
             self.cond.notify_all()
 
 
@@ -425,8 +492,10 @@ class ServerSampler:
             self.sync_seconds = time.perf_counter() - t0
             if self.check is not None:  # on every rank: the trainer's forward may be collective (FSDP)
                 self._check(policy, servers)
-        finally:  # a failed sync leaves the version unknown: the samples waiting raise (the run stops anyway)
-            self.gate.open(version if self.tag == tag else None)
+        except BaseException as e:  # the servers' weights are unknown: a sample waiting, or to come, raises
+            self.gate.open(None, broken=f"a weight sync failed ({_reason(e)}); nothing samples on these servers")
+            raise
+        self.gate.open(version)
         if self.dist is not None and self.dist.enabled:
             self.dist.barrier()
 
@@ -490,12 +559,13 @@ class ServerSampler:
         servers = [self.servers[i % len(self.servers)] for i in index]
         version, seen = self._enter()
         try:
-            answers = list(self._executor().map(lambda job: self._complete(job[0], job[1], params, job[2]),
-                                                zip(servers, prompts, seeds)))
+            answers = list(self._executor().map(lambda job: self._ask(*job, params), zip(servers, prompts, seeds)))
             self.verify()
         finally:
             self.gate.leave()
-        # each completion: [ids, log-probs, the version of each token, finish reason]
+        # each completion: [ids, log-probs, the version of each token, finish reason]; a request a sync kept from
+        # starting (or cut) is G completions with nothing yet, continued like an aborted one
+        answers = [a if a is not None else [([], [], "abort")] * G for a in answers]
         outs = [[ids, lps, [version] * len(ids), finish] for choices in answers for ids, lps, finish in choices]
         while todo := [k for k, o in enumerate(outs) if o[3] == "abort"]:  # partial rollouts: continue them
             if self.gate.syncs == seen:
@@ -517,6 +587,19 @@ class ServerSampler:
         return rollout_from(prompts, seqs, logps, [o[3] == "length" for o in outs], params, self.device,
                             versions=versions if version is not None else None)
 
+    def _ask(self, server: Server, prompt: list[int], seed: int, params: SamplingParams, n: int | None = None):
+        """A sample's request, with its ticket at the gate: its completions, or None (NotStarted: a sync came)."""
+        try:
+            ticket = self.gate.ticket()
+        except NotStarted:
+            return None
+        try:
+            return self._complete(server, prompt, params, seed, n=n, ticket=ticket)
+        except NotStarted:
+            return None
+        finally:
+            self.gate.done(ticket)
+
     def _enter(self) -> tuple[int | None, int]:
         """A sample's turn at the servers: waits for a sync under way (bounded by its deadline)."""
         return self.gate.enter(self.deadlines.sync + self.deadlines.request)
@@ -534,8 +617,8 @@ class ServerSampler:
                                    min_new_tokens=max(0, params.min_new_tokens - len(ids)))
         # a seed of its own (the first part's seed would replay the first part's uniforms)
         seed = int.from_bytes(hashlib.sha256(f"{seed}-{g}-{len(ids)}".encode()).digest()[:4], "little") & (2**31 - 1)
-        [choice] = self._complete(server, list(prompt) + ids, rest, seed, n=1)
-        return choice
+        got = self._ask(server, list(prompt) + ids, seed, rest, n=1)
+        return got[0] if got is not None else ([], [], "abort")  # None: a sync came first; asked again after it
 
     def end_rollout(self) -> None:
         """Nothing to free: the servers keep their memory (another process's, or another machine's)."""
@@ -562,14 +645,15 @@ class ServerSampler:
         return self._pool
 
     def _complete(self, server: Server, prompt: list[int], params: SamplingParams, seed: int,
-                  n: int | None = None, ignore_eos: bool = False) -> list[tuple[list[int], list[float], str]]:
+                  n: int | None = None, ignore_eos: bool = False,
+                  ticket: Ticket | None = None) -> list[tuple[list[int], list[float], str]]:
         body = {"model": server.model, "prompt": list(prompt), "n": n or params.group_size,
                 "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k if params.top_k > 0 else -1, "min_tokens": params.min_new_tokens,
                 "stop_token_ids": list(params.stop_token_ids), "seed": seed, "logprobs": 0,
                 "return_token_ids": True, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
                 "ignore_eos": ignore_eos, "include_stop_str_in_output": True}
-        answer = server.call("/v1/completions", body, timeout=self.deadlines.request,
+        answer = server.call("/v1/completions", body, timeout=self.deadlines.request, ticket=ticket,
                              what=f"a completion request ({len(prompt)} prompt tokens, n={body['n']})")
         choices = (answer or {}).get("choices") or []
         if sorted(c.get("index", -1) if isinstance(c, dict) else -1 for c in choices) != list(range(body["n"])):
