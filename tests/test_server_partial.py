@@ -353,3 +353,19 @@ def test_a_failed_sync_stops_the_samples_waiting_for_it(fake, tmp_path):
         sampler.close()
     e = out.get("error")  # the aborted generations are not continued on weights nobody knows
     assert isinstance(e, ServerError) and "a weight sync failed" in str(e) and "\n" not in str(e), e
+
+
+def test_closing_the_sampler_ends_a_sampling_threads_requests_at_once(fake, tmp_path):
+    """A run that stops (an error in the trainer's thread) closes the sampler: a request under way in
+    the sampling thread ends then, not at its deadline (the interpreter joins that thread at exit)."""
+    fake.token_seconds = 0.2  # 30 tokens: 6 s a completion, past nothing here but the test's patience
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab,
+                          deadlines=Deadlines(request=60.0, sync=10.0, start=2.0))
+    sampler.sync(Policy(), version=0)
+    thread, out = sample_in_thread(sampler)
+    generating(fake, tokens=1)
+    t0 = time.monotonic()
+    sampler.close()
+    thread.join(10)
+    assert not thread.is_alive() and out["ended"] - t0 < 2.0, out
+    assert isinstance(out.get("error"), ServerError) and "the sampler was closed" in str(out["error"])

@@ -568,6 +568,8 @@ class ServerSampler:
         answers = [a if a is not None else [([], [], "abort")] * G for a in answers]
         outs = [[ids, lps, [version] * len(ids), finish] for choices in answers for ids, lps, finish in choices]
         while todo := [k for k, o in enumerate(outs) if o[3] == "abort"]:  # partial rollouts: continue them
+            if self.gate.broken:  # a sync failed, or the sampler was closed
+                raise ServerError(self.gate.broken)
             if self.gate.syncs == seen:
                 raise ServerError(f"vLLM server {servers[todo[0] // G].url}: it aborted a generation while no weight "
                                   "sync of this run was under way (another client paused it, or it is shutting down)")
@@ -624,6 +626,10 @@ class ServerSampler:
         """Nothing to free: the servers keep their memory (another process's, or another machine's)."""
 
     def close(self) -> None:
+        # a sampling thread's requests end now, not at their deadline (the interpreter joins that thread at exit),
+        # and a sample waiting at the gate, or still to come, raises
+        self.gate.open(None, broken="the sampler was closed (the run is ending)")
+        self.gate.cut()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
