@@ -4,6 +4,7 @@ weight sync waiting for the generations under way or aborting them (--partial-ro
     .venv-vllm/bin/python benchmarks/server_rollouts.py                     # chain task, 20 steps, seed 0
     .venv-vllm/bin/python benchmarks/server_rollouts.py --steps 40 --seed 1 --eval-size 200
     .venv-vllm/bin/python benchmarks/server_rollouts.py --extra "--max-new-tokens 120"
+    .venv-vllm/bin/python benchmarks/server_rollouts.py --variants "partial K=2,sync"   # a subset, in this order
     VLLM_API_KEY=... .venv-vllm/bin/python benchmarks/server_rollouts.py --vllm-server-url http://127.0.0.1:8765
 
 It needs the vLLM environment (docs/server.md). Unless --vllm-server-url is given it starts ONE
