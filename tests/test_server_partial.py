@@ -299,12 +299,14 @@ def test_a_batch_larger_than_the_request_pool_keeps_every_tokens_version(fake, t
         assert [generation_of(t, lp) for t, lp, _ in r] == [v + 1 for _, _, v in r]
 
 
-def test_a_request_that_reaches_the_paused_server_late_is_cut_and_asked_again(fake, tmp_path):
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_request_on_its_way_when_a_sync_begins_is_answered_by_one_version(fake, tmp_path, partial):
     """The race a gate alone leaves: a request's ticket taken just before the sync closed the gate,
-    its bytes sent just after the pause. The paused server holds it (vLLM queues what arrives while
-    paused, and would answer it under the new weights); the sync cuts it after Gate.GRACE, and the
-    sample asks again under the new version."""
-    sampler = sampler_for([Server(fake.url)], tmp_path, vocab_size=fake.vocab)
+    its bytes sent a moment later. With --partial-rollouts the sync pauses at once, the paused server
+    holds the late request (vLLM queues what arrives while paused, and would answer it under the new
+    weights): the sync cuts it after Gate.GRACE and the sample asks again under the new version.
+    Without, the sync lets this run's requests end before it pauses: answered under the old one."""
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=partial, vocab_size=fake.vocab)
     policy = Policy()
     server = Server(fake.url)
     sampler.servers = [server]
@@ -332,10 +334,12 @@ def test_a_request_that_reaches_the_paused_server_late_is_cut_and_asked_again(fa
     finally:
         sampler.close()
     rows = tokens_and_versions(out["ro"])
-    assert [v for _, _, v in rows[0]] == [1] * 5  # asked again after the sync: the new weights, and marked so
-    assert [generation_of(t, lp) for t, lp, _ in rows[0]] == [2] * 5
-    assert took < 5.0  # cut after the grace, not held to the request deadline
-    assert len([r for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]) == 2
+    version = 1 if partial else 0  # asked again after the sync, or answered before it: marked so
+    assert [v for _, _, v in rows[0]] == [version] * 5
+    assert [generation_of(t, lp) for t, lp, _ in rows[0]] == [version + 1] * 5
+    assert took < 1.5  # cut after the grace, or waited for: not held to the request deadline (2 s)
+    # partial: cut before it connected (its ticket), so only the second asking reached the server
+    assert len([r for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]) == 1
 
 
 def test_a_failed_sync_stops_the_samples_waiting_for_it(fake, tmp_path):

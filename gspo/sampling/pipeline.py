@@ -53,8 +53,8 @@ import dataclasses
 import gc
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch

@@ -347,7 +347,7 @@ class Gate:
     computed before the push (its round ended before the push began), and whatever was not answered
     by then is sampled again under the new weights, and marked with them."""
 
-    GRACE = 1.0  # seconds after the pause for answers under way to arrive, before the rest are cut
+    GRACE = 0.25  # seconds after an aborting pause for the answers under way to arrive, before the rest are cut
 
     def __init__(self):
         self.cond = threading.Condition()
@@ -393,12 +393,16 @@ class Gate:
             self.closed = True
             self.syncs += 1
 
-    def drain(self, timeout: float) -> None:
-        """Wait for the rounds under way to end: GRACE seconds for their answers, then the requests
-        still unanswered are cut (a paused server holds them), and their rounds end at once."""
+    def drain(self, timeout: float, cut: bool = False) -> None:
+        """Wait for the rounds under way to end. cut (after the servers paused): GRACE seconds for their
+        answers, then the requests still unanswered are cut (a paused server holds them) and their
+        rounds end at once."""
         end = time.monotonic() + timeout
         with self.cond:
-            if self.cond.wait_for(lambda: self.readers == 0, min(self.GRACE, timeout)):
+            if not cut or self.cond.wait_for(lambda: self.readers == 0, min(self.GRACE, timeout)):
+                if not self.cond.wait_for(lambda: self.readers == 0, timeout):
+                    raise ServerError(f"the generations under way did not end within {timeout:g} s of a weight "
+                                      "sync's start (--vllm-server-timeout)")
                 return
             self.cut()
             if not self.cond.wait_for(lambda: self.readers == 0, max(0.0, end - time.monotonic())):
@@ -508,11 +512,15 @@ class ServerSampler:
             for s in stale:
                 if s.weights in (None, "None", "default"):  # a fresh (or restarted) server: checked first
                     probe(s, self.deadlines.request, deadline, total)
+            drain = min(self.deadlines.request, max(0.0, deadline - time.monotonic()))
+            if not self.partial:  # this run's generations under way end first, while the servers still serve
+                self.gate.drain(drain)
             mode = "abort" if self.partial else "wait"  # abort: the generations under way continue after the sync
             for s in stale:
                 paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
                 s.call(f"/pause?mode={mode}", {}, timeout=_left(deadline, s, total), what="/pause")
-            self.gate.drain(min(self.deadlines.request, max(0.0, deadline - time.monotonic())))  # their answers in
+            if self.partial:  # their answers (aborted) in; a request the paused server holds is cut, asked again
+                self.gate.drain(drain, cut=True)
             for s in stale:  # a pending tag first: a sync by someone else meanwhile replaces it, and is seen below
                 s.call("/update_weight_version", {"new_version": f"{tag}.pending"},
                        timeout=_left(deadline, s, total), what="/update_weight_version")
