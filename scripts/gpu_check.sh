@@ -22,7 +22,8 @@
 #             command (127.0.0.1, a random key in its environment, its own process group; on 2+ GPUs
 #             the last GPU, else beside the trainer); `gspo train --rollout-engine vllm-server` for 3
 #             steps with --vllm-server-sync nccl (stage server-nccl), then 3 with directory sync
-#             (server-directory); each step's seconds and each sync's seconds (a wrapper around
+#             (server-directory), then 3 with --max-staleness 1 --partial-rollouts over nccl (server-partial);
+#             each step's seconds and each sync's seconds (a wrapper around
 #             ServerSampler.sync) printed and written to OUT/server/summary.md; the server stopped.
 #             SKIPPED when vLLM is not importable, and in --cpu. GSPO_GPU_CHECK_SERVER_START: seconds
 #             the server has to answer /health (default 600).
@@ -286,12 +287,13 @@ server_start() {  # docs/server.md's GPU command on the tiny model; ready when /
     say "server: no answer to /health within $limit s (GSPO_GPU_CHECK_SERVER_START)"
     return 1
 }
-server_run() {  # server_run SYNC: 3 steps of gspo train on the server, in OUT/server/SYNC
-    local d="$srv_dir/$1"
+server_run() {  # server_run SYNC [NAME OPTION...]: 3 steps of gspo train on the server, in OUT/server/NAME (SYNC)
+    local sync="$1" d="$srv_dir/${2:-$1}"
+    shift; shift || true
     rm -rf "$d"; mkdir -p "$d"
     VLLM_API_KEY="$srv_key" GSPO_SYNC_LOG="$d/syncs.jsonl" "$vllm_py" "$out/server_sync.py" train \
-        --model "$srv_tiny" --rollout-engine vllm-server --vllm-server-url "$srv_url" --vllm-server-sync "$1" \
-        --steps 3 --eval-size 0 --device "$device" --output-dir "$d/run" --no-progress 2>&1 | tee "$d/log.txt"
+        --model "$srv_tiny" --rollout-engine vllm-server --vllm-server-url "$srv_url" --vllm-server-sync "$sync" \
+        --steps 3 --eval-size 0 --device "$device" --output-dir "$d/run" --no-progress "$@" 2>&1 | tee "$d/log.txt"
     return "${PIPESTATUS[0]}"
 }
 
@@ -307,6 +309,9 @@ if want server; then
             run_stage server-nccl server_run nccl
             server_alive || { say "server: gone after the nccl run; starting it again"; server_start; }
             run_stage server-directory server_run directory
+            server_alive || { say "server: gone after the directory run; starting it again"; server_start; }
+            # sampling while the trainer trains, a sync aborting the generations under way (docs/server.md)
+            run_stage server-partial server_run nccl partial --max-staleness 1 --partial-rollouts
         fi
         server_stop
         trap - EXIT
@@ -319,7 +324,7 @@ d = Path(sys.argv[1])
 ready = d / "ready_seconds.txt"
 lines = [f"server stage (tiny model, float32, 3 steps a run): ready {ready.read_text().strip()} s after start"
          if ready.is_file() else "server stage: the server never answered /health"]
-for sync in ("nccl", "directory"):
+for sync in ("nccl", "directory", "partial"):
     metrics, syncs = d / sync / "run" / "metrics.jsonl", d / sync / "syncs.jsonl"
     if not metrics.is_file():
         lines.append(f"- {sync}: no steps (see {d / sync / 'log.txt'})")
