@@ -6,6 +6,9 @@ weight sync waiting for the generations under way or aborting them (--partial-ro
     .venv-vllm/bin/python benchmarks/server_rollouts.py --extra "--max-new-tokens 120"
     .venv-vllm/bin/python benchmarks/server_rollouts.py --variants "partial K=2,sync"   # a subset, in this order
     VLLM_API_KEY=... .venv-vllm/bin/python benchmarks/server_rollouts.py --vllm-server-url http://127.0.0.1:8765
+    taskset -c 0 .venv-vllm/bin/python benchmarks/server_rollouts.py --vllm-server-url URL --model DIR
+                                   # the trainer on core 0, a server started with `taskset -c 1` on core 1
+                                   # (a server on hardware of its own; docs/server.md has both layouts' figures)
 
 It needs the vLLM environment (docs/server.md). Unless --vllm-server-url is given it starts ONE
 vLLM OpenAI server itself (127.0.0.1, a free port, a random API key in the environment of the

@@ -257,10 +257,9 @@ def _to_rollout(prompts: list[list[int]], outs, params: SamplingParams, device: 
 
 
 def rollout_from(prompts: list[list[int]], seqs: list[list[int]], logps: list[list[float]], truncated: list[bool],
-                 params: SamplingParams, device: torch.device, versions: list[list[int]] | None = None) -> Rollout:
+                 params: SamplingParams, device: torch.device) -> Rollout:
     """An engine's completions (G per prompt, in prompt order: token ids, their log-probs, cut by the
-    length limit) -> a Rollout laid out as gspo's own sampler lays it out. versions: the policy version
-    that sampled each token, where a generation spanned a weight sync (Rollout.versions)."""
+    length limit) -> a Rollout laid out as gspo's own sampler lays it out."""
     G = params.group_size
     prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, device)  # (N, P)
     B, T = len(seqs), max(1, max((len(s) for s in seqs), default=1))
@@ -271,14 +270,8 @@ def rollout_from(prompts: list[list[int]], seqs: list[list[int]], logps: list[li
         logp[i, :len(s)] = torch.tensor(lp, dtype=torch.float32)
     lengths = torch.tensor([len(s) for s in seqs])
     mask = (torch.arange(T)[None] < lengths[:, None]).float()  # (B, T)
-    ro = Rollout(prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), completion.to(device),
-                 mask.to(device), logp.to(device), lengths.to(device), torch.tensor(truncated, device=device), G)
-    if versions is not None:
-        ro.versions = torch.full((B, T), -1, dtype=torch.int32)
-        for i, v in enumerate(versions):
-            ro.versions[i, :len(v)] = torch.tensor(v, dtype=torch.int32)
-        ro.versions = ro.versions.to(device)
-    return ro
+    return Rollout(prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), completion.to(device),
+                   mask.to(device), logp.to(device), lengths.to(device), torch.tensor(truncated, device=device), G)
 
 
 def checkpoint_weights(policy, dtype: torch.dtype | None = None):

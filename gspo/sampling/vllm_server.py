@@ -594,17 +594,22 @@ class ServerSampler:
                 o = outs[k]
                 o[0], o[1], o[2], o[3] = o[0] + ids, o[1] + lps, o[2] + [version] * len(ids), finish
         seqs, logps, versions = [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
-        return rollout_from(prompts, seqs, logps, [o[3] == "length" for o in outs], params, self.device,
-                            versions=versions if version is not None else None)
+        ro = rollout_from(prompts, seqs, logps, [o[3] == "length" for o in outs], params, self.device)
+        if version is not None:  # each token's version (-1 on padding): Rollout.versions
+            ro.versions = torch.full(ro.completion_ids.shape, -1, dtype=torch.int32)
+            for i, v in enumerate(versions):
+                ro.versions[i, :len(v)] = torch.tensor(v, dtype=torch.int32)
+            ro.versions = ro.versions.to(self.device)
+        return ro
 
-    def _ask(self, server: Server, prompt: list[int], seed: int, params: SamplingParams, n: int | None = None):
+    def _ask(self, server: Server, prompt: list[int], seed: int, params: SamplingParams):
         """A sample's request, with its ticket at the gate: its completions, or None (NotStarted: a sync came)."""
         try:
             ticket = self.gate.ticket()
         except NotStarted:
             return None
         try:
-            return self._complete(server, prompt, params, seed, n=n, ticket=ticket)
+            return self._complete(server, prompt, params, seed, ticket=ticket)
         except NotStarted:
             return None
         finally:
@@ -627,7 +632,7 @@ class ServerSampler:
                                    min_new_tokens=max(0, params.min_new_tokens - len(ids)))
         # a seed of its own (the first part's seed would replay the first part's uniforms)
         seed = int.from_bytes(hashlib.sha256(f"{seed}-{g}-{len(ids)}".encode()).digest()[:4], "little") & (2**31 - 1)
-        got = self._ask(server, list(prompt) + ids, seed, rest, n=1)
+        got = self._ask(server, list(prompt) + ids, seed, rest)
         return got[0] if got is not None else ([], [], "abort")  # None: a sync came first; asked again after it
 
     def end_rollout(self) -> None:
@@ -659,9 +664,9 @@ class ServerSampler:
         return self._pool
 
     def _complete(self, server: Server, prompt: list[int], params: SamplingParams, seed: int,
-                  n: int | None = None, ignore_eos: bool = False,
-                  ticket: Ticket | None = None) -> list[tuple[list[int], list[float], str]]:
-        body = {"model": server.model, "prompt": list(prompt), "n": n or params.group_size,
+                  ignore_eos: bool = False, ticket: Ticket | None = None) -> list[tuple[list[int], list[float], str]]:
+        """params.group_size completions of `prompt` (the request's n)."""
+        body = {"model": server.model, "prompt": list(prompt), "n": params.group_size,
                 "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k if params.top_k > 0 else -1, "min_tokens": params.min_new_tokens,
                 "stop_token_ids": list(params.stop_token_ids), "seed": seed, "logprobs": 0,
@@ -704,7 +709,7 @@ class ServerSampler:
         params = SamplingParams(group_size=1, max_new_tokens=CHECK_TOKENS, stop_token_ids=(), pad_token_id=0,
                                 temperature=self.temperature)
         for s in servers:
-            [(ids, lps, _)] = self._complete(s, CHECK_PROMPT, params, seed=0, n=1, ignore_eos=True)
+            [(ids, lps, _)] = self._complete(s, CHECK_PROMPT, params, seed=0, ignore_eos=True)
             problem = self.check(policy, CHECK_PROMPT, ids, lps)
             self.last_check[s.url] = problem[1] if problem else 0.0
             if problem and problem[0]:
