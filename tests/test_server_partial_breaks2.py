@@ -512,3 +512,13 @@ def test_no_sampler_thread_outlives_close(fake, tmp_path):
     while time.monotonic() < end and [t for t in threading.enumerate() if t.name.startswith("gspo-vllm-server")]:
         time.sleep(0.02)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("gspo-vllm-server")]
+
+
+def test_a_sample_after_close_raises_and_starts_no_threads(fake, tmp_path):
+    sampler = sampler_for([Server(fake.url)], tmp_path, partial=True, vocab_size=fake.vocab)
+    sampler.sync(Policy(), version=0)
+    sampler.close()
+    with pytest.raises(ServerError, match="the sampler was closed"):
+        sampler.sample([[6]], SamplingParams(group_size=1, max_new_tokens=3, stop_token_ids=(), pad_token_id=0),
+                       generator=torch.Generator().manual_seed(0))
+    assert sampler._pool is None and not sampling(fake)
