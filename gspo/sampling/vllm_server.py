@@ -71,7 +71,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,6 +356,7 @@ class Gate:
         self.version: int | None = None  # the policy version the servers hold (None: unknown, none pushed)
         self.syncs = 0  # syncs begun: a generation aborted while one was under way was aborted by it
         self.broken: str | None = None  # a sync failed: the servers' weights are unknown, nothing samples on
+        self.shut: str | None = None  # the sampler was closed: for good (a sync ending after it does not reopen)
         self.tickets: set[Ticket] = set()
 
     def enter(self, timeout: float) -> tuple[int | None, int]:
@@ -377,7 +378,7 @@ class Gate:
     def ticket(self) -> Ticket:
         """A request of a round under way may start: its ticket. NotStarted when a sync closed the gate."""
         with self.cond:
-            if self.closed:
+            if self.closed or self.broken:
                 raise NotStarted
             t = Ticket(self)
             self.tickets.add(t)
@@ -423,8 +424,15 @@ class Gate:
     def open(self, version: int | None, broken: str | None = None) -> None:
         """The sync ended: samples go on with `version`; `broken`: it failed, and every sample raises it."""
         with self.cond:
-            self.closed, self.version, self.broken = False, version, broken
+            self.closed, self.version, self.broken = False, version, broken or self.shut
             self.cond.notify_all()
+
+    def close_for_good(self, reason: str) -> None:
+        """The sampler is closed: every sample waiting or to come raises `reason`, every request is cut."""
+        with self.cond:
+            self.shut = reason
+        self.open(None)
+        self.cut()
 
 
 # --- the sampler -------------------------------------------------------------------------------
@@ -470,6 +478,8 @@ class ServerSampler:
         where a server already holds them: `version` (the policy version, the steps done) is the
         last push's and the server still carries that push's tag. A server that restarted (vLLM's
         "default" tag) is probed, then pushed to; one that something else synced is pushed to."""
+        if self.gate.shut:
+            raise ServerError(self.gate.shut)
         main = self.dist is None or self.dist.is_main
         changed = version is None or version != self.pushed_version
         tag = f"{self.run_id}:{self.pushes + 1}" if changed else self.tag
@@ -518,21 +528,20 @@ class ServerSampler:
             mode = "abort" if self.partial else "wait"  # abort: the generations under way continue after the sync
             for s in stale:
                 paused.append(s)  # a /pause that fails midway may have paused it: resumed below all the same
-                s.call(f"/pause?mode={mode}", {}, timeout=_left(deadline, s, total), what="/pause")
+                _sync_call(s, f"/pause?mode={mode}", {}, deadline, total)
             if self.partial:  # their answers (aborted) in; a request the paused server holds is cut, asked again
                 self.gate.drain(drain, cut=True)
             for s in stale:  # a pending tag first: a sync by someone else meanwhile replaces it, and is seen below
-                s.call("/update_weight_version", {"new_version": f"{tag}.pending"},
-                       timeout=_left(deadline, s, total), what="/update_weight_version")
+                _sync_call(s, "/update_weight_version", {"new_version": f"{tag}.pending"}, deadline, total)
             self.push.push(policy, stale, tag, total, deadline)
             for s in stale:
-                left = _left(deadline, s, total)
+                _left(deadline, s, total)
                 if (now := self._tag_of(s)) != f"{tag}.pending":
                     raise ServerError(f"vLLM server {s.url}: something else synced it during this run's weight "
                                       f"sync (it now holds {now!r}): two runs on one server? Give each run its "
                                       "own servers")
-                s.call("/reset_prefix_cache", {}, timeout=left, what="/reset_prefix_cache")
-                s.call("/update_weight_version", {"new_version": tag}, timeout=left, what="/update_weight_version")
+                _sync_call(s, "/reset_prefix_cache", {}, deadline, total)
+                _sync_call(s, "/update_weight_version", {"new_version": tag}, deadline, total)
                 s.weights = tag
         finally:
             for s in paused:
@@ -567,7 +576,7 @@ class ServerSampler:
         servers = [self.servers[i % len(self.servers)] for i in index]
         version, seen = self._enter()
         try:
-            answers = list(self._executor().map(lambda job: self._ask(*job, params), zip(servers, prompts, seeds)))
+            answers = self._map(lambda job: self._ask(*job, params), zip(servers, prompts, seeds))
             self.verify()
         finally:
             self.gate.leave()
@@ -583,9 +592,9 @@ class ServerSampler:
                                   "sync of this run was under way (another client paused it, or it is shutting down)")
             version, seen = self._enter()
             try:
-                more = list(self._executor().map(
+                more = self._map(
                     lambda k: self._continue(servers[k // G], prompts[k // G], outs[k], params, seeds[k // G], k % G),
-                    todo))
+                    todo)
                 self.verify()
             finally:
                 self.gate.leave()
@@ -594,6 +603,8 @@ class ServerSampler:
                 o = outs[k]
                 o[0], o[1], o[2], o[3] = o[0] + ids, o[1] + lps, o[2] + [version] * len(ids), finish
         seqs, logps, versions = [o[0] for o in outs], [o[1] for o in outs], [o[2] for o in outs]
+        if any(v is None for vs in versions for v in vs):  # a round at an unknown version (a sync without one)
+            version = None  # no per-token versions: the caller's own labels, as for any sampler
         ro = rollout_from(prompts, seqs, logps, [o[3] == "length" for o in outs], params, self.device)
         if version is not None:  # each token's version (-1 on padding): Rollout.versions
             ro.versions = torch.full(ro.completion_ids.shape, -1, dtype=torch.int32)
@@ -614,6 +625,13 @@ class ServerSampler:
             return None
         finally:
             self.gate.done(ticket)
+
+    def _map(self, fn, items) -> list:
+        """fn over items on the request pool; a pool shut by close() is the gate's one line."""
+        try:
+            return list(self._executor().map(fn, items))
+        except CancelledError:
+            raise ServerError(self.gate.shut or self.gate.broken or "the sampler was closed") from None
 
     def _enter(self) -> tuple[int | None, int]:
         """A sample's turn at the servers: waits for a sync under way (bounded by its deadline)."""
@@ -641,8 +659,7 @@ class ServerSampler:
     def close(self) -> None:
         # a sampling thread's requests end now, not at their deadline (the interpreter joins that thread at exit),
         # and a sample waiting at the gate, or still to come, raises
-        self.gate.open(None, broken="the sampler was closed (the run is ending)")
-        self.gate.cut()
+        self.gate.close_for_good("the sampler was closed (the run is ending)")
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -659,6 +676,8 @@ class ServerSampler:
     # --- the pieces ---
 
     def _executor(self) -> ThreadPoolExecutor:
+        if self.gate.shut:  # closed: no new pool, no thread that outlives close()
+            raise ServerError(self.gate.shut)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="gspo-vllm-server")
         return self._pool
@@ -725,6 +744,17 @@ def _left(deadline: float, s: Server, total: float) -> float:
     if left <= 0:
         raise _sync_overrun(s, total)
     return left
+
+
+def _sync_call(s: Server, path: str, body: dict, deadline: float, total: float):
+    """One call of a sync, within what is left of its deadline; cut by that deadline, it says the sync's."""
+    left = _left(deadline, s, total)
+    try:
+        return s.call(path, body, timeout=left, what=path.split("?")[0])
+    except ServerError:
+        if time.monotonic() >= deadline - 0.05:
+            raise _sync_overrun(s, total) from None
+        raise
 
 
 def _sync_overrun(s: Server, total: float) -> ServerError:
