@@ -28,6 +28,12 @@ colocated engine does (gspo.sampling.vllm_engine), over vLLM's OpenAI-compatible
   written as safetensors shards to a directory the server reads; CPU, laptops, one machine or
   a shared filesystem) and NcclPush (vLLM's NCCL weight-transfer engine: GPUs, across nodes;
   gspo.sampling.server_nccl).
+- **Samples and syncs in two threads** (--max-staleness K >= 1: gspo.sampling.pipeline.ServerPipeline
+  samples while the trainer trains): they meet at a `Gate`. A sync closes it, lets this run's
+  requests under way end (or, with --partial-rollouts, aborts them: `/pause?mode=abort`, and
+  cuts what a paused server holds), pushes, and opens it with the new version; every request
+  knows the one version that answered it, and an aborted completion continues under the new
+  weights, each token carrying its version (`Rollout.versions`).
 - **Versions.** Every server is asked for its weight version before each rollout: a server that
   restarted reports vLLM's "default" and is health-checked and re-synced before it samples.
   A resumed run syncs before it samples (a new sampler holds no version).
