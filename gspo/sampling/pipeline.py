@@ -138,7 +138,7 @@ class Pipeline:
         # rows whose tokens more than one version sampled (partial rollouts: a generation that spanned a sync)
         big = torch.where(live, versions, torch.iinfo(versions.dtype).min).amax(1)  # (B,)
         small = torch.where(live, versions, torch.iinfo(versions.dtype).max).amin(1)  # (B,)
-        spanning, rows = dist.all_sum(torch.tensor([float(((big > small) & live.any(1)).sum()),
+        spanning, rows = dist.all_sum(torch.tensor([float((big > small).sum()),  # (a row with no token: big < small)
                                                     float(live.any(1).sum())], dtype=torch.float64)).tolist()
         total = counts.sum().clamp(min=1)
         out = {
@@ -162,10 +162,14 @@ class Pipeline:
                         "groups/rounds": float(dist.max_int(int(g["groups/rounds"])))})
         return out
 
+    overlapping = False  # whether something samples while the trainer trains (workers, a sampling thread)
+
     def overlap(self, produced: Produced, waited: float) -> float:
-        """The share of the batch's sampling time the trainer did not wait for: 0 here, where the
+        """The share of the batch's sampling time that ran while the trainer worked: 0 where the
         trainer samples its batches itself."""
-        return 0.0
+        if not self.overlapping:
+            return 0.0
+        return max(0.0, 1.0 - waited / produced.seconds) if produced.seconds > 0 else 1.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,6 +255,8 @@ def serve_rank(cfg_workers: int, device: str, build: Build) -> dict:
 class WorkerPipeline(Pipeline):
     """Batches sampled by --rollout-workers processes, each batch by weights at most K versions old."""
 
+    overlapping = True
+
     def __init__(self, run: SamplingSide, pending: list[Produced] = (), *, run_dir: Path, build: Build):
         super().__init__(run, pending)
         self.run_dir = run_dir
@@ -318,10 +324,6 @@ class WorkerPipeline(Pipeline):
                           f"{f' while sampling batch {doing[0]}' if doing else ''}; the run stops; continue it with: "
                           f"{distributed.command_line(['train', '--resume', str(self.run_dir)])}")
 
-    def overlap(self, produced: Produced, waited: float) -> float:
-        """The share of the batch's sampling time that ran while the trainer worked."""
-        return max(0.0, 1.0 - waited / produced.seconds) if produced.seconds > 0 else 1.0
-
     def close(self) -> None:
         self.link.close()
         gc.collect()  # the queues' semaphores released before an os._exit (gspo.processes.distributed.exit_process)
@@ -369,6 +371,8 @@ class ServerPipeline(Pipeline):
     version samples which token depends on timing); the fixed-lag run in the trainer's thread is
     (--rollout-engine vllm-server under torchrun, or the other engines)."""
 
+    overlapping = True
+
     def __init__(self, run: SamplingSide, pending: list[Produced] = ()):
         super().__init__(run, pending)
         fields = {f.name: getattr(run, f.name) for f in dataclasses.fields(SamplingSide)}
@@ -396,9 +400,6 @@ class ServerPipeline(Pipeline):
         """Wait for the batches in flight (before the trainer uses what the sampling thread does: the
         tokenizer, in a held-out evaluation)."""
         self.drain()
-
-    def overlap(self, produced: Produced, waited: float) -> float:
-        return max(0.0, 1.0 - waited / produced.seconds) if produced.seconds > 0 else 1.0
 
     def close(self) -> None:
         for f in self.in_flight.values():

@@ -237,13 +237,7 @@ def probe(s: Server, timeout: float, deadline: float | None = None, total: float
     def within(path: str):
         if deadline is None:
             return s.call(path, timeout=timeout, what=path) or {}
-        left = _left(deadline, s, total or timeout)
-        try:
-            return s.call(path, timeout=min(timeout, left), what=path) or {}
-        except ServerError:
-            if left < timeout and time.monotonic() >= deadline - 0.05:  # cut by the sync's deadline: say that one
-                raise _sync_overrun(s, total or timeout) from None
-            raise
+        return _sync_call(s, path, None, deadline, total or timeout, cap=timeout) or {}
 
     within("/health")
     s.version = str(within("/version").get("version", "?"))
@@ -406,12 +400,8 @@ class Gate:
         rounds end at once."""
         end = time.monotonic() + timeout
         with self.cond:
-            if not cut or self.cond.wait_for(lambda: self.readers == 0, min(self.GRACE, timeout)):
-                if not self.cond.wait_for(lambda: self.readers == 0, timeout):
-                    raise ServerError(f"the generations under way did not end within {timeout:g} s of a weight "
-                                      "sync's start (--vllm-server-timeout)")
-                return
-            self.cut()
+            if cut and not self.cond.wait_for(lambda: self.readers == 0, min(self.GRACE, timeout)):
+                self.cut()
             if not self.cond.wait_for(lambda: self.readers == 0, max(0.0, end - time.monotonic())):
                 raise ServerError(f"the generations under way did not end within {timeout:g} s of a weight sync's "
                                   "start (--vllm-server-timeout)")
@@ -752,13 +742,14 @@ def _left(deadline: float, s: Server, total: float) -> float:
     return left
 
 
-def _sync_call(s: Server, path: str, body: dict, deadline: float, total: float):
-    """One call of a sync, within what is left of its deadline; cut by that deadline, it says the sync's."""
+def _sync_call(s: Server, path: str, body: dict | None, deadline: float, total: float, cap: float = math.inf):
+    """One call of a sync (a POST with a body, else a GET), within what is left of its deadline and at
+    most `cap` seconds; cut by the sync's deadline, it says that one (--vllm-server-sync-timeout)."""
     left = _left(deadline, s, total)
     try:
-        return s.call(path, body, timeout=left, what=path.split("?")[0])
+        return s.call(path, body, timeout=min(cap, left), what=path.split("?")[0])
     except ServerError:
-        if time.monotonic() >= deadline - 0.05:
+        if left < cap and time.monotonic() >= deadline - 0.05:
             raise _sync_overrun(s, total) from None
         raise
 
