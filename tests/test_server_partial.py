@@ -56,6 +56,17 @@ def sample_in_thread(sampler, prompts=PROMPTS, params=PARAMS):
     return t, out
 
 
+def checked(rows):
+    """Every token's recorded version is the one whose weights sampled it (generation = version + 1)."""
+    for r in rows:
+        assert [generation_of(t, lp) for t, lp, _ in r] == [v + 1 for _, _, v in r], r
+
+
+def sampling(fake):
+    """The bodies of the fake's completion requests from samples (not the sync check's)."""
+    return [r.body for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]
+
+
 def tokens_and_versions(ro):
     """(token, log-prob, version) of every completion token, row by row."""
     rows = []
@@ -109,7 +120,7 @@ def test_a_continuation_is_the_prompt_and_the_tokens_so_far_with_what_is_left_of
         ro = out["ro"]
     finally:
         sampler.close()
-    first, *more = [r.body for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]
+    first, *more = sampling(fake)
     assert first["prompt"] == [1, 2, 3] and first["n"] == 2 and first["max_tokens"] == 30
     assert more, "no continuation was asked for"
     seeds = set()
@@ -339,7 +350,7 @@ def test_a_request_on_its_way_when_a_sync_begins_is_answered_by_one_version(fake
     assert [generation_of(t, lp) for t, lp, _ in rows[0]] == [version + 1] * 5
     assert took < 1.5  # cut after the grace, or waited for: not held to the request deadline (2 s)
     # partial: cut before it connected (its ticket), so only the second asking reached the server
-    assert len([r for r in fake.asked("/v1/completions") if not r.body.get("ignore_eos")]) == 1
+    assert len(sampling(fake)) == 1
 
 
 def test_a_failed_sync_stops_the_samples_waiting_for_it(fake, tmp_path):

@@ -18,9 +18,14 @@ import torch
 import gspo
 from gspo.sampling.rollout import SamplingParams
 from gspo.sampling.vllm_server import Deadlines, Server, ServerError
-from tests.fakevllm import FakeVLLM, generation_of
+from tests.fakevllm import FakeVLLM
 from tests.test_server_client import Policy, no_weight_conversions, sampler_for  # noqa: F401
-from tests.test_server_partial import generating, sample_in_thread, tokens_and_versions
+from tests.test_server_partial import (
+    checked,
+    generating,
+    sample_in_thread,
+    tokens_and_versions,
+)
 
 PROMPTS = [[1, 2, 3], [4, 5]]
 PARAMS = SamplingParams(group_size=2, max_new_tokens=30, stop_token_ids=(), pad_token_id=0)
@@ -31,12 +36,6 @@ TINY = Path(gspo.__file__).parent / "assets" / "tiny"
 def fake():
     with FakeVLLM(token_seconds=0.02) as f:
         yield f
-
-
-def checked(rows):
-    """Every token's recorded version is the one whose weights sampled it (generation = version + 1)."""
-    for r in rows:
-        assert [generation_of(t, lp) for t, lp, _ in r] == [v + 1 for _, _, v in r], r
 
 
 # --- a request on its way when the servers pause ---------------------------------------------------

@@ -18,7 +18,13 @@ from gspo.sampling.rollout import SamplingParams
 from gspo.sampling.vllm_server import Deadlines, Server, ServerError
 from tests.fakevllm import FakeVLLM, Request, generation_of, token_logp
 from tests.test_server_client import Policy, no_weight_conversions, sampler_for  # noqa: F401
-from tests.test_server_partial import generating, sample_in_thread, tokens_and_versions
+from tests.test_server_partial import (
+    checked,
+    generating,
+    sample_in_thread,
+    sampling,
+    tokens_and_versions,
+)
 
 PARAMS = SamplingParams(group_size=2, max_new_tokens=30, stop_token_ids=(), pad_token_id=0)
 
@@ -27,17 +33,6 @@ PARAMS = SamplingParams(group_size=2, max_new_tokens=30, stop_token_ids=(), pad_
 def fake():
     with FakeVLLM(token_seconds=0.02) as f:
         yield f
-
-
-def checked(rows):
-    """Every token's recorded version is the one whose weights sampled it (generation = version + 1)."""
-    for r in rows:
-        assert [generation_of(t, lp) for t, lp, _ in r] == [v + 1 for _, _, v in r], r
-
-
-def sampling(fakes):
-    """The completion requests of samples (not the sync check's)."""
-    return [r.body for r in fakes.asked("/v1/completions") if not r.body.get("ignore_eos")]
 
 
 # --- two servers: prompt i on server i mod 2 ---------------------------------------------------------
