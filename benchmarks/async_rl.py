@@ -43,17 +43,14 @@ Exits non-zero if a variant fails. The runs stay in --out (default: a fresh temp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import mean_of, train_variant, variant_dir
 
 VARIANTS = {
     "sync": ["--max-staleness", "0"],
@@ -65,26 +62,19 @@ VARIANTS = {
 
 
 def run_variant(name: str, flags: list[str], args, out: Path) -> dict:
-    run_dir = out / "".join(c if c.isalnum() else "-" for c in name.replace("=", "")).replace("--", "-")
+    run_dir = variant_dir(out, name)
     cmd = [sys.executable, "-m", "gspo", "train", "--seed", str(args.seed), "--threads", "1",
            "--output-dir", str(run_dir), "--no-progress", *flags, *shlex.split(args.extra)]
     if args.steps is not None:
         cmd += ["--steps", str(args.steps)]
-    print(f"[{name}] {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(f"[{name}] failed (exit code {proc.returncode}) after {seconds:.0f}s:\n{proc.stdout[-3000:]}\n"
-              f"{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+    ran = train_variant(name, cmd, run_dir)
+    if ran is None:
         return {"name": name, "failed": True}
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "time/step_seconds" in r]
+    summary, rows, seconds = ran
     later = rows[1:] or rows
-    def mean(key, rs=later):  # None: not logged (a synchronous run logs no async/... metrics)
-        vals = [r[key] for r in rs if key in r]
-        return sum(vals) / len(vals) if vals else None
+
+    def mean(key, rs=later):
+        return mean_of(rs, key)
 
     return {
         "name": name, "failed": False, "process_seconds": seconds,

@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: model configurations, peak memory, timing helpers.
+"""Shared pieces of the benchmarks: model configurations, peak memory, timing helpers, `gspo train` runs.
 
 Model configurations (all Qwen3, random weights except `tiny`, written to a cache folder
 with save_pretrained and loaded like any user model):
@@ -16,9 +16,12 @@ size, so the LM head has the real cost.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,3 +106,31 @@ class Timer:
 
     def __exit__(self, *exc):
         self.seconds = time.perf_counter() - self.t
+
+
+def variant_dir(out: Path, name: str) -> Path:
+    """A variant's run folder under `out`: its name with every other character than a letter or digit a dash."""
+    return out / "".join(c if c.isalnum() else "-" for c in name.replace("=", "")).replace("--", "-")
+
+
+def train_variant(name: str, cmd: list[str], run_dir: Path, env: dict | None = None):
+    """One `gspo train` command line (cmd[0] the interpreter) in a process of its own, said as `[name] ...`:
+    (summary.json, the metrics rows of its steps, its seconds), or None when it failed (the tail of its
+    output said on stderr)."""
+    print(f"[{name}] {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        print(f"[{name}] failed (exit code {proc.returncode}) after {seconds:.0f}s:\n{proc.stdout[-3000:]}\n"
+              f"{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return None
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return summary, [r for r in rows if "time/step_seconds" in r], seconds
+
+
+def mean_of(rows: list[dict], key: str):
+    """The mean of `key` over the rows that log it; None where none does (a synchronous run logs no async/...)."""
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else None

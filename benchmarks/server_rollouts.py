@@ -78,6 +78,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from common import mean_of, train_variant, variant_dir
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "gspo" / "assets" / "tiny-long"
 COMMON = ["--task", "chain", "--rollout-engine", "vllm-server", "--prompts-per-step", "8", "--group-size", "4"]
@@ -207,28 +209,20 @@ def warm_up(url: str, key: str | None, model: str) -> None:
 
 
 def run_variant(name: str, flags: list[str], args, out: Path, url: str, model: str, env: dict) -> dict:
-    run_dir = out / "".join(c if c.isalnum() else "-" for c in name.replace("=", "")).replace("--", "-")
+    run_dir = variant_dir(out, name)
     cmd = [sys.executable, "-m", "gspo", "train", "--model", model, *COMMON, "--vllm-server-url", url,
            "--seed", str(args.seed), "--threads", str(args.threads), "--steps", str(args.steps),
            "--eval-size", str(args.eval_size), "--output-dir", str(run_dir), "--no-progress", *flags,
            *shlex.split(args.extra)]
-    print(f"[{name}] {' '.join(shlex.quote(c) for c in cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - t0
-    if proc.returncode != 0:
-        print(f"[{name}] failed (exit code {proc.returncode}) after {seconds:.0f}s:\n{proc.stdout[-3000:]}\n"
-              f"{proc.stderr[-3000:]}", file=sys.stderr, flush=True)
+    ran = train_variant(name, cmd, run_dir, env)
+    if ran is None:
         return {"name": name, "failed": True}
+    summary, rows, seconds = ran
     print(f"[{name}] done in {seconds:.0f}s", flush=True)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "time/step_seconds" in r]
     later = rows[1:] or rows
 
-    def mean(key, rs=later):  # None: not logged (a synchronous run logs no async/... metrics)
-        vals = [r[key] for r in rs if key in r]
-        return sum(vals) / len(vals) if vals else None
+    def mean(key, rs=later):
+        return mean_of(rs, key)
 
     return {
         "name": name, "failed": False, "wall": summary["wall_seconds"],
