@@ -214,22 +214,31 @@ def test_a_run_trains_on_the_server(server, first_run):
 # --- 2. the sync check -------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_the_server_samples_the_pushed_weights_and_the_check_catches_other_weights(server, tmp_path):
+def two_versions(server, seed: int):
+    """The served model (its tokenizer) and a copy perturbed by 5% of each weight's mean size (seeded),
+    and the server connected: (base, tokenizer, perturbed, servers, deadlines)."""
     from gspo.models.loading import load_policy
-    from gspo.models.logprobs import completion_logprobs
     from gspo.sampling import vllm_server as vs
-    from gspo.sampling.rollout import sampling_params
 
     base, tok = load_policy(str(server.model))
     perturbed = copy.deepcopy(base)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in perturbed.parameters():
             p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
     deadlines = vs.Deadlines(request=60, sync=120, start=60)
     servers = vs.servers_from([server.url], key=server.key)
     vs.connect(servers, model=str(server.model), needed_len=64, deadlines=deadlines)
+    return base, tok, perturbed, servers, deadlines
+
+
+@pytest.mark.slow
+def test_the_server_samples_the_pushed_weights_and_the_check_catches_other_weights(server, tmp_path):
+    from gspo.models.logprobs import completion_logprobs
+    from gspo.sampling import vllm_server as vs
+    from gspo.sampling.rollout import sampling_params
+
+    base, tok, perturbed, servers, deadlines = two_versions(server, seed=0)
 
     def check(model, prompt, ids, logps):  # the trainer's forward of the server's tokens; per-token bound 1e-4
         full = torch.tensor([list(prompt) + list(ids)])
@@ -521,20 +530,11 @@ def test_a_generation_spanning_a_sync_records_each_tokens_version_as_the_real_se
     continues each completion under the new weights. Every token's log-prob must be its own
     version's: the trainer's forward of the whole sequence under the base weights (version 0) for
     the tokens marked 0, under the perturbed ones (version 1) for those marked 1, to 1e-4 a token."""
-    from gspo.models.loading import load_policy
     from gspo.models.logprobs import completion_logprobs
     from gspo.sampling import vllm_server as vs
     from gspo.sampling.rollout import sampling_params
 
-    base, tok = load_policy(str(server.model))
-    perturbed = copy.deepcopy(base)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in perturbed.parameters():
-            p.add_(0.05 * p.abs().mean() * torch.randn(p.shape, generator=g))
-    deadlines = vs.Deadlines(request=60, sync=120, start=60)
-    servers = vs.servers_from([server.url], key=server.key)
-    vs.connect(servers, model=str(server.model), needed_len=64, deadlines=deadlines)
+    base, tok, perturbed, servers, deadlines = two_versions(server, seed=1)
     prompts = [tok(f"{a}+{b}=")["input_ids"] for a in range(10, 74) for b in (3,)]  # 64 prompts x 4: 256 rows
     params = sampling_params(tok, group_size=4, max_new_tokens=64 - max(map(len, prompts)))
     ro = None
