@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gspo.algo.metrics import Max, Mean, Min
 from gspo.io.words import plural
 
 Tensor = torch.Tensor
@@ -289,3 +290,56 @@ def gae_advantages(inp: AdvantageInputs) -> tuple[Tensor, Tensor]:
     if inp.whiten:
         advantages = masked_whiten(advantages, mask, all_sum=inp.all_sum)
     return tuple(torch.zeros_like(x).scatter(1, order, x) for x in (advantages, returns))  # back in place
+
+
+# ----------------------------------------------------------------------------------------------
+# On-policy distillation: the teacher's per-token signal (gspo.train.distill reads the teacher)
+# ----------------------------------------------------------------------------------------------
+
+
+def distill_advantages(teacher_logp: Tensor, student_logp: Tensor, mask: Tensor, coef: float, *,
+                       per_token: bool = True) -> Tensor:
+    """λ·(log π_T(y_t) − log π_S(y_t)), the negative reverse KL's per-token estimate, detached, with
+    discount 0 (each token its own term, as TRL, Tinker and prime-rl's on-policy distillation):
+    (B, T), 0 where `mask` is 0. per_token=False: one per response, its mean over the response's
+    tokens, (B,), 0 for an empty row: the length-normalised sequence log-ratio, the advantage a
+    sequence-level loss (GSPO, GMPO: one ratio s_i per response) can take.
+
+    >>> t, s, m = torch.tensor([[-1.0, -2.0, 0.0]]), torch.tensor([[-1.5, -1.0, -9.0]]), torch.tensor([[1.0, 1.0, 0.0]])
+    >>> distill_advantages(t, s, m, 2.0)          # 2·(-1+1.5), 2·(-2+1), masked
+    tensor([[ 1., -2.,  0.]])
+    >>> distill_advantages(t, s, m, 2.0, per_token=False)   # (1 - 2) / 2 tokens
+    tensor([-0.5000])
+    """
+    gap = (teacher_logp.detach() - student_logp.detach()) * mask  # (B, T)
+    if per_token:
+        return coef * gap
+    return coef * gap.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
+
+
+def with_distill(group: Tensor | None, distill: Tensor) -> Tensor:
+    """The group-relative advantages plus the teacher's: (B,) + (B,) or (B,) / (B, T) + (B, T).
+    group None: the teacher's alone."""
+    if group is None:
+        return distill
+    if distill.dim() == 2 and group.dim() == 1:
+        group = group[:, None]
+    if group.dim() == 2 and distill.dim() == 1:
+        raise ValueError("per-token group advantages take per-token distillation advantages (a token-level loss)")
+    return group.to(distill) + distill
+
+
+def distill_metrics(teacher_logp: Tensor, student_logp: Tensor, term: Tensor, mask: Tensor) -> dict[str, float]:
+    """distill/reverse_kl (the mean over scored tokens of log π_S − log π_T, the k1 estimate of
+    KL(π_S ‖ π_T) on the student's own samples), distill/teacher_logp and distill/student_logp (their
+    means), and distill/advantage_mean, _min, _max of the teacher's term: over its tokens when per
+    token (B, T), over the responses with a scored token when one per response (B,)."""
+    n = float(mask.sum())
+    mean = (lambda x: Mean(float((x * mask).sum()) / n, count=n)) if n else (lambda x: Mean(float("nan"), count=0))
+    on = mask.bool() if term.dim() == 2 else mask.sum(-1) > 0  # (B, T) or (B,) where the term is defined
+    values = term[on].double()
+    return {"distill/reverse_kl": mean(student_logp - teacher_logp), "distill/teacher_logp": mean(teacher_logp),
+            "distill/student_logp": mean(student_logp),
+            "distill/advantage_mean": Mean(float(values.mean()) if len(values) else float("nan"), count=len(values)),
+            "distill/advantage_min": Min(float(values.min()) if len(values) else float("nan")),
+            "distill/advantage_max": Max(float(values.max()) if len(values) else float("nan"))}

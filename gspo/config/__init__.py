@@ -30,6 +30,7 @@ from gspo.config.sections import (
     ConfigError,
     Corrections,
     Data,
+    Distill,
     Episodes,
     Eval,
     LoRA,
@@ -50,7 +51,8 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "loss": (Loss, "algorithm"), "corrections": (Corrections, "sampler/trainer mismatch corrections"),
     "ppo": (PPO, "PPO's value model"), "sampling": (Sampling, "sampling"), "vllm": (VLLM, "vLLM engine"),
     "episodes": (Episodes, "multi-turn episodes"),
-    "async_rl": (AsyncRL, "asynchronous rollouts"), "moe": (MoE, "Mixture-of-Experts"), "optim": (Optim, "optimiser"),
+    "async_rl": (AsyncRL, "asynchronous rollouts"), "moe": (MoE, "Mixture-of-Experts"),
+    "distill": (Distill, "on-policy distillation: a teacher"), "optim": (Optim, "optimiser"),
     "eval": (Eval, "evaluation"), "run": (RunOptions, "run: length, seed, logging and devices"),
 }
 # every option: name -> its section's attribute (names are unique across sections)
@@ -87,6 +89,7 @@ class TrainConfig:
     episodes: Episodes = field(default_factory=Episodes)
     async_rl: AsyncRL = field(default_factory=AsyncRL)
     moe: MoE = field(default_factory=MoE)
+    distill: Distill = field(default_factory=Distill)
     optim: Optim = field(default_factory=Optim)
     eval: Eval = field(default_factory=Eval)
     run: RunOptions = field(default_factory=RunOptions)
@@ -130,5 +133,5 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 __all__ = ["SECTIONS", "SECTION_OF", "RESUME_SAFE", "ConfigError", "TrainConfig", "bounds_error", "opt", "options",
-           "option_types", "to_dict", "Corrections", "Data", "Episodes", "Eval", "Loss", "LoRA", "MoE", "Optim", "PPO",
+           "option_types", "to_dict", "Corrections", "Data", "Distill", "Episodes", "Eval", "Loss", "LoRA", "MoE", "Optim", "PPO",
            "Policy", "Rewards", "RunOptions", "Sampling", "VLLM"]

@@ -398,6 +398,28 @@ class MoE:
 
 
 @dataclass
+class Distill:
+    """On-policy distillation: a frozen teacher scores the student's own tokens (docs/distill.md)."""
+
+    teacher: tuple[str, ...] = opt((),
+        "Teacher for on-policy distillation: a model (built-in name, directory, gspo checkpoint, Hub id, .gguf), "
+        "an OpenAI-compatible server's URL that returns prompt log-probs (vLLM), or `self` (the policy frozen at the "
+        "step, with --teacher-context); NAME=TEACHER gives a reasoning-gym mix's task NAME its own teacher. It "
+        "scores the student's sampled tokens in the student's context; its tokenizer must be the student's.")
+    teacher_url: str | None = opt(None,
+        "The teacher served at this URL (shorthand for --teacher URL): an OpenAI-compatible server returning "
+        "prompt log-probs, such as `vllm serve`.")
+    distill_coef: float = opt(1.0,
+        "λ: each completion token's advantage gains λ·(log π_teacher − log π_student) (the negative reverse KL, "
+        "detached, discount 0), added to the reward's group advantages (--reward none: distillation alone).", gt=0)
+    teacher_context: str | None = opt(None,
+        "Privileged context the teacher sees and the student does not: a template of the example's fields "
+        "({answer}, or a dataset column), appended to the prompt's last message (`self` needs it).")
+    teacher_dtype: Literal["same", "float32", "bfloat16", "float16"] = opt("same",
+        "A local teacher's dtype: same (the trainer's compute --dtype) or a low-precision copy.")
+
+
+@dataclass
 class Optim:
     """AdamW and its learning-rate schedule."""
 

@@ -68,9 +68,14 @@ def task_for(cfg: TrainConfig, inputs: Inputs):
 
 
 def rewards_for(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:
-    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's)."""
-    return load_rewards(list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards),
-                        list(cfg.rewards.reward_weights) or None, format_pattern=cfg.rewards.format_pattern,
+    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's).
+    `--reward none` (distillation alone): the task's default rewards, each weighted 0, so that training
+    gets no reward while its accuracy is still measured and logged (reward/<name>/mean, evaluation)."""
+    specs = list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards)
+    none = specs == ["none"] and not inputs.reward_funcs
+    specs = list(task.default_rewards) if none else specs
+    weights = [0.0] * len(specs) if none else list(cfg.rewards.reward_weights) or None
+    return load_rewards(specs, weights, format_pattern=cfg.rewards.format_pattern,
                         max_new_tokens=cfg.sampling.max_new_tokens, device=device or cfg.run.device,
                         reward_model_device=cfg.rewards.reward_model_device,
                         batch_size=cfg.rewards.reward_model_batch_size)

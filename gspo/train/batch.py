@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from gspo.algo.advantages import ESTIMATORS, AdvantageInputs
+from gspo.algo.advantages import ESTIMATORS, AdvantageInputs, distill_advantages, distill_metrics, with_distill
+from gspo.algo.losses import LOSSES
 from gspo.algo.corrections import rollout_is_weights, spread
 from gspo.algo.metrics import reduce_across
 from gspo.models.logprobs import Split, passes, token_logprobs
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from gspo.models.moe import NoRouting, Routing
     from gspo.processes.distributed import Dist
     from gspo.train.critic import NoCritic
+    from gspo.train.distill import Teachers
 
 Tensor = torch.Tensor
 
@@ -48,6 +50,7 @@ class Trains(Protocol):
     train_model: torch.nn.Module | None
     routing: Routing | NoRouting
     critic: NoCritic
+    teachers: Teachers | None
     packed: bool
     max_turns: int
 
@@ -87,6 +90,8 @@ class Batch:
     routing: Tensor | None = None  # (B, P+T, L, k) MoE: experts used under the old policy
     is_weights: Tensor | None = None  # (B, T) --rollout-is: π_old/π_rollout, truncated or masked
     is_metrics: dict | None = None  # their statistics over the global batch (gspo.algo.corrections)
+    teacher_logp: Tensor | None = None  # (B, T) distillation: log π_teacher of the sampled tokens (0: no teacher)
+    distill_metrics: dict | None = None  # distill/*, over the global batch
     episodes: Episodes | None = None  # multi-turn: turns, tool calls, the environment's rewards
     episode_of: Tensor | None = None  # (B + E,) agents' later sequences, rows B..: the episode of each row
     groups_dropped: int = 0  # groups an agent's failures left without a baseline (< 2 survivors): out of the loss
@@ -137,6 +142,8 @@ def prepare(run: Trains, ro: Rollout, scored: Scored) -> Batch:
     batch.old_logp, batch.routing = _old_logprobs(run, batch, split)  # (B, T), (B, P+T, L, k)
     batch.ref_logp = _ref_logprobs(run, ro, split)  # (B, T)
     batch.advantages, batch.old_values, batch.returns = advantages(run, batch, split)
+    if run.teachers is not None:  # on-policy distillation: the teacher's per-token term (gspo.train.distill)
+        distill(run, batch, split)
     if cfg.corrections.rollout_is != "off":  # π_old/π_rollout per token or response: fixed for the step's updates
         batch.is_weights, metrics = rollout_is_weights(batch.old_logp, ro.logp, ro.completion_mask,
                                                        cfg.corrections)
@@ -175,6 +182,22 @@ def advantages(run: Trains, batch: Batch, split: Split) -> tuple[Tensor, Tensor 
     if batch.episode_of is not None:  # the later sequences': their calls' indices in their episodes
         index = torch.cat([index, episodes.more_turn_index.cpu()])  # (B + E, T)
     return (per_turn[mine][of].gather(1, index.clamp(min=0)) * (index >= 0)).float().to(ro.logp.device), None, None
+
+
+def distill(run: Trains, batch: Batch, split: Split) -> None:
+    """Add the teachers' term to the batch's advantages: λ·(log π_T − log π_old) per token for a loss
+    that takes per-token advantages, its mean over the response's tokens for a sequence-level one
+    (GSPO, GMPO); rows no teacher serves get none. Sets batch.teacher_logp and batch.distill_metrics."""
+    cfg, ro, G = run.cfg, batch.rollout, run.cfg.sampling.group_size
+    of = batch.episode_of.tolist() if batch.episode_of is not None else range(ro.prompt_ids.shape[0])
+    examples = [batch.examples[int(e) // G] for e in of]  # (B + E,) each row's example
+    teacher_logp, served = run.teachers.logprobs(run, ro, examples, split)  # (B, T), (B,)
+    mask = ro.completion_mask * served.to(ro.completion_mask)[:, None]  # (B, T) the tokens a teacher scored
+    per_token = LOSSES[cfg.loss.algorithm].turn_advantages
+    term = distill_advantages(teacher_logp, batch.old_logp, mask, cfg.distill.distill_coef, per_token=per_token)
+    batch.teacher_logp = teacher_logp
+    batch.distill_metrics = reduce_across([distill_metrics(teacher_logp, batch.old_logp, term, mask)], run.dist)[0]
+    batch.advantages = with_distill(batch.advantages, term.to(batch.advantages.device))
 
 
 def survivors(episodes: Episodes | None, dist) -> Tensor | None:

@@ -128,6 +128,8 @@ def plan(run: Run) -> dict:
                   else None),  # gspo.agents.runner: the env is agent code, over the OpenAI endpoint
         "max_turns": run.max_turns,
         "integrity": _integrity(cfg, engine, sampler_dtype),
+        "distill": (run.teachers.describe(cfg, LOSSES[cfg.loss.algorithm].turn_advantages)
+                    if run.teachers is not None else None),
         "warnings": warnings,
     }
 
@@ -215,6 +217,8 @@ def describe(p: dict, warnings: bool = True) -> str:
                  else "log-probs not checked (the sampler's precision is not the trainer's: mismatch/* measures it)")
         lines.append(f"  integrity: every trained token checked against what the samplers drew; {ratio}; a breach "
                      f"{'stops the run' if i['on_breach'] == 'stop' else 'is said, its rows left out'}")
+    if p.get("distill"):
+        lines.append(f"  {p['distill']}")
     if warnings:
         lines += [f"  warning: {' '.join(w.split())}" for w in p["warnings"]]
     return "\n".join(lines)

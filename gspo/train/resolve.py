@@ -31,13 +31,14 @@ from gspo.models.loading import BUILTIN_MODELS
 from gspo.sampling.integrity import renormalises
 from gspo.tasks import TASKS, GymTask, get_task, is_gym
 from gspo.tasks.data import DatasetTask
+from gspo.train.distill import distill_rules
 
 
 def validate(cfg: TrainConfig) -> None:
     """Raise ConfigError with a one-line message for the first bad value of a config whose types
     are checked (`checked`): its bounds, then the rules."""
     for rules in (_bounds, _loss_rules, _policy_rules, _data_rules, _sampling_rules, _corrections_rules, _async_rules,
-                  _optim_rules):
+                  distill_rules, _optim_rules):
         for ok, name, msg in rules(cfg):
             if not ok:
                 _fail(cfg, name, msg)

@@ -50,6 +50,7 @@ from gspo.tasks.env import is_agent, tool_schemas
 from gspo.train import checkpoint as ckpt
 from gspo.train.checkpoint import Progress
 from gspo.train.critic import NoCritic, make_critic
+from gspo.train.distill import Teachers, load_teachers
 from gspo.train.lifecycle import check_no_writer
 from gspo.train.optim import Trainable, make_optimizers
 from gspo.train.resolve import DERIVED, Facts, absolute_paths, flag, given, resolve, resume_config, unused
@@ -71,6 +72,7 @@ class Run(SamplingSide):
     reference: torch.nn.Module | None = None  # the frozen initial policy, for the KL terms (not with LoRA)
     critic: NoCritic = field(default_factory=NoCritic)  # PPO's value model (gspo.train.critic); NoCritic otherwise
     routing: Routing | NoRouting = NO_ROUTING  # MoE models: hooks on every router; NO_ROUTING for dense ones
+    teachers: Teachers | None = None  # on-policy distillation (gspo.train.distill); None without --teacher
     resume_from: Path | None = None  # the checkpoint to continue from
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
@@ -144,11 +146,12 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     check_agent(cfg, env, dist)
     cfg, notes = _fit_lengths(cfg, task, tokenizer, policy, default_length=default_length, env=env)
     rewards = rewards_for(cfg, task, inputs, dist.device)  # learned reward models load on the policy's device
+    teachers = load_teachers(cfg, task, tokenizer, dist.device, env=env)  # checked: vocabulary, context, server
     disable_dropout(policy)  # training forwards compute the log-probs the no-grad passes do
     if cfg.policy.gradient_checkpointing:
         enable_checkpointing(unwrap(policy))
     run = Run(cfg=cfg, run_dir=Path(cfg.run.output_dir), dist=dist, task=task, rewards=rewards, policy=policy,
-              tokenizer=tokenizer, reference=reference, resume_from=resume_from,
+              tokenizer=tokenizer, reference=reference, teachers=teachers, resume_from=resume_from,
               progress=Progress(restart=restart, clip=clip_controller(cfg)),
               notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env,
               max_turns=max_turns, play=play,
@@ -299,8 +302,10 @@ def _training_side(run: Run, inputs: Inputs) -> None:
     run.packed = _packing(cfg, policy, run.routing, run.notes)  # before sharding: an FSDP model has DTensor weights
     # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
     run.train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=run.routing.moe, mixed=mixed)
-    if run.reference is not None and dist.enabled and dist.parallel == "fsdp":
-        parallel.shard(run.reference, dist)
+    if dist.enabled and dist.parallel == "fsdp":  # the frozen models: the reference, local teachers
+        for frozen in [run.reference, *(t.model for t in (run.teachers.teachers if run.teachers else []))]:
+            if frozen is not None:
+                parallel.shard(frozen, dist)
     if isinstance(run.sampler, PolicySampler) and run.sampler.model is policy:
         run.sampler.root = run.train_model  # under FSDP, gathering the root gathers every parameter
     optimizer, scheduler = make_optimizers(cfg, policy, run.critic)

@@ -38,6 +38,7 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
         **(mismatch(batch.rollout.logp, batch.old_logp, batch.rollout.completion_mask, dist.gather)
            if cfg.loss.old_logp == "recompute" else {}),
         **{k: float(v) for k, v in (batch.is_metrics or {}).items()},
+        **{k: float(v) for k, v in (batch.distill_metrics or {}).items()},
         "lr": run.optimizer.param_groups[0]["lr"],
     }
     if batch.episodes is not None:
