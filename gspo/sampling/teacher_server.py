@@ -24,13 +24,16 @@ What vLLM 0.32 does (read in its source; tests/test_vllm_server.py measures it o
   sampling processors"; the gpu and cpu model runners alike), in the server's logprobs modes
   raw_logprobs (the default) and processed_logprobs (what gspo's rollout servers use). A server
   started with `--logprobs-mode raw_logits` or `processed_logits` sends logits there instead: a
-  value above 0 is refused here. The request's temperature only shapes the token thrown away.
+  value above 0 is refused here. The request's temperature only shapes the token thrown away
+  (measured: the same prompt log-probs at temperature 0, 0.3 and 1.7; within 5e-5 of a float32
+  forward's log_softmax on the CPU build).
 - **No prefix cache**: a request with prompt_logprobs does not read the prefix cache
   (SamplingParams.skip_reading_prefix_cache), so every sequence is a whole prefill; a server
   with `--kv-sharing-fast-prefill` refuses prompt_logprobs.
 - **Lengths**: a prompt of L tokens needs max_model_len >= L + 1 (the prompt and the token
-  generated; a prompt of exactly max_model_len is refused). `/v1/models` names max_model_len, and
-  a longer sequence is refused here before anything is sent.
+  generated: a prompt of exactly max_model_len is refused, 400 "max_tokens must be at least 1, got
+  0"). `/v1/models` names max_model_len, and a longer sequence is refused here before anything is
+  sent.
 - **Tokenizer routes**: `POST /tokenize {"model", "prompt", "add_special_tokens",
   "return_token_strs"}` -> `{"count", "max_model_len", "tokens", "token_strs"}`; `POST /detokenize
   {"model", "tokens"}` -> `{"prompt"}` (ids are not checked there). No route says the vocabulary's
