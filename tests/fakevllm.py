@@ -13,11 +13,18 @@ It speaks the routes gspo drives, answering as vLLM 0.32 does (measured on a rea
     POST /reset_prefix_cache      -> {"success": true}
     POST /update_weight_version   -> {}                      (the tag /weight_info reports from then on)
     POST /v1/completions          -> {"choices": [{"index", "token_ids", "logprobs": {"token_logprobs"},
-                                                   "finish_reason"}, ...]}
+                                                   "finish_reason", "prompt_logprobs"}, ...]}
+    POST /tokenize                -> {"count", "max_model_len", "tokens", "token_strs"}  (the fake's `tokenizer`)
+    POST /detokenize              -> {"prompt"}
 
 The "model" is deterministic: completion i of a prompt, token j is (sum(prompt) + seed + i + j) % vocab,
 its log-prob `token_logp(token)`; a completion ends at a stop token (kept, finish_reason "stop"),
 else after max_tokens ("length"). `FakeVLLM.completion(...)` gives what the server answers.
+With "prompt_logprobs": k, each choice has vLLM's prompt_logprobs: None for the first prompt token, then
+for token j a dict {"<id>": {"logprob", "rank", "decoded_token"}} holding prompt[j] at the same log-prob
+a sampled token gets (`token_logp`, less 0.001 a reload), and the k tokens of highest token_logp.
+Its tokenizer (`tokenizer`, default CharTokenizer(vocab)) answers /tokenize and /detokenize; a request
+naming a model the fake does not serve (`model`, `more_models`) is answered 404, as vLLM's.
 
 Every request is recorded (`requests`: path with its query, method, JSON body, headers, arrival time).
 Faults, set as attributes (any time, also while serving; routes are named without their query):
@@ -32,6 +39,8 @@ Faults, set as attributes (any time, also while serving; routes are named withou
     no_token_ids = True                # choices without token_ids
     restart_after_completions = 1      # after that many completion answers the weight version is "default"
     token_seconds = 0.01               # each generated token takes this long (0: answers at once)
+    no_prompt_logprobs = True          # choices without prompt_logprobs
+    shifted_prompt_logprobs = True     # entry j holds token j+1's log-prob (misaligned), the last one None
 
 Weights and pauses, as vLLM's: each reload_weights is a new generation of the weights, and a token's
 log-prob is token_logp(token) - 0.001 * generation (`generation_of(token, logp)` reads it back). While
@@ -71,6 +80,26 @@ def token_logp(token: int) -> float:
     return -0.1 * (token % 7 + 1)
 
 
+class CharTokenizer:
+    """The fake's default tokenizer, one token per character: id ord(c) % n, its string chr(0x100 + id)
+    (the few methods gspo asks of a Hugging Face tokenizer)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % self.n for c in text]
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(0x100 + i) for i in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(0x100 + i) for i in ids if 0 <= i < self.n)
+
+
 def generation_of(token: int, logp: float) -> int:
     """Which reload of the fake's weights sampled `token` (its log-prob says: 0 before the first)."""
     return round((token_logp(token) - logp) / 0.001)
@@ -97,8 +126,14 @@ class FakeVLLM:
     reloads: list = field(default_factory=list)  # the weights_path of every reload_weights
     paused: bool = False
     token_seconds: float = 0.0
+    more_models: list = field(default_factory=list)  # other models /v1/models lists after `model`
+    tokenizer: object = None  # encode, convert_ids_to_tokens, decode, len (None: CharTokenizer(vocab))
+    no_prompt_logprobs: bool = False
+    shifted_prompt_logprobs: bool = False
 
     def __post_init__(self):
+        if self.tokenizer is None:
+            self.tokenizer = CharTokenizer(self.vocab)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._local = threading.local()
@@ -131,8 +166,8 @@ class FakeVLLM:
     # --- serving ---
 
     @property
-    def port(self) -> int:
-        return self._httpd.server_address[1]
+    def port(self) -> int:  # kept once closed (a test's assertions name its url)
+        return self._httpd.server_address[1] if self._httpd is not None else self._port
 
     @property
     def url(self) -> str:
@@ -156,6 +191,7 @@ class FakeVLLM:
             daemon_threads = True
 
         self._httpd = Server(("127.0.0.1", 0), Handler)
+        self._port = self._httpd.server_address[1]
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
                                         daemon=True, name="fakevllm")
@@ -231,14 +267,25 @@ class FakeVLLM:
             if route == "/version":
                 return 200, {"version": self.version}
             if route == "/v1/models":
-                return 200, {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "vllm",
-                                                         "root": self.model, "max_model_len": self.max_model_len}]}
+                return 200, {"object": "list", "data": [
+                    {"id": m, "object": "model", "owned_by": "vllm", "root": m, "max_model_len": self.max_model_len}
+                    for m in [self.model, *self.more_models]]}
             if route == "/weight_info":
                 return 200, {"weight_version": self.weight_version}
             if route == "/server_info":
                 return 200, {"vllm_config": f"model='{self.model}', dtype=torch.float32, "
                                             f"device_config={self.device}, seed=0"}
         else:
+            if isinstance(body, dict) and body.get("model") not in (None, self.model, *self.more_models):
+                return 404, {"error": {"message": f"The model `{body['model']}` does not exist.",
+                                       "type": "NotFoundError", "code": 404}}
+            if route == "/tokenize":
+                ids = self.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+                strs = self.tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+                return 200, {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                             "token_strs": strs}
+            if route == "/detokenize":
+                return 200, {"prompt": self.tokenizer.decode(body["tokens"])}
             if route == "/pause":
                 with self._cond:
                     self.paused = True
@@ -282,18 +329,41 @@ class FakeVLLM:
                 self._running -= 1
                 self._cond.notify_all()
         choices = []
+        scored = self._prompt_logprobs(prompt, body.get("prompt_logprobs"))
         for i, (ids, lps, reason) in enumerate(made):
             logprobs = {"token_logprobs": lps, "tokens": [f"token_id:{t}" for t in ids]}
             choice = {"index": i, "text": "", "logprobs": logprobs, "finish_reason": reason, "token_ids": ids,
-                      "prompt_token_ids": None}
+                      "prompt_logprobs": scored, "prompt_token_ids": None}
             if self.no_token_ids:
                 del choice["token_ids"]
+            if self.no_prompt_logprobs:
+                del choice["prompt_logprobs"]
             choices.append(choice)
         with self._lock:
             self._completions += 1
             if self.restart_after_completions is not None and self._completions >= self.restart_after_completions:
                 self.weight_version = "default"
         return {"id": "cmpl-fake", "object": "text_completion", "model": self.model, "choices": choices}
+
+    def _prompt_logprobs(self, prompt: list[int], k) -> list | None:
+        """vLLM's prompt_logprobs for `prompt` (None when not asked): each token's, then the k best."""
+        if k is None:
+            return None
+        logp = {t: token_logp(t) - 0.001 * len(self.reloads) for t in range(self.vocab)}
+        best = sorted(range(self.vocab), key=lambda t: (-logp[t], t))
+        rank = {t: r + 1 for r, t in enumerate(best)}
+
+        entries = {}  # token -> its entry, made once a request
+
+        def entry(t: int) -> dict:
+            if t not in entries:
+                [s] = self.tokenizer.convert_ids_to_tokens([t])
+                entries[t] = {"logprob": logp.get(t, token_logp(t)), "rank": rank.get(t, self.vocab),
+                              "decoded_token": s}
+            return entries[t]
+
+        out = [None] + [{str(t): entry(t) for t in [p, *best[:int(k)]]} for p in prompt[1:]]
+        return out[1:] + [None] if self.shifted_prompt_logprobs else out
 
     def _trickle(self, h, every: float, limit: float | None) -> None:
         h.send_response(200)

@@ -12,6 +12,7 @@ check's rows); --max-new-tokens 48 with the tiny model (max_position_embeddings 
 """
 
 import copy
+import json
 import os
 import secrets
 import shutil
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -279,6 +281,60 @@ def test_the_server_samples_the_pushed_weights_and_the_check_catches_other_weigh
             wrong.close()
     finally:
         sampler.close()
+
+
+# --- a served teacher's log-probs (on-policy distillation) ---------------------------------------
+
+
+def post(server, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {server.key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.slow
+def test_a_served_teacher_scores_tokens_as_the_local_model_does(server, tmp_path):
+    """ServedTeacher.logprobs against a plain float32 forward (log_softmax of the logits, temperature 1)
+    of the weights the server holds (pushed here: other tests push theirs), to 1e-4 a token; and what
+    the module docstring says of vLLM 0.32, asked of the real server."""
+    from gspo.sampling import vllm_server as vs
+    from gspo.sampling.teacher_server import ServedTeacher, TeacherError
+
+    _, tok, perturbed, servers, deadlines = two_versions(server, seed=1)
+    sampler = vs.ServerSampler(servers, vs.DirectoryPush(tmp_path / "weights", torch.float32), deadlines,
+                               run_id="teacher")
+    try:
+        sampler.sync(perturbed, version=1)
+    finally:
+        sampler.close()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, len(tok), (n,), generator=g).tolist() for n in (2, 9, 30, 63, 63, 47)]
+    starts = [1, 1, 12, 1, 40, 46]
+    teacher = ServedTeacher(f"{server.url}/v1", timeout=60, concurrency=4, key=server.key)
+    teacher.check(tok)  # /tokenize, /detokenize and a scored probe, on the real routes
+    got = teacher.logprobs(seqs, starts)
+    for seq, s, lp in zip(seqs, starts, got):
+        with torch.no_grad():
+            logits = perturbed(torch.tensor([seq])).logits[0].float()  # (L, V)
+        logp = torch.log_softmax(logits, dim=-1)  # (L, V) temperature 1
+        mine = logp[torch.arange(s - 1, len(seq) - 1), torch.tensor(seq[s:])]  # (L - s,) log p(seq[j] | seq[:j])
+        assert len(lp) == len(seq) - s and (mine - torch.tensor(lp)).abs().max() < 1e-4, (s, len(seq))
+
+    # vLLM 0.32, as the docstring says: the request's temperature does not touch prompt log-probs (raw);
+    # max_tokens 0 is refused; a prompt of max_model_len tokens is refused (the generated token does not fit)
+    body = {"model": teacher.model, "prompt": seqs[2], "max_tokens": 1, "prompt_logprobs": 0}
+    hot = [post(server, "/v1/completions", {**body, "temperature": t})[1]["choices"][0]["prompt_logprobs"]
+           for t in (0.0, 0.3, 1.7)]
+    assert hot[0] == hot[1] == hot[2] and hot[0][0] is None and list(hot[0][5]) == [str(seqs[2][5])]
+    assert post(server, "/v1/completions", {**body, "max_tokens": 0})[0] == 400
+    assert post(server, "/v1/completions", {**body, "prompt": [3] * 64})[0] == 400
+    with pytest.raises(TeacherError, match="max_model_len 64"):
+        teacher.logprobs([[3] * 64], [1])
 
 
 # --- 6. refusals before step 1 ------------------------------------------------------------------
