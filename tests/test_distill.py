@@ -303,3 +303,68 @@ def test_a_lora_student_with_a_low_precision_teacher(trained, tmp_path):
     assert main(["train", *FAST, "--steps", "1", "--teacher", str(trained), "--teacher-dtype", "bfloat16",
                  "--lora-r", "4", "--algorithm", "grpo", "--output-dir", str(out)]) == 0
     assert rows(out)[0]["distill/reverse_kl"] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# A served teacher (the fake vLLM server: prompt token t scores token_logp(t) = -0.1·(t % 7 + 1))
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # trains
+def test_a_served_teacher_scores_each_rows_prompt_and_completion(tmp_path):
+    from tests.fakevllm import FakeVLLM, token_logp
+
+    _, tokenizer = load_policy("tiny")
+    out = tmp_path / "run"
+    with FakeVLLM(tokenizer=tokenizer, vocab=len(tokenizer), max_model_len=128) as fake:
+        assert main(["train", *FAST, "--steps", "1", "--teacher", fake.url, "--algorithm", "grpo",
+                     "--samples-per-step", "16", "--output-dir", str(out)]) == 0
+        asked = [r.body["prompt"] for r in fake.asked("/v1/completions")]
+    row, = rows(out)
+    step = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(step) == 16
+    # each of the step's 16 rows is one request: its prompt's tokens, then its completion's (the start's
+    # check sends a probe text, not a prompt)
+    prompts = {tuple(tokenizer(s["prompt"])["input_ids"]) for s in step}
+    batch = [(p, seq) for seq in asked for p in prompts if tuple(seq[:len(p)]) == p]
+    assert len(batch) == 16
+    # the teacher's log-prob over the completion tokens is the mean of token_logp over every row's completion
+    scored = [token_logp(t) for p, seq in batch for t in seq[len(p):]]
+    assert row["distill/teacher_logp"] == pytest.approx(sum(scored) / len(scored), abs=1e-6)
+    assert row["distill/teacher_logp"] != pytest.approx(row["distill/student_logp"], abs=1e-3)
+
+
+def test_a_dead_served_teacher_is_one_line_before_anything_is_written(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    assert main(["train", *FAST, "--steps", "1", "--teacher", f"http://127.0.0.1:{port}",
+                 "--output-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"teacher http://127.0.0.1:{port}" in err[0], err
+    assert not run.exists()
+
+
+@pytest.mark.slow  # trains
+def test_a_served_teacher_that_fails_mid_run_stops_it_with_a_resume_line(tmp_path):
+    from gspo.sampling.vllm_server import ServerError
+    from tests.fakevllm import FakeVLLM
+
+    _, tokenizer = load_policy("tiny")
+    run = tmp_path / "run"
+    with FakeVLLM(tokenizer=tokenizer, vocab=len(tokenizer), max_model_len=128) as fake:
+        def after(step, metrics):  # step 1 scored; the server then answers 500
+            fake.status["/v1/completions"] = 500
+            return False
+
+        cfg = TrainConfig(steps=3, prompts_per_step=4, group_size=4, max_new_tokens=8, eval_size=0, progress=False,
+                          teacher=(fake.url,), save_every=1, output_dir=str(run))
+        with pytest.raises(ServerError) as e:  # a TeacherError, with the line to continue
+            train(cfg, log=lambda *a: None, callbacks=[after])
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"teacher {fake.url}") and "answered 500" in text, text
+    assert f"--resume {run}" in text and "from its last checkpoint" in text
+    assert len(rows(run)) == 1  # step 1 kept, nothing of step 2 written

@@ -52,7 +52,7 @@ import os
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from gspo.sampling.vllm_server import KEY_VARIABLE, LOGP_SLACK, exchange
+from gspo.sampling.vllm_server import KEY_VARIABLE, LOGP_SLACK, ServerError, exchange
 
 # the tokenizer probe: words, digits, punctuation, whitespace and unicode (accents, CJK, emoji, math)
 PROBE = ("The quick brown fox jumps over the lazy dog; 12 + 30 = 42, and 3.14159 is near pi. "
@@ -61,7 +61,7 @@ PROBE = ("The quick brown fox jumps over the lazy dog; 12 + 30 = 42, and 3.14159
 SPREAD = 8  # ids decoded on both sides, spread over the student's vocabulary (its last one included)
 
 
-class TeacherError(RuntimeError):
+class TeacherError(ServerError):
     """A teacher server that is down, slow or wrong: one line naming it, its model and what happened."""
 
 
