@@ -63,7 +63,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
-import http.client
 import json
 import math
 import os
@@ -84,6 +83,7 @@ from pathlib import Path
 import torch
 
 from gspo.config.checks import one_line
+from gspo.io.http import HTTPFailed, exchange
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams
 from gspo.sampling.vllm_engine import checkpoint_weights, rollout_from
@@ -134,67 +134,32 @@ class Server:
              ticket: Ticket | None = None):
         """The JSON answer of one request (POST with a body, else GET), within `timeout` seconds;
         ServerError otherwise. ticket: its place at a sampler's gate (a sync may cut it: NotStarted)."""
-        parts = urllib.parse.urlsplit(self.url)
-        conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         what = what or path
-        headers = {"Content-Type": "application/json"}
-        if self.key:
-            headers["Authorization"] = f"Bearer {self.key}"
-        data = json.dumps(body).encode() if body is not None else None
-        method = "POST" if body is not None else "GET"
-        conn = conn_type(parts.hostname, parts.port, timeout=timeout)
-        # the socket's timeout bounds each wait for bytes; a watchdog bounds the whole exchange (a server that
-        # trickles its headers or body a byte at a time never trips the socket's timeout): at the deadline it
-        # shuts the socket, and the read in progress fails at once
-        late = threading.Event()
-        watchdog = None
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         try:
-            conn.connect()  # within the socket's timeout
-            if ticket is not None:
-                ticket.attach(conn.sock)  # NotStarted if a sync cut it already
-            # the socket itself: http.client drops conn.sock once a response that closes the connection began
-            watchdog = threading.Timer(timeout, _cut, (conn.sock, late))
-            watchdog.daemon = True
-            watchdog.start()
-            conn.request(method, path, body=data, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-        except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
+            status, raw = exchange(self.url, path, body, headers=headers, timeout=timeout,
+                                   on_connect=ticket.attach if ticket is not None else None)  # NotStarted if cut
+        except HTTPFailed as e:
             if ticket is not None and ticket.cancelled:
                 raise NotStarted from None
-            if not (late.is_set() or isinstance(e, TimeoutError)):
-                raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e)})") from None
-            late.set()  # the socket's own timeout, or the watchdog's cut: said once, below
-        finally:
-            if watchdog is not None:
-                watchdog.cancel()
-            conn.close()
-        if late.is_set():
+            if not e.late:
+                raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e.cause)})") from None
             raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
-                              "(--vllm-server-timeout / --vllm-server-sync-timeout)")
-        if response.status == 401:
+                              "(--vllm-server-timeout / --vllm-server-sync-timeout)") from None
+        if status == 401:
             raise ServerError(f"vLLM server {self.url}: {what} refused the API key (401); give the server's key in "
                               f"{KEY_VARIABLE}")
-        if response.status == 404 and not path.startswith("/v1"):
+        if status == 404 and not path.startswith("/v1"):
             raise ServerError(f"vLLM server {self.url}: {what} is not there (404); gspo drives vLLM's dev routes: "
                               "start the server with VLLM_SERVER_DEV_MODE=1 (docs/server.md)")
-        if response.status != 200:
-            raise ServerError(f"vLLM server {self.url}: {what} answered {response.status} "
+        if status != 200:
+            raise ServerError(f"vLLM server {self.url}: {what} answered {status} "
                               f"({' '.join(raw.decode(errors='replace').split())[:200]})")
         try:
             return json.loads(raw) if raw else None
         except json.JSONDecodeError:
             raise ServerError(f"vLLM server {self.url}: {what} answered something that is not JSON "
                               f"({raw[:80]!r})") from None
-
-
-def _cut(sock, late: threading.Event) -> None:
-    """The deadline of a request passed: mark it and shut its socket (the blocked read returns)."""
-    late.set()
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def _reason(e: BaseException) -> str:
