@@ -32,6 +32,7 @@ from gspo.models.loading import (
 from gspo.models.moe import NO_ROUTING, MoEError, NoRouting, Routing, is_moe
 from gspo.processes.distributed import Dist
 from gspo.rewards.builtin import Reward, load_rewards
+from gspo.rewards.judge import JudgeOptions
 from gspo.sampling.rollout import PolicySampler, Sampler
 from gspo.sampling.vllm_engine import VLLMSampler
 from gspo.tasks import build_task
@@ -68,12 +69,15 @@ def task_for(cfg: TrainConfig, inputs: Inputs):
 
 
 def rewards_for(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:
-    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's)."""
-    return load_rewards(list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards),
-                        list(cfg.rewards.reward_weights) or None, format_pattern=cfg.rewards.format_pattern,
+    """The rewards; a learned reward model or a judge model goes on --reward-model-device, else `device`
+    (the policy's)."""
+    rw = cfg.rewards
+    judge = JudgeOptions(template=rw.judge_template, rubric=rw.judge_rubric, max_new_tokens=rw.judge_max_new_tokens,
+                         timeout=rw.judge_timeout)
+    return load_rewards(list(inputs.reward_funcs or rw.reward) or list(task.default_rewards),
+                        list(rw.reward_weights) or None, format_pattern=rw.format_pattern,
                         max_new_tokens=cfg.sampling.max_new_tokens, device=device or cfg.run.device,
-                        reward_model_device=cfg.rewards.reward_model_device,
-                        batch_size=cfg.rewards.reward_model_batch_size)
+                        reward_model_device=rw.reward_model_device, batch_size=rw.reward_model_batch_size, judge=judge)
 
 
 @quiet_peft()  # peft's deprecation warning when it wraps a model is not the user's
