@@ -216,6 +216,14 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # closed again on leaving: nothing listens there
 
 
+def test_an_exchange_with_a_closed_port_fails_at_once():
+    from gspo.io.http import HTTPFailed, exchange
+
+    with pytest.raises(HTTPFailed) as e:
+        exchange(f"http://127.0.0.1:{_closed_port()}", "/v1/models", None, headers={}, timeout=5)
+    assert isinstance(e.value.cause, ConnectionRefusedError) and not e.value.late
+
+
 def test_garbage_http_is_one_line():
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
