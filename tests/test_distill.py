@@ -5,7 +5,6 @@ each kind of teacher, and resume exactness."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -278,7 +277,8 @@ def test_self_distillation_with_the_answer_as_privileged_context_runs(tmp_path):
 def test_two_teachers_for_a_reasoning_gym_mix(trained, tmp_path):
     pytest.importorskip("reasoning_gym")
     out = tmp_path / "run"
-    assert main(["train", *FAST, "--steps", "1", "--model", "tiny", "--task", "reasoning_gym:basic_arithmetic,chain_sum",
+    mix = "reasoning_gym:basic_arithmetic,chain_sum"
+    assert main(["train", *FAST, "--steps", "1", "--model", "tiny", "--task", mix,
                  "--teacher", f"chain_sum={trained}", "--teacher", "basic_arithmetic=tiny",
                  "--output-dir", str(out)]) == 0
     assert "distill/reverse_kl" in rows(out)[0]

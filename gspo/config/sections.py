@@ -149,8 +149,10 @@ class Rewards:
     reward: tuple[str, ...] = opt((),
         "Rewards: built-in names (exact_match, exact_integer, numeric_match, math_verify, format, length; "
         "reasoning_gym and answer_format for reasoning_gym tasks), "
-        "module:function / file.py:function, or a learned reward model (an AutoModelForSequenceClassification "
-        "directory or Hub id, scored on prompt + completion with its own tokenizer and chat template). Empty: "
+        "module:function / file.py:function, a learned reward model (an AutoModelForSequenceClassification "
+        "directory or Hub id, scored on prompt + completion with its own tokenizer and chat template), or a judge, "
+        "judge:MODEL_OR_URL (a language model's verdict in [0, 1]: a --model form, or an OpenAI-compatible "
+        "server's http://HOST:PORT; docs/judges.md). Empty: "
         "the task's default (exact_integer for the built-in tasks, exact_match for a dataset). The first "
         "reward is the accuracy reported by evaluation.")
     reward_weights: tuple[float, ...] = opt((),
@@ -158,10 +160,21 @@ class Rewards:
     format_pattern: str = opt(r"<think>.*?</think>\s*<answer>.*?</answer>",
         "Regular expression the whole completion must match for the `format` reward.")
     reward_model_device: str | None = opt(None,
-        "Device of learned reward models (a --reward naming an AutoModelForSequenceClassification): cpu, "
-        "cuda, cuda:N (None: the policy's device).", resume=True)
+        "Device of learned reward models (a --reward naming an AutoModelForSequenceClassification) and judge "
+        "models (judge:MODEL): cpu, cuda, cuda:N (None: the policy's device).", resume=True)
     reward_model_batch_size: int = opt(32,
-        "Completions a learned reward model scores per forward pass.", ge=1, resume=True)
+        "Completions a learned reward model scores, or a judge model judges, per forward pass.", ge=1, resume=True)
+    judge_template: str = opt("correctness",
+        "A judge's prompt (--reward judge:...): correctness (the completion against the example's answer, "
+        "answered VERDICT: CORRECT/INCORRECT), rubric (against --judge-rubric, answered Score: X/10), or a "
+        "str.format file with {prompt}, {completion}, {answer}, {rubric}.")
+    judge_rubric: str | None = opt(None,
+        "The rubric a judge grades by (text, or a file): the {rubric} of --judge-template rubric or your own.")
+    judge_max_new_tokens: int = opt(64,
+        "The longest verdict a judge writes, in tokens.", ge=1, resume=True)
+    judge_timeout: float = opt(60.0,
+        "Seconds a judge server has to answer one request; past it the run stops with one line.", gt=0,
+        resume=True)
 
 
 @dataclass

@@ -24,6 +24,7 @@ Built-ins are plain per-completion functions (with doctests) made batched by `pe
 | `reasoning_gym` | a reasoning-gym task's own verifier on the reply's answer, by `--answer-from` (gspo.tasks.gym) |
 | `answer_format` | 1.0 if the completion ends with one non-empty `<answer>...</answer>` |
 | a model directory or hub id | a learned reward model's score, `logits[:, 0]` (gspo.rewards.model) |
+| `judge:MODEL_OR_URL` | a language model's verdict on the completion, in [0, 1] (gspo.rewards.judge) |
 
 *The gold answer is the part after the last `####` when there is one (GSM8K's worked solutions
 end in `#### 72`); `exact_match` compares the whole answer. User rewards: `package.module:function`
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from gspo.io.words import closest, did_you_mean, plural
+from gspo.rewards.judge import Judge, JudgeOptions, is_judge
 from gspo.rewards.model import RewardModel, check_device, reward_model_path
 from gspo.tasks.scoring import RewardError, RewardFn, completion_text, per_completion
 
@@ -195,9 +197,10 @@ class Reward:
 
 
 def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_tokens: int = 256,
-                device=None, batch_size: int = 32) -> Reward:
+                device=None, batch_size: int = 32, judge: JudgeOptions | None = None) -> Reward:
     """A reward by built-in name, `package.module:function`, `path/to/file.py:function`, a learned reward
-    model (a directory or hub id on `device`, `batch_size` per forward), or a callable (the API's)."""
+    model (a directory or hub id on `device`, `batch_size` per forward), a judge (`judge:MODEL_OR_URL`,
+    configured by `judge`), or a callable (the API's)."""
     if hasattr(spec, "config") and hasattr(spec, "forward"):  # a model object, as TRL takes: its tokenizer is unknown
         raise RewardError(f"reward {type(spec).__name__}: pass a reward model as its directory (save_pretrained)")
     if callable(spec):
@@ -219,6 +222,9 @@ def load_reward(spec, *, format_pattern: str = DEFAULT_FORMAT_PATTERN, max_new_t
                 raise RewardError("reward 'math_verify' needs the math-verify package: "
                                   "pip install 'gspo[rewards]'") from None
         return Reward(spec, fn)
+    if is_judge(spec):
+        fn = Judge.load(spec, judge or JudgeOptions(), device=device, batch_size=batch_size)
+        return Reward(fn.__name__, fn)
     if ":" not in spec:
         path = reward_model_path(spec)
         if path is None:
@@ -335,6 +341,8 @@ def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, li
     "does not apply") is left out of the weighted sum and recorded as NaN. A RewardError names
     the reward and the row when it raises, returns the wrong number of values, or a value that is
     not a finite number or None (a bool or a string too); the argument when its signature does not fit.
+    A reward that keeps `last_metrics` (a judge's: name -> one value per completion of its last call)
+    adds them to the per-reward values as `<reward>/<name>`, outside the sum (logged under that name).
     """
     n, state = len(completions), trainer_state or TrainerState()
     per: dict[str, list[float]] = {}
@@ -352,6 +360,7 @@ def apply_rewards(rewards: list[Reward], completions: list, kwargs: dict[str, li
             raise RewardError(f"reward {r.name!r} returned {got} for {plural(n, 'completion')}; "
                               f"expected a list of {plural(n, 'float')}")
         per[r.name] = [_value(v, r.name, sources[i]) for i, v in enumerate(values)]
+        per.update({f"{r.name}/{k}": v for k, v in (getattr(r.fn, "last_metrics", None) or {}).items()})
     # None (NaN here): the reward does not apply to this completion; it adds nothing to the sum
     total = [sum(r.weight * per[r.name][i] for r in rewards if per[r.name][i] == per[r.name][i]) for i in range(n)]
     return total, per

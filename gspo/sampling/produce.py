@@ -202,8 +202,8 @@ def score_episodes(rewards: list[Reward], examples: list, episodes: Episodes, gr
                                              [episodes.final_ids[b] for b in keep], 1, sub)
         for j, b in enumerate(keep):
             total[b] = kept[j]
-            for name, values in kept_parts.items():
-                parts[name][b] = values[j]
+            for name, values in kept_parts.items():  # a reward's own metrics too (a judge's)
+                parts.setdefault(name, [float("nan")] * B)[b] = values[j]
     return total, parts
 
 

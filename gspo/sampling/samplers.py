@@ -32,6 +32,7 @@ from gspo.models.loading import (
 from gspo.models.moe import NO_ROUTING, MoEError, NoRouting, Routing, is_moe
 from gspo.processes.distributed import Dist
 from gspo.rewards.builtin import Reward, load_rewards
+from gspo.rewards.judge import JudgeOptions
 from gspo.sampling.rollout import PolicySampler, Sampler
 from gspo.sampling.vllm_engine import VLLMSampler
 from gspo.tasks import build_task
@@ -68,17 +69,20 @@ def task_for(cfg: TrainConfig, inputs: Inputs):
 
 
 def rewards_for(cfg: TrainConfig, task, inputs: Inputs, device=None) -> list[Reward]:
-    """The rewards; a learned reward model goes on --reward-model-device, else `device` (the policy's).
-    `--reward none` (distillation alone): the task's default rewards, each weighted 0, so that training
-    gets no reward while its accuracy is still measured and logged (reward/<name>/mean, evaluation)."""
-    specs = list(inputs.reward_funcs or cfg.rewards.reward) or list(task.default_rewards)
+    """The rewards; a learned reward model or a judge model goes on --reward-model-device, else `device`
+    (the policy's). `--reward none` (distillation alone): the task's default rewards, each weighted 0, so
+    that training gets no reward while its accuracy is still measured and logged (reward/<name>/mean,
+    evaluation)."""
+    rw = cfg.rewards
+    judge = JudgeOptions(template=rw.judge_template, rubric=rw.judge_rubric, max_new_tokens=rw.judge_max_new_tokens,
+                         timeout=rw.judge_timeout)
+    specs = list(inputs.reward_funcs or rw.reward) or list(task.default_rewards)
     none = specs == ["none"] and not inputs.reward_funcs
     specs = list(task.default_rewards) if none else specs
-    weights = [0.0] * len(specs) if none else list(cfg.rewards.reward_weights) or None
-    return load_rewards(specs, weights, format_pattern=cfg.rewards.format_pattern,
+    weights = [0.0] * len(specs) if none else list(rw.reward_weights) or None
+    return load_rewards(specs, weights, format_pattern=rw.format_pattern,
                         max_new_tokens=cfg.sampling.max_new_tokens, device=device or cfg.run.device,
-                        reward_model_device=cfg.rewards.reward_model_device,
-                        batch_size=cfg.rewards.reward_model_batch_size)
+                        reward_model_device=rw.reward_model_device, batch_size=rw.reward_model_batch_size, judge=judge)
 
 
 @quiet_peft()  # peft's deprecation warning when it wraps a model is not the user's

@@ -52,7 +52,8 @@ import os
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from gspo.sampling.vllm_server import KEY_VARIABLE, LOGP_SLACK, ServerError, exchange
+from gspo.io.http import HTTPFailed, exchange
+from gspo.sampling.vllm_server import KEY_VARIABLE, LOGP_SLACK, ServerError, _reason
 
 # the tokenizer probe: words, digits, punctuation, whitespace and unicode (accents, CJK, emoji, math)
 PROBE = ("The quick brown fox jumps over the lazy dog; 12 + 30 = 42, and 3.14159 is near pi. "
@@ -178,12 +179,13 @@ class ServedTeacher:
 
     def _call(self, path: str, body: dict | None, what: str):
         """The JSON answer of one request within the deadline; TeacherError otherwise."""
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         try:
-            status, raw = exchange(self.url, path, body, key=self.key, timeout=self.timeout)
-        except TimeoutError:
-            raise self._error(f"no answer to {what} within {self.timeout:g} s") from None
-        except ConnectionError as e:
-            raise self._error(f"{what} failed ({e})") from None
+            status, raw = exchange(self.url, path, body, headers=headers, timeout=self.timeout)
+        except HTTPFailed as e:
+            if e.late:
+                raise self._error(f"no answer to {what} within {self.timeout:g} s") from None
+            raise self._error(f"{what} failed ({_reason(e.cause)})") from None
         if status == 401:
             raise self._error(f"{what} refused the API key (401); give the teacher server's key")
         if status != 200:

@@ -63,7 +63,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import hashlib
-import http.client
 import json
 import math
 import os
@@ -84,6 +83,7 @@ from pathlib import Path
 import torch
 
 from gspo.config.checks import one_line
+from gspo.io.http import HTTPFailed, exchange
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams
 from gspo.sampling.vllm_engine import checkpoint_weights, rollout_from
@@ -135,13 +135,17 @@ class Server:
         """The JSON answer of one request (POST with a body, else GET), within `timeout` seconds;
         ServerError otherwise. ticket: its place at a sampler's gate (a sync may cut it: NotStarted)."""
         what = what or path
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         try:
-            status, raw = exchange(self.url, path, body, key=self.key, timeout=timeout, ticket=ticket)
-        except TimeoutError:
+            status, raw = exchange(self.url, path, body, headers=headers, timeout=timeout,
+                                   on_connect=ticket.attach if ticket is not None else None)  # NotStarted if cut
+        except HTTPFailed as e:
+            if ticket is not None and ticket.cancelled:
+                raise NotStarted from None
+            if not e.late:
+                raise ServerError(f"vLLM server {self.url}: {what} failed ({_reason(e.cause)})") from None
             raise ServerError(f"vLLM server {self.url}: no answer to {what} within {timeout:g} s "
                               "(--vllm-server-timeout / --vllm-server-sync-timeout)") from None
-        except ConnectionError as e:
-            raise ServerError(f"vLLM server {self.url}: {what} failed ({e})") from None
         if status == 401:
             raise ServerError(f"vLLM server {self.url}: {what} refused the API key (401); give the server's key in "
                               f"{KEY_VARIABLE}")
@@ -156,55 +160,6 @@ class Server:
         except json.JSONDecodeError:
             raise ServerError(f"vLLM server {self.url}: {what} answered something that is not JSON "
                               f"({raw[:80]!r})") from None
-
-
-def exchange(url: str, path: str, body: dict | None = None, *, key: str | None, timeout: float,
-             ticket: Ticket | None = None) -> tuple[int, bytes]:
-    """One HTTP request to the server at `url` (POST with a JSON body, else GET; `key` as a Bearer token), the
-    whole exchange within `timeout` seconds: its status and raw body. TimeoutError past the deadline;
-    ConnectionError (the reason on one line) when it fails; NotStarted when a sync cut its `ticket`."""
-    parts = urllib.parse.urlsplit(url)
-    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    headers = {"Content-Type": "application/json"}
-    if key:
-        headers["Authorization"] = f"Bearer {key}"
-    data = json.dumps(body).encode() if body is not None else None
-    conn = conn_type(parts.hostname, parts.port, timeout=timeout)
-    # the socket's timeout bounds each wait for bytes; a watchdog bounds the whole exchange (a server that
-    # trickles its headers or body a byte at a time never trips the socket's timeout): at the deadline it
-    # shuts the socket, and the read in progress fails at once
-    late = threading.Event()
-    watchdog = None
-    try:
-        conn.connect()  # within the socket's timeout
-        if ticket is not None:
-            ticket.attach(conn.sock)  # NotStarted if a sync cut it already
-        # the socket itself: http.client drops conn.sock once a response that closes the connection began
-        watchdog = threading.Timer(timeout, _cut, (conn.sock, late))
-        watchdog.daemon = True
-        watchdog.start()
-        conn.request("POST" if body is not None else "GET", path, body=data, headers=headers)
-        response = conn.getresponse()
-        return response.status, response.read()
-    except (TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
-        if ticket is not None and ticket.cancelled:
-            raise NotStarted from None
-        if late.is_set() or isinstance(e, TimeoutError):  # the socket's own timeout, or the watchdog's cut
-            raise TimeoutError(f"no answer within {timeout:g} s") from None
-        raise ConnectionError(_reason(e)) from None
-    finally:
-        if watchdog is not None:
-            watchdog.cancel()
-        conn.close()
-
-
-def _cut(sock, late: threading.Event) -> None:
-    """The deadline of a request passed: mark it and shut its socket (the blocked read returns)."""
-    late.set()
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def _reason(e: BaseException) -> str:

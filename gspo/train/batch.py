@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from gspo.algo.advantages import ESTIMATORS, AdvantageInputs, distill_advantages, distill_metrics, with_distill
-from gspo.algo.losses import LOSSES
 from gspo.algo.corrections import rollout_is_weights, spread
+from gspo.algo.losses import LOSSES
 from gspo.algo.metrics import reduce_across
 from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.models.moe import expert_counts

@@ -88,7 +88,8 @@ def distill_rules(cfg: TrainConfig):
     yield len(set(names)) == len(names), "teacher", "names a task twice"
     yield not (d.teacher_context is None and any(s == SELF for _, s in specs)), "teacher_context", \
         "is needed by --teacher self: without privileged context the teacher is the student and its signal is 0"
-    yield not (d.teacher_context is not None and not specs), "teacher_context", "is the teacher's, and no --teacher is given"
+    yield not (d.teacher_context is not None and not specs), "teacher_context", \
+        "is the teacher's, and no --teacher is given"
     yield not (any(is_url(s) for _, s in specs) and cfg.sampling.temperature != 1.0), "teacher", \
         f"a served teacher returns raw log-probs (temperature 1), and --temperature is {cfg.sampling.temperature:g}: " \
         "the student's would be tempered and the teacher's not (use a local teacher, or --temperature 1)"

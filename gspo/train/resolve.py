@@ -167,7 +167,8 @@ class Facts:
     dataset: bool = False  # rows to train on (--dataset, or the API's train_dataset)
     env: bool = False  # multi-turn episodes (an environment: --env, or the task's own)
     rewards: tuple = ()  # the reward specs: names, paths, callables
-    reward_model: bool = False  # one of them is a learned reward model
+    reward_model: bool = False  # one of them is a learned reward model, or a judge model gspo loads
+    judge: bool = False  # one of them is a judge (judge:MODEL_OR_URL)
     local_model: bool = False  # --model is a built-in or a local full model: no Hub revision applies
 
 
@@ -210,7 +211,9 @@ def unused(cfg: TrainConfig, facts: Facts) -> list[tuple[str, str]]:
         (not facts.env, ("turn_advantages", "max_episode_tokens"),
          "applies to multi-turn episodes, and this run's are single-turn (no --env)"),
         (not facts.reward_model, ("reward_model_device", "reward_model_batch_size"),
-         "applies to learned reward models, and no --reward is one"),
+         "applies to learned reward models and judge models, and no --reward is one"),
+        (not facts.judge, ("judge_template", "judge_rubric", "judge_max_new_tokens", "judge_timeout"),
+         "applies to judges, and no --reward is one (judge:MODEL_OR_URL)"),
         (facts.local_model, ("revision",),
          f"picks a Hugging Face Hub revision, and --model {cfg.policy.model} is local"),
     ]

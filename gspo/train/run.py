@@ -40,6 +40,7 @@ from gspo.processes import distributed, parallel
 from gspo.processes.distributed import Dist
 from gspo.processes.threads import choose_threads
 from gspo.rewards.builtin import BUILTIN_REWARDS
+from gspo.rewards.judge import is_judge, is_local_judge
 from gspo.sampling.pipeline import Pipeline
 from gspo.sampling.produce import SamplingSide
 from gspo.sampling.rollout import PolicySampler, encode_prompts, fsdp_sampling_note, stop_token_ids
@@ -248,7 +249,8 @@ def _check_unused(cfg: TrainConfig, inputs: Inputs, task, only=None) -> list[str
     model = Path(str(cfg.policy.model)).expanduser()
     facts = Facts(dataset=cfg.data.dataset is not None or inputs.train_dataset is not None,
                   env=(inputs.env or cfg.episodes.env or getattr(task, "default_env", None)) is not None, rewards=specs,
-                  reward_model=any(isinstance(r, str) and ":" not in r and r not in BUILTIN_REWARDS for r in specs),
+                  reward_model=any(isinstance(r, str) and ":" not in r and r not in BUILTIN_REWARDS or is_local_judge(r)
+                                   for r in specs), judge=any(map(is_judge, specs)),
                   local_model=inputs.model_object is None and (cfg.policy.model in BUILTIN_MODELS or model.is_dir() and
                                                                not (model / "adapter_config.json").exists()))
     mine = [name for name in (f.name for f in options()) if given(cfg, name) and (only is None or name in only)]

@@ -30,7 +30,8 @@ def step_row(run: Run, step: int, batch, history: list[dict]) -> dict:
     metrics = {
         "step": step,
         **reward_stats(batch.all_rewards, survivors(batch.episodes, dist), cfg.sampling.group_size),
-        **{f"reward/{name}/mean": float(v.nanmean()) for name, v in all_parts.items()},  # None rewards left out
+        # None rewards left out; a reward's own metrics (`judge/unparsed_frac`, apply_rewards) under their names
+        **{name if "/" in name else f"reward/{name}/mean": float(v.nanmean()) for name, v in all_parts.items()},
         **step_means(history),
         "completion/mean_length": float(lengths.mean()),
         "completion/max_length": float(lengths.max()),
