@@ -133,5 +133,5 @@ def to_dict(cfg: TrainConfig) -> dict:
 
 
 __all__ = ["SECTIONS", "SECTION_OF", "RESUME_SAFE", "ConfigError", "TrainConfig", "bounds_error", "opt", "options",
-           "option_types", "to_dict", "Corrections", "Data", "Distill", "Episodes", "Eval", "Loss", "LoRA", "MoE", "Optim",
-           "PPO", "Policy", "Rewards", "RunOptions", "Sampling", "VLLM"]
+           "option_types", "to_dict", "Corrections", "Data", "Distill", "Episodes", "Eval", "Loss", "LoRA", "MoE",
+           "Optim", "PPO", "Policy", "Rewards", "RunOptions", "Sampling", "VLLM"]
