@@ -12,6 +12,7 @@ minibatch's updates).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,7 +21,7 @@ import torch
 from gspo.algo.advantages import ESTIMATORS, AdvantageInputs, distill_advantages, distill_metrics, with_distill
 from gspo.algo.corrections import rollout_is_weights, spread
 from gspo.algo.losses import LOSSES
-from gspo.algo.metrics import reduce_across
+from gspo.algo.metrics import Max, reduce_across
 from gspo.models.logprobs import Split, passes, token_logprobs
 from gspo.models.moe import expert_counts
 from gspo.models.sequences import Rollout
@@ -191,12 +192,15 @@ def distill(run: Trains, batch: Batch, split: Split) -> None:
     cfg, ro, G = run.cfg, batch.rollout, run.cfg.sampling.group_size
     of = batch.episode_of.tolist() if batch.episode_of is not None else range(ro.prompt_ids.shape[0])
     examples = [batch.examples[int(e) // G] for e in of]  # (B + E,) each row's example
+    t0 = time.perf_counter()
     teacher_logp, served = run.teachers.logprobs(run, ro, examples, split)  # (B, T), (B,)
+    seconds = time.perf_counter() - t0
     mask = ro.completion_mask * served.to(ro.completion_mask)[:, None]  # (B, T) the tokens a teacher scored
     per_token = LOSSES[cfg.loss.algorithm].turn_advantages
     term = distill_advantages(teacher_logp, batch.old_logp, mask, cfg.distill.distill_coef, per_token=per_token)
     batch.teacher_logp = teacher_logp
-    batch.distill_metrics = reduce_across([distill_metrics(teacher_logp, batch.old_logp, term, mask)], run.dist)[0]
+    metrics = {**distill_metrics(teacher_logp, batch.old_logp, term, mask), "time/teacher_seconds": Max(seconds)}
+    batch.distill_metrics = reduce_across([metrics], run.dist)[0]
     batch.advantages = with_distill(batch.advantages, term.to(batch.advantages.device))
 
 
