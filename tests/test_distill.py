@@ -368,3 +368,15 @@ def test_a_served_teacher_that_fails_mid_run_stops_it_with_a_resume_line(tmp_pat
     assert "\n" not in text and text.startswith(f"teacher {fake.url}") and "answered 500" in text, text
     assert f"--resume {run}" in text and "from its last checkpoint" in text
     assert len(rows(run)) == 1  # step 1 kept, nothing of step 2 written
+
+
+def test_a_runs_config_records_teachers_and_judges_by_absolute_path(tmp_path, monkeypatch):
+    from gspo.train.resolve import absolute_paths
+
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = absolute_paths(TrainConfig(teacher=("ckpt", "chain_sum=ckpt", "self", "http://h:1", "tiny"),
+                                     reward=("judge:ckpt", "exact_integer")))
+    here = str(tmp_path.resolve() / "ckpt")
+    assert cfg.teacher == (here, f"chain_sum={here}", "self", "http://h:1", "tiny")  # resumable from anywhere
+    assert cfg.reward == (f"judge:{here}", "exact_integer")

@@ -331,7 +331,17 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
             return f"{absolute(target)}:{attr}"
         return absolute(r) if r and not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
 
-    rewards = tuple(named(r) for r in cfg.rewards.reward)
+    def judge_or_named(r: str) -> str:  # judge:path/to/model: the model's path made absolute
+        head, _, model = r.partition(":")
+        return f"judge:{absolute(model)}" if head == "judge" and model else named(r)
+
+    def teacher(spec: str) -> str:  # MODEL or NAME=MODEL; URLs, `self` and built-in names as they are
+        name, eq, model = spec.partition("=")
+        if eq and not Path(spec).expanduser().exists() and "/" not in name and ":" not in name:
+            return f"{name}={teacher(model)}"
+        return spec if spec in BUILTIN_MODELS else absolute(spec)
+
+    rewards = tuple(judge_or_named(r) for r in cfg.rewards.reward)
     out = (
         str(Path(cfg.run.output_dir).expanduser().absolute()) if cfg.run.output_dir not in (None, "-")
         else cfg.run.output_dir
@@ -339,7 +349,8 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     model = cfg.policy.model if cfg.policy.model in BUILTIN_MODELS else absolute(cfg.policy.model)
     return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.data.dataset),
                                eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards,
-                               env=named(cfg.episodes.env), output_dir=out)
+                               env=named(cfg.episodes.env), output_dir=out,
+                               teacher=tuple(teacher(t) for t in cfg.distill.teacher))
 
 
 __all__ = ["DERIVED", "Facts", "absolute_paths", "checked", "corrects_mismatch", "flag", "given", "resolve",
