@@ -15,7 +15,7 @@ SMALL = dict(steps=1, prompts_per_step=2, group_size=2, eval_size=4, max_new_tok
 KEYS = {"engine", "processes", "parallel", "weights_dtype", "compute_dtype", "autocast", "sampler", "sampler_dtype",
         "old_logp", "packing", "packing_why", "micro_batch_tokens", "lm_head", "lm_head_chunk", "decode",
         "decode_why", "gradient_checkpointing", "lora", "moe", "routing_replay", "env", "max_turns", "agent",
-        "rollouts", "warnings", "threads", "model", "objective", "integrity"}
+        "rollouts", "warnings", "threads", "model", "objective", "integrity", "distill"}
 
 
 def plan_of(tmp_path, **kw) -> dict:
@@ -37,7 +37,7 @@ def test_default_run(tmp_path):
     assert (p["decode"], p["decode_why"]) == ("fast", None)  # the built-in tiny is a dense Qwen3
     assert (p["lora"], p["moe"], p["routing_replay"], p["env"], p["max_turns"]) == (None, False, False, None, 1)
     assert p["integrity"] == {"on_breach": "stop", "tolerance": {"row": 1e-3, "mean": 1e-4}}  # gspo's, float32
-    assert p["warnings"] == []
+    assert p["warnings"] == [] and p["distill"] is None
 
 
 def test_bfloat16_samples_with_a_copy_and_recomputes_old_logp(tmp_path):
