@@ -171,7 +171,7 @@ class Teachers:
     def with_context(self, ro: Rollout, examples: list, tokenizer) -> Rollout:
         """`ro` with each row's prompt re-rendered with the privileged context appended to its last
         message; the completion columns unchanged."""
-        prompts = [with_suffix(ex.prompt, context_text(self.context, ex)) for ex in examples]
+        prompts = [with_suffix(ex.prompt, _row_context(self.context, ex)) for ex in examples]
         ids, mask = left_pad(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id, device=ro.prompt_ids.device)
         return dataclasses.replace(ro, prompt_ids=ids, prompt_mask=mask.to(ro.prompt_mask.dtype), routing=None)
 
@@ -197,6 +197,15 @@ def task_name(example) -> str | None:
 def context_text(template: str, example) -> str:
     """--teacher-context filled with the example's fields (its row: prompt, answer, the dataset's columns)."""
     return template.format_map(example.row())
+
+
+def _row_context(template: str, example) -> str:
+    """context_text mid-run: a row without a field the template names (a generated task's) is one line."""
+    try:
+        return context_text(template, example)
+    except KeyError as e:
+        raise ConfigError(f"teacher_context: names the field {e.args[0]!r}, which {example.source or 'a row'} does "
+                          f"not have (its fields: {', '.join(sorted(example.row()))})") from None
 
 
 def served_logprobs(served, ro: Rollout) -> Tensor:
@@ -255,18 +264,23 @@ def load_teachers(cfg: TrainConfig, task, tokenizer, device: torch.device, *, en
 
 
 def _check_context(template: str, task) -> None:
-    examples = task.test_set(1) or task.train_batch(0, 1)
+    """The template fills from every row a task holds (a dataset's train and eval lists), else from its
+    first evaluation or training example: a field some rows lack is refused at the start, naming one."""
+    held = [*(getattr(task, "train", None) or []), *(getattr(task, "eval", None) or [])]
+    held = [ex for ex in held if hasattr(ex, "row")]
+    examples = held or task.test_set(1) or task.train_batch(0, 1)
     if not examples:
         return
-    try:
-        context_text(template, examples[0])
-    except KeyError as e:
-        fields = ", ".join(sorted(examples[0].row()))
-        raise ConfigError(f"teacher_context: names the field {e.args[0]!r}, which {examples[0].source or 'the rows'} "
-                          f"does not have (its fields: {fields})") from None
-    except (ValueError, IndexError) as e:
-        raise ConfigError(f"teacher_context: not a template of the example's fields ({e}); write {{answer}} for a "
-                          "field and {{ }} for a brace") from None
+    for example in examples:
+        try:
+            context_text(template, example)
+        except KeyError as e:
+            fields = ", ".join(sorted(example.row()))
+            raise ConfigError(f"teacher_context: names the field {e.args[0]!r}, which {example.source or 'the rows'} "
+                              f"does not have (its fields: {fields})") from None
+        except (ValueError, IndexError) as e:
+            raise ConfigError(f"teacher_context: not a template of the example's fields ({e}); write {{answer}} "
+                              "for a field and {{ }} for a brace") from None
 
 
 def _served(url: str, tokenizer):
