@@ -24,3 +24,25 @@ def test_a_context_field_only_some_rows_have_is_refused_at_the_start(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "teacher_context: names the field 'hint'" in err[0], err
     assert not run.exists()
+
+
+def test_a_served_teacher_answering_minus_infinity_is_refused(monkeypatch):
+    # JSON as Python reads it carries -Infinity (vLLM itself sends -9999.0 for -inf): the NaN check let it
+    # through, and -inf becomes a token's advantage, NaN where the mask is 0 (-inf · 0): a NaN loss
+    import pytest
+
+    from gspo.sampling import teacher_server
+    from gspo.sampling.teacher_server import ServedTeacher, TeacherError
+
+    def answer(url, path, body, **kw):
+        if path == "/v1/models":
+            return 200, json.dumps({"data": [{"id": "t", "max_model_len": 64}]}).encode()
+        seq = body["prompt"]
+        entries = [None] + [{str(t): {"logprob": -1.0, "rank": 1}} for t in seq[1:]]
+        entries[-1] = {str(seq[-1]): {"logprob": "-Infinity", "rank": 1}}
+        raw = json.dumps({"choices": [{"text": "", "prompt_logprobs": entries}]})
+        return 200, raw.replace('"-Infinity"', "-Infinity").encode()
+
+    monkeypatch.setattr(teacher_server, "exchange", answer)
+    with pytest.raises(TeacherError, match="position 3"):
+        ServedTeacher("http://127.0.0.1:1").logprobs([[5, 6, 7, 8]], [2])
