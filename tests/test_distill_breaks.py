@@ -46,3 +46,16 @@ def test_a_served_teacher_answering_minus_infinity_is_refused(monkeypatch):
     monkeypatch.setattr(teacher_server, "exchange", answer)
     with pytest.raises(TeacherError, match="position 3"):
         ServedTeacher("http://127.0.0.1:1").logprobs([[5, 6, 7, 8]], [2])
+
+
+def test_a_self_teacher_with_stale_sampling_log_probs_is_refused(tmp_path, capsys, monkeypatch):
+    # --teacher self --old-logp sampling --max-staleness 1: the teacher is the policy at step k, the
+    # student's log-probs the sampler's at k-1, so even an empty context gave a nonzero term
+    # (log π_k − log π_k-1, reverse_kl 0.0025 at step 2 with --teacher-context ''): the drift, as distillation
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    assert main(["train", *FAST, "--steps", "1", "--teacher", "self", "--teacher-context", "{answer}",
+                 "--max-staleness", "1", "--old-logp", "sampling", "--output-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "old_logp: sampling with --teacher self and --max-staleness > 0" in err[0], err
+    assert not run.exists()

@@ -88,6 +88,11 @@ def distill_rules(cfg: TrainConfig):
     yield len(set(names)) == len(names), "teacher", "names a task twice"
     yield not (d.teacher_context is None and any(s == SELF for _, s in specs)), "teacher_context", \
         "is needed by --teacher self: without privileged context the teacher is the student and its signal is 0"
+    yield not (any(s == SELF for _, s in specs) and cfg.loss.old_logp == "sampling"
+               and cfg.async_rl.max_staleness > 0), "old_logp", \
+        "sampling with --teacher self and --max-staleness > 0 puts the weights' drift into the term: the teacher is " \
+        "the policy at the step, the student's log-probs the stale sampler's (log π_k(y|x,ctx) − log π_k−s(y|x)); " \
+        "use --old-logp recompute (the default there)"
     yield not (d.teacher_context is not None and not specs), "teacher_context", \
         "is the teacher's, and no --teacher is given"
     yield not (any(is_url(s) for _, s in specs) and cfg.sampling.temperature != 1.0), "teacher", \
