@@ -59,3 +59,15 @@ def test_a_self_teacher_with_stale_sampling_log_probs_is_refused(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "old_logp: sampling with --teacher self and --max-staleness > 0" in err[0], err
     assert not run.exists()
+
+
+def test_a_self_teacher_with_an_empty_context_is_refused(tmp_path, capsys, monkeypatch):
+    # --teacher-context '' passed the "is needed by --teacher self" rule (it checked None alone): the teacher
+    # is then the student, and the run trains on a term that is 0 (or the sampler's noise) by construction
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "run"
+    assert main(["train", *FAST, "--steps", "1", "--teacher", "self", "--teacher-context", "",
+                 "--output-dir", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "teacher_context: is needed by --teacher self" in err[0], err
+    assert not run.exists()

@@ -86,7 +86,7 @@ def distill_rules(cfg: TrainConfig):
         "others' tasks (NAME=TEACHER)"
     names = [name for name, _ in specs if name is not None]
     yield len(set(names)) == len(names), "teacher", "names a task twice"
-    yield not (d.teacher_context is None and any(s == SELF for _, s in specs)), "teacher_context", \
+    yield not (not d.teacher_context and any(s == SELF for _, s in specs)), "teacher_context", \
         "is needed by --teacher self: without privileged context the teacher is the student and its signal is 0"
     yield not (any(s == SELF for _, s in specs) and cfg.loss.old_logp == "sampling"
                and cfg.async_rl.max_staleness > 0), "old_logp", \
