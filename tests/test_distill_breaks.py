@@ -71,3 +71,23 @@ def test_a_self_teacher_with_an_empty_context_is_refused(tmp_path, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "teacher_context: is needed by --teacher self" in err[0], err
     assert not run.exists()
+
+
+def test_teacher_and_judge_paths_are_saved_absolute(tmp_path, monkeypatch):
+    # absolute_paths left --teacher DIR (and NAME=DIR), judge:DIR and --judge-rubric FILE as typed: a run
+    # resumed (or evaluated) from another directory read them there: a missing teacher, or, silently, a
+    # rubric that is no longer a file taken as the rubric's text ("rubric.txt")
+    from gspo.config import TrainConfig
+    from gspo.train.resolve import absolute_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rubric.txt").write_text("Be exact.")
+    (tmp_path / "teach").mkdir()
+    cfg = absolute_paths(TrainConfig(reward=("judge:teach", "exact_integer"), judge_template="rubric",
+                                     judge_rubric="rubric.txt",
+                                     teacher=("teach", "chain_sum=teach", "self", "http://h:1", "tiny")))
+    t = str(tmp_path.resolve() / "teach")
+    assert cfg.rewards.reward == (f"judge:{t}", "exact_integer")
+    assert cfg.rewards.judge_rubric == str(tmp_path.resolve() / "rubric.txt")
+    assert cfg.rewards.judge_template == "rubric"
+    assert cfg.distill.teacher == (t, f"chain_sum={t}", "self", "http://h:1", "tiny")
