@@ -91,3 +91,27 @@ def test_teacher_and_judge_paths_are_saved_absolute(tmp_path, monkeypatch):
     assert cfg.rewards.judge_rubric == str(tmp_path.resolve() / "rubric.txt")
     assert cfg.rewards.judge_template == "rubric"
     assert cfg.distill.teacher == (t, f"chain_sum={t}", "self", "http://h:1", "tiny")
+
+
+def test_a_rate_limited_chat_judge_does_not_switch_to_plain_completions(monkeypatch):
+    # any 4xx but 401 on /v1/chat/completions switched the judge to /v1/completions with the plain text
+    # (no chat template) for the rest of the run: one 429 of a busy gateway silently changed how every
+    # later verdict was asked
+    import pytest
+
+    from gspo.rewards import judge as judge_module
+    from gspo.rewards.judge import JudgeOptions, RewardError, ServerJudge
+
+    asked = []
+
+    def answer(url, path, body, **kw):
+        asked.append(path)
+        if path == "/v1/chat/completions":
+            return 429, b'{"error": "rate limited"}'
+        return 200, json.dumps({"choices": [{"text": "VERDICT: CORRECT"}]}).encode()
+
+    monkeypatch.setattr(judge_module, "exchange", answer)
+    judge = ServerJudge("http://127.0.0.1:1", "m", JudgeOptions())
+    with pytest.raises(RewardError, match="429"):
+        judge.one("grade this")
+    assert judge.route == "/v1/chat/completions" and asked == ["/v1/chat/completions"]
