@@ -115,3 +115,12 @@ def test_a_rate_limited_chat_judge_does_not_switch_to_plain_completions(monkeypa
     with pytest.raises(RewardError, match="429"):
         judge.one("grade this")
     assert judge.route == "/v1/chat/completions" and asked == ["/v1/chat/completions"]
+
+
+def test_a_bold_score_before_its_scale_is_read_against_the_scale():
+    # "**Score: 4**/5" was read as Score: 4 (out of 10): 0.4 for a 4/5, silently
+    from gspo.rewards.judge import parse_verdict
+
+    assert parse_verdict("**Score: 4**/5") == 0.8
+    assert parse_verdict("Score: **7** out of **10**") == 0.7
+    assert parse_verdict("**Score:** 4/5") == 0.8 and parse_verdict("Score: 5") == 0.5

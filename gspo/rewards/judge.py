@@ -109,7 +109,7 @@ class JudgeOptions:
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
 _MARKER = re.compile(rf"verdict\W*(?P<verdict>incorrect|correct)\b"
-                     rf"|score\W*?{_NUM}(?:\s*(?:/|out\s+of)\s*{_NUM})?", re.IGNORECASE)
+                     rf"|score\W*?{_NUM}(?:[*_]*\s*(?:/|out\s+of)\s*[*_]*{_NUM})?", re.IGNORECASE)  # **4**/5
 
 
 def parse_verdict(text: str) -> float | None:
