@@ -69,6 +69,9 @@ PREFIX = "judge:"
 KEY_VARIABLE = "GSPO_JUDGE_API_KEY"
 FIELDS = ("prompt", "completion", "answer", "rubric")
 CONCURRENCY = 8  # a server judge's requests under way at once
+# the 4xx answers that say a route is not served for the model (vLLM's 400 for a model without a chat
+# template; a server without the route); 401, 408, 413, 429 say nothing of the route and stop the run
+REFUSES_ROUTE = (400, 404, 405, 422)
 
 TEMPLATES = {
     "correctness": (
@@ -106,7 +109,7 @@ class JudgeOptions:
 
 _NUM = r"(-?\d+(?:\.\d+)?)"
 _MARKER = re.compile(rf"verdict\W*(?P<verdict>incorrect|correct)\b"
-                     rf"|score\W*?{_NUM}(?:\s*(?:/|out\s+of)\s*{_NUM})?", re.IGNORECASE)
+                     rf"|score\W*?{_NUM}(?:[*_]*\s*(?:/|out\s+of)\s*[*_]*{_NUM})?", re.IGNORECASE)  # **4**/5
 
 
 def parse_verdict(text: str) -> float | None:
@@ -250,7 +253,8 @@ class ServerJudge:
 
     def call(self, path: str, body: dict | None, *, quiet: bool = False):
         """The JSON answer of one request within the deadline; a RewardError naming the judge otherwise.
-        quiet: a 4xx answer is returned as None (the caller tries another route)."""
+        quiet: a 4xx answer that refuses the route (REFUSES_ROUTE) is returned as None (the caller tries another
+        route)."""
         what = f"{'POST' if body is not None else 'GET'} {path}"
         headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         try:
@@ -261,7 +265,7 @@ class ServerJudge:
                                   "(--judge-timeout)") from None
             raise RewardError(f"judge {self.url}: {what} failed ({(one_line(e.cause) or type(e.cause).__name__)[:200]})"
                               ) from None
-        if quiet and 400 <= status < 500 and status != 401:
+        if quiet and status in REFUSES_ROUTE:
             return None
         if status != 200:
             hint = f"; give the server's key in {KEY_VARIABLE}" if status == 401 else ""

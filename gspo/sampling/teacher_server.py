@@ -154,6 +154,9 @@ class ServedTeacher:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
                 raise self._error(f"its prompt log-probs miss token {seq[j]} at position {j} of {len(seq)} "
                                   "(misaligned, or another prompt's)")
+            if math.isinf(value) and value < 0:  # JSON's -Infinity (vLLM sends -9999.0): a NaN term where masked
+                raise self._error(f"its prompt log-prob of token {seq[j]} at position {j} is -inf (vLLM sends -9999.0 "
+                                  "for it): not a log-prob a term can take")
             if value > LOGP_SLACK:
                 raise self._error(f"its prompt log-prob of token {seq[j]} at position {j} is {value:g} > 0: "
                                   "logits, not log-probs (a server started with --logprobs-mode raw_logits or "

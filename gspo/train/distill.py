@@ -86,8 +86,13 @@ def distill_rules(cfg: TrainConfig):
         "others' tasks (NAME=TEACHER)"
     names = [name for name, _ in specs if name is not None]
     yield len(set(names)) == len(names), "teacher", "names a task twice"
-    yield not (d.teacher_context is None and any(s == SELF for _, s in specs)), "teacher_context", \
+    yield not (not d.teacher_context and any(s == SELF for _, s in specs)), "teacher_context", \
         "is needed by --teacher self: without privileged context the teacher is the student and its signal is 0"
+    yield not (any(s == SELF for _, s in specs) and cfg.loss.old_logp == "sampling"
+               and cfg.async_rl.max_staleness > 0), "old_logp", \
+        "sampling with --teacher self and --max-staleness > 0 puts the weights' drift into the term: the teacher is " \
+        "the policy at the step, the student's log-probs the stale sampler's (log π_k(y|x,ctx) − log π_k−s(y|x)); " \
+        "use --old-logp recompute (the default there)"
     yield not (d.teacher_context is not None and not specs), "teacher_context", \
         "is the teacher's, and no --teacher is given"
     yield not (any(is_url(s) for _, s in specs) and cfg.sampling.temperature != 1.0), "teacher", \
@@ -171,7 +176,7 @@ class Teachers:
     def with_context(self, ro: Rollout, examples: list, tokenizer) -> Rollout:
         """`ro` with each row's prompt re-rendered with the privileged context appended to its last
         message; the completion columns unchanged."""
-        prompts = [with_suffix(ex.prompt, context_text(self.context, ex)) for ex in examples]
+        prompts = [with_suffix(ex.prompt, _row_context(self.context, ex)) for ex in examples]
         ids, mask = left_pad(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id, device=ro.prompt_ids.device)
         return dataclasses.replace(ro, prompt_ids=ids, prompt_mask=mask.to(ro.prompt_mask.dtype), routing=None)
 
@@ -197,6 +202,15 @@ def task_name(example) -> str | None:
 def context_text(template: str, example) -> str:
     """--teacher-context filled with the example's fields (its row: prompt, answer, the dataset's columns)."""
     return template.format_map(example.row())
+
+
+def _row_context(template: str, example) -> str:
+    """context_text mid-run: a row without a field the template names (a generated task's) is one line."""
+    try:
+        return context_text(template, example)
+    except KeyError as e:
+        raise ConfigError(f"teacher_context: names the field {e.args[0]!r}, which {example.source or 'a row'} does "
+                          f"not have (its fields: {', '.join(sorted(example.row()))})") from None
 
 
 def served_logprobs(served, ro: Rollout) -> Tensor:
@@ -255,18 +269,23 @@ def load_teachers(cfg: TrainConfig, task, tokenizer, device: torch.device, *, en
 
 
 def _check_context(template: str, task) -> None:
-    examples = task.test_set(1) or task.train_batch(0, 1)
+    """The template fills from every row a task holds (a dataset's train and eval lists), else from its
+    first evaluation or training example: a field some rows lack is refused at the start, naming one."""
+    held = [*(getattr(task, "train", None) or []), *(getattr(task, "eval", None) or [])]
+    held = [ex for ex in held if hasattr(ex, "row")]
+    examples = held or task.test_set(1) or task.train_batch(0, 1)
     if not examples:
         return
-    try:
-        context_text(template, examples[0])
-    except KeyError as e:
-        fields = ", ".join(sorted(examples[0].row()))
-        raise ConfigError(f"teacher_context: names the field {e.args[0]!r}, which {examples[0].source or 'the rows'} "
-                          f"does not have (its fields: {fields})") from None
-    except (ValueError, IndexError) as e:
-        raise ConfigError(f"teacher_context: not a template of the example's fields ({e}); write {{answer}} for a "
-                          "field and {{ }} for a brace") from None
+    for example in examples:
+        try:
+            context_text(template, example)
+        except KeyError as e:
+            fields = ", ".join(sorted(example.row()))
+            raise ConfigError(f"teacher_context: names the field {e.args[0]!r}, which {example.source or 'the rows'} "
+                              f"does not have (its fields: {fields})") from None
+        except (ValueError, IndexError) as e:
+            raise ConfigError(f"teacher_context: not a template of the example's fields ({e}); write {{answer}} "
+                              "for a field and {{ }} for a brace") from None
 
 
 def _served(url: str, tokenizer):

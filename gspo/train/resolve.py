@@ -331,17 +331,23 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
             return f"{absolute(target)}:{attr}"
         return absolute(r) if r and not colon and Path(r).expanduser().is_dir() else r  # a reward model's directory
 
-    def judge_or_named(r: str) -> str:  # judge:path/to/model: the model's path made absolute
-        head, _, model = r.partition(":")
-        return f"judge:{absolute(model)}" if head == "judge" and model else named(r)
+    def local(spec: str) -> str:  # a teacher or judge model: a directory or file, not a built-in name, URL or self
+        return spec if spec in BUILTIN_MODELS or spec == "self" or spec.startswith(("http://", "https://")) \
+            else absolute(spec)
 
-    def teacher(spec: str) -> str:  # MODEL or NAME=MODEL; URLs, `self` and built-in names as they are
-        name, eq, model = spec.partition("=")
+    def teacher(spec: str) -> str:  # TEACHER or NAME=TEACHER (gspo.train.distill.teacher_specs)
+        name, eq, rest = spec.partition("=")
         if eq and not Path(spec).expanduser().exists() and "/" not in name and ":" not in name:
-            return f"{name}={teacher(model)}"
-        return spec if spec in BUILTIN_MODELS else absolute(spec)
+            return f"{name}={local(rest)}"
+        return local(spec)
 
-    rewards = tuple(judge_or_named(r) for r in cfg.rewards.reward)
+    def judged(r: str) -> str:  # judge:MODEL: its model directory
+        return f"judge:{local(r.removeprefix('judge:'))}" if r.startswith("judge:") else named(r)
+
+    def file(p: str | None) -> str | None:  # a judge template or rubric: a file, else text or a built-in name
+        return str(Path(p).expanduser().resolve()) if p and Path(p).expanduser().is_file() else p
+
+    rewards = tuple(judged(r) for r in cfg.rewards.reward)
     out = (
         str(Path(cfg.run.output_dir).expanduser().absolute()) if cfg.run.output_dir not in (None, "-")
         else cfg.run.output_dir
@@ -350,7 +356,9 @@ def absolute_paths(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=model, dataset=absolute(cfg.data.dataset),
                                eval_dataset=absolute(cfg.data.eval_dataset), reward=rewards,
                                env=named(cfg.episodes.env), output_dir=out,
-                               teacher=tuple(teacher(t) for t in cfg.distill.teacher))
+                               teacher=tuple(teacher(t) for t in cfg.distill.teacher),
+                               judge_template=file(cfg.rewards.judge_template),
+                               judge_rubric=file(cfg.rewards.judge_rubric))
 
 
 __all__ = ["DERIVED", "Facts", "absolute_paths", "checked", "corrects_mismatch", "flag", "given", "resolve",
