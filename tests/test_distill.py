@@ -197,6 +197,8 @@ def test_a_teacher_with_another_vocabulary_is_refused_naming_both():
     (["--teacher", "self"], "teacher_context: is needed by --teacher self"),
     (["--teacher", "self", "--teacher-context", "{solution}"], "teacher_context: names the field 'solution'"),
     (["--teacher-context", "{answer}"], "teacher_context: is the teacher's, and no --teacher is given"),
+    (["--teacher", "self", "--teacher-context", "{answer}", "--max-prompt-length", "8"],
+     "teacher_context: cannot be combined with --max-prompt-length"),
     (["--teacher", "tiny", "--teacher", "tiny-long"], "teacher: 2 teachers without a task name"),
     (["--teacher", "chain_sum=tiny"], "teacher: chain_sum= names a task that is not in --task arithmetic"),
     (["--teacher", "no/such-dir-or-hub-id-xyz"], "no/such-dir-or-hub-id-xyz"),

@@ -93,6 +93,9 @@ def distill_rules(cfg: TrainConfig):
         "sampling with --teacher self and --max-staleness > 0 puts the weights' drift into the term: the teacher is " \
         "the policy at the step, the student's log-probs the stale sampler's (log π_k(y|x,ctx) − log π_k−s(y|x)); " \
         "use --old-logp recompute (the default there)"
+    yield not (d.teacher_context and cfg.data.max_prompt_length > 0), "teacher_context", \
+        "cannot be combined with --max-prompt-length: the teacher's prompt, longer by the context, would be cut " \
+        "where the student's was not (or past the model's positions)"
     yield not (d.teacher_context is not None and not specs), "teacher_context", \
         "is the teacher's, and no --teacher is given"
     yield not (any(is_url(s) for _, s in specs) and cfg.sampling.temperature != 1.0), "teacher", \
