@@ -182,7 +182,8 @@ def compare_help() -> str:
 
 
 def parse_config(spec: str) -> tuple[str, dict]:
-    """A preset name, or `name:key=value,key=value` (values parsed as YAML, checked by type)."""
+    """A preset name, or `name:key=value,key=value` (values parsed as YAML, checked by type; a list
+    in brackets keeps its commas)."""
     if ":" not in spec:
         if spec not in PRESETS:
             raise ConfigError(f"unknown configuration {spec!r}; presets: {', '.join(PRESETS)}, "
@@ -191,13 +192,29 @@ def parse_config(spec: str) -> tuple[str, dict]:
     name, _, body = spec.partition(":")
     fields = set(SECTION_OF)
     out = {}
-    for item in filter(None, body.split(",")):
+    for item in filter(None, _items(body)):
         key, eq, raw = item.partition("=")
         key = key.strip().replace("-", "_")
         if not eq or key not in fields:
             raise ConfigError(f"configuration {name!r}: {item!r} is not key=value with a gspo train option as key")
         out[key] = check_value(key, yaml_value(raw), f"configuration {name!r}: {key}")
     return name, out
+
+
+def _items(body: str) -> list[str]:
+    """`key=value,key=value` split at the commas outside brackets: a value may be a YAML flow list
+    (`reward=[exact_integer,judge:tiny]`) or mapping.
+
+    >>> _items("reward=[a,b],reward_weights=[0,1],lr=1e-3")
+    ['reward=[a,b]', 'reward_weights=[0,1]', 'lr=1e-3']
+    """
+    items, depth, start = [], 0, 0
+    for i, c in enumerate(body):
+        depth += (c in "[{") - (c in "]}")
+        if c == "," and depth == 0:
+            items.append(body[start:i])
+            start = i + 1
+    return [*items, body[start:]]
 
 
 def _mean(xs):
