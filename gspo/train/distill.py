@@ -42,8 +42,6 @@ from gspo.models.loading import DTYPES, ModelError, load_policy, load_tokenizer,
 from gspo.models.logprobs import Split, token_logprobs
 from gspo.models.sequences import Rollout, left_pad
 from gspo.processes import parallel
-from gspo.sampling.episodes import with_suffix
-from gspo.sampling.rollout import encode_prompts
 
 Tensor = torch.Tensor
 
@@ -179,6 +177,9 @@ class Teachers:
     def with_context(self, ro: Rollout, examples: list, tokenizer) -> Rollout:
         """`ro` with each row's prompt re-rendered with the privileged context appended to its last
         message; the completion columns unchanged."""
+        from gspo.sampling.episodes import with_suffix  # (these import transformers: gspo.train.resolve does not)
+        from gspo.sampling.rollout import encode_prompts
+
         prompts = [with_suffix(ex.prompt, _row_context(self.context, ex)) for ex in examples]
         ids, mask = left_pad(encode_prompts(tokenizer, prompts), tokenizer.pad_token_id, device=ro.prompt_ids.device)
         return dataclasses.replace(ro, prompt_ids=ids, prompt_mask=mask.to(ro.prompt_mask.dtype), routing=None)
