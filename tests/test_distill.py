@@ -280,7 +280,7 @@ def test_two_teachers_for_a_reasoning_gym_mix(trained, tmp_path):
     pytest.importorskip("reasoning_gym")
     out = tmp_path / "run"
     mix = "reasoning_gym:basic_arithmetic,chain_sum"
-    assert main(["train", *FAST, "--steps", "1", "--model", "tiny", "--task", mix,
+    assert main(["train", *FAST, "--steps", "1", "--model", "tiny", "--task", mix, "--max-prompt-length", "40",
                  "--teacher", f"chain_sum={trained}", "--teacher", "basic_arithmetic=tiny",
                  "--output-dir", str(out)]) == 0
     assert "distill/reverse_kl" in rows(out)[0]
