@@ -65,3 +65,30 @@ def _cut(sock, late: threading.Event) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+class BadAddress(ValueError):
+    """`server_base`'s refusal: `port` when the port is not a number, else not a server's address."""
+
+    def __init__(self, url: str, port: bool):
+        super().__init__(f"{url!r} {'has an invalid port' if port else 'is not a server address'}")
+        self.port = port
+
+
+def server_base(url: str, paths: tuple[str, ...], *, fragment: bool = False) -> str:
+    """http(s)://HOST:PORT of a server's address as a user typed it: its path one of `paths` once a
+    final '/' is dropped, no query, and a fragment only where `fragment`; BadAddress otherwise.
+
+    >>> server_base("http://10.0.0.7:8000/v1/", ("", "/v1"))
+    'http://10.0.0.7:8000'
+    """
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path[:-1] if parts.path.endswith("/") else parts.path
+    if parts.scheme not in ("http", "https") or not parts.hostname or path not in paths or parts.query \
+            or (parts.fragment and not fragment):
+        raise BadAddress(url, port=False)
+    try:
+        _ = parts.port
+    except ValueError:
+        raise BadAddress(url, port=True) from None
+    return f"{parts.scheme}://{parts.netloc}"

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 
 from gspo.config.checks import one_line
-from gspo.io.http import HTTPFailed, exchange
+from gspo.io.http import BadAddress, HTTPFailed, exchange, server_base
 from gspo.tasks.scoring import RewardError, completion_text
 
 PREFIX = "judge:"
@@ -236,15 +236,16 @@ class ServerJudge:
     def connect(cls, spec: str, options: JudgeOptions) -> ServerJudge:
         """The server of `spec` (http[s]://HOST:PORT[/v1][#MODEL]), checked: it answers /v1/models
         within the deadline and serves the model asked for (else its first)."""
-        parts = urllib.parse.urlsplit(spec)
-        if not parts.hostname or parts.path.rstrip("/") not in ("", "/v1") or parts.query:
+        try:
+            base = server_base(spec, ("", "/v1"), fragment=True)
+        except BadAddress:
             raise RewardError(f"reward 'judge:{spec}': not a server's address; expected judge:http://HOST:PORT "
-                              "(optionally #MODEL)")
-        judge = cls(f"{parts.scheme}://{parts.netloc}", "", options, os.environ.get(KEY_VARIABLE) or None)
+                              "(optionally #MODEL)") from None
+        judge = cls(base, "", options, os.environ.get(KEY_VARIABLE) or None)
         listed = judge.call("/v1/models", None)
         ids = [m.get("id") for m in (listed or {}).get("data", []) if isinstance(m, dict) and m.get("id")] \
             if isinstance(listed, dict) else []
-        want = urllib.parse.unquote(parts.fragment)
+        want = urllib.parse.unquote(urllib.parse.urlsplit(spec).fragment)
         if not ids or (want and want not in ids):
             raise RewardError(f"judge {judge.url}: GET /v1/models lists {ids or 'no model'}"
                               + (f", not {want!r}" if want and ids else ""))

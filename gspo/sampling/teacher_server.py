@@ -49,10 +49,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-from gspo.io.http import HTTPFailed, exchange
+from gspo.io.http import BadAddress, HTTPFailed, exchange, server_base
 from gspo.sampling.vllm_server import KEY_VARIABLE, LOGP_SLACK, ServerError, _reason
 
 # the tokenizer probe: words, digits, punctuation, whitespace and unicode (accents, CJK, emoji, math)
@@ -204,17 +203,13 @@ class ServedTeacher:
 
 def base_url(url: str) -> str:
     """A server's base from what a user typed: http(s)://HOST:PORT, with or without /v1 (or a final /)."""
-    parts = urllib.parse.urlsplit(str(url).strip())
-    path = parts.path.rstrip("/")
-    if parts.scheme not in ("http", "https") or not parts.hostname or path not in ("", "/v1") or parts.query \
-            or parts.fragment:
-        raise TeacherError(f"teacher: {url!r} is not a server's address; expected http://HOST:PORT or "
-                           "http://HOST:PORT/v1")
     try:
-        _ = parts.port
-    except ValueError:
-        raise TeacherError(f"teacher: {url!r} has an invalid port") from None
-    return f"{parts.scheme}://{parts.netloc}"
+        return server_base(str(url).strip(), ("", "/v1"))
+    except BadAddress as e:
+        if e.port:
+            raise TeacherError(f"teacher: {url!r} has an invalid port") from None
+        raise TeacherError(f"teacher: {url!r} is not a server's address; expected http://HOST:PORT or "
+                           "http://HOST:PORT/v1") from None
 
 
 def _first_difference(tokenizer, ids: list[int], answer: dict) -> str:

@@ -75,7 +75,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,7 +82,7 @@ from pathlib import Path
 import torch
 
 from gspo.config.checks import one_line
-from gspo.io.http import HTTPFailed, exchange
+from gspo.io.http import BadAddress, HTTPFailed, exchange, server_base
 from gspo.models.sequences import Rollout
 from gspo.sampling.rollout import SamplingParams
 from gspo.sampling.vllm_engine import checkpoint_weights, rollout_from
@@ -119,16 +118,13 @@ class Server:
     device: str = ""  # where it computes (its vllm_config's device_config: cpu, cuda)
 
     def __post_init__(self):
-        parts = urllib.parse.urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") \
-                or parts.query or parts.fragment:
-            raise ServerError(f"vllm_server_url: {self.url!r} is not a server's address; expected "
-                              "http://HOST:PORT (no path: gspo calls /v1/completions and vLLM's routes itself)")
         try:
-            _ = parts.port
-        except ValueError:
-            raise ServerError(f"vllm_server_url: {self.url!r} has an invalid port") from None
-        self.url = f"{parts.scheme}://{parts.netloc}"
+            self.url = server_base(self.url, ("",))
+        except BadAddress as e:
+            if e.port:
+                raise ServerError(f"vllm_server_url: {self.url!r} has an invalid port") from None
+            raise ServerError(f"vllm_server_url: {self.url!r} is not a server's address; expected http://HOST:PORT "
+                              "(no path: gspo calls /v1/completions and vLLM's routes itself)") from None
 
     def call(self, path: str, body: dict | None = None, *, timeout: float, what: str | None = None,
              ticket: Ticket | None = None):
