@@ -8,6 +8,7 @@ import torch
 
 import gspo.models.fastmoe as fastmoe
 import gspo.sampling.fastdecode as fd
+import gspo.sampling.hfdecode as hfdecode
 import gspo.sampling.rollout as rollout_module
 from gspo.models.logprobs import completion_logprobs
 from gspo.models.moe import Routing, find_routers
@@ -62,14 +63,14 @@ def encode(tok, texts=PROMPTS):
 
 
 def hf_only(monkeypatch):
-    monkeypatch.setattr(fd.FastDecoder, "supports", staticmethod(lambda model, max_len: False))
+    monkeypatch.setattr(fd, "path", lambda model, max_len, **kw: ("hf", "test: Hugging Face's forward only"))
 
 
 def spy_decoders(monkeypatch) -> list:
     made = []
 
-    def spy(m, max_len):
-        made.append(fd.decoder(m, max_len))
+    def spy(m, max_len, **kw):
+        made.append(fd.decoder(m, max_len, **kw))
         return made[-1]
 
     monkeypatch.setattr(rollout_module, "decoder", spy)
@@ -169,7 +170,7 @@ def test_a_fallback_records_the_routing_of_hf_forward(models, char_tokenizer, mo
     routing = Routing(model)
     params = sampling_params(tok, group_size=4, max_new_tokens=12, min_new_tokens=12)
     made = spy_decoders(monkeypatch)
-    monkeypatch.setattr(fd, "_said", [])
+    monkeypatch.setattr(hfdecode, "_said", [])
     right = fastmoe.sparse_moe
 
     def misrouted(block, h):
@@ -228,18 +229,33 @@ def test_what_the_compact_step_does_not_know_is_refused_with_a_reason(char_token
     from gspo.models.tiny import tiny_moe_config
 
     model = Qwen3MoeForCausalLM(tiny_moe_config(len(char_tokenizer), num_hidden_layers=2)).eval()
-    assert fd.unsupported(model, 64) is None
+    assert fd.path(model, 64) == ("fast", None)
     change(model)
-    assert fd.unsupported(model, 64).startswith(reason)
-    assert fd.describe(model, 64) == f"Hugging Face's forward ({fd.unsupported(model, 64)})"
-    assert type(fd.decoder(model, 64)) is fd.HFDecoder
+    # the hand-written step says why not; the model's own layers (its own MoE blocks) decode it instead
+    kind, why = fd.path(model, 64)
+    assert kind == "layers" and why.startswith(f"the hand-written step: {reason}")
+    assert fd.unsupported(model, 64) is None  # not Hugging Face's forward
+    assert fd.describe(model, 64) == \
+        f"the compact decode step over the model's own layers (gspo.sampling.layerdecode; {why})"
+    assert type(fd.decoder(model, 64)) is fd.LayerDecoder
 
 
-def test_other_moe_families_decode_with_hf_forward(char_tokenizer):
+def test_other_moe_families_decode_over_their_own_layers(char_tokenizer):
+    # Mixtral and OLMoE: not the hand-written step's; the model's own forward over gspo's cache, its own
+    # routers recording the experts, and the recorded log-probs equal a full recomputation
     from tests.test_moe import tiny_moe
 
+    tok = char_tokenizer
     for arch in ("mixtral", "olmoe"):
-        model = tiny_moe(arch, vocab=len(char_tokenizer))
-        assert fd.unsupported(model, 64) == f"model_type {arch} is not one of llama, mistral, qwen2, qwen2_moe, " \
-                                           "qwen3, qwen3_moe"
-        assert type(fd.decoder(model, 64)) is fd.HFDecoder
+        model = tiny_moe(arch, vocab=len(tok))
+        assert fd.path(model, 64) == ("layers", f"the hand-written step: model_type {arch} is not one of llama, "
+                                                "mistral, qwen2, qwen2_moe, qwen3, qwen3_moe")
+        assert type(fd.decoder(model, 64)) is fd.LayerDecoder
+        routing = Routing(model)
+        ro = generate(model, encode(tok), sampling_params(tok, group_size=3, max_new_tokens=10, min_new_tokens=10),
+                      generator=torch.Generator().manual_seed(0), routing=routing)
+        with torch.no_grad():
+            lp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask)
+        torch.testing.assert_close(lp, ro.logp, rtol=1e-5, atol=1e-5)
+        assert ro.routing is not None and (ro.routing[:, :-1] >= 0).all()  # every fed token's experts recorded
+        routing.remove()

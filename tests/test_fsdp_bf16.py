@@ -75,8 +75,8 @@ def _bf16_sampler_worker(rank: int, init_file: str, out_dir: str):
     root = wrap(TokenLogprobs(policy), d, mixed=torch.bfloat16)
     seen, real = [], rollout_module.decoder
 
-    def spy(model, max_len):  # what the sampler decodes with, and the weights it reads
-        dec, w = real(model, max_len), model.model.layers[0].self_attn.q_proj.weight
+    def spy(model, max_len, **kw):  # what the sampler decodes with, and the weights it reads
+        dec, w = real(model, max_len, **kw), model.model.layers[0].self_attn.q_proj.weight
         seen.append((type(dec).__name__, w.dtype, hasattr(w, "placements")))
         return dec
 

@@ -56,8 +56,8 @@ def recording(monkeypatch) -> list:
     calls = []
     make = fd.decoder
 
-    def decoder(model, max_len):
-        dec = make(model, max_len)
+    def decoder(model, max_len, **kw):
+        dec = make(model, max_len, **kw)
         prefill, step = dec.prefill, dec.step
 
         def recorded_prefill(ids, attn, pos):
@@ -132,7 +132,7 @@ def test_a_kept_cache_samples_the_episodes_a_full_prefill_does(tool_model, moe_m
     # log-probs to float rounding; with holes in the cache (finished rows' pads, turns cut by a
     # stop string or the token budget), on both decoders, and on an MoE model with its routing
     if decode == "hf":
-        monkeypatch.setattr(fd.FastDecoder, "supports", staticmethod(lambda model, max_len: False))
+        monkeypatch.setattr(fd, "path", lambda model, max_len, **kw: ("hf", "test"))
     routing = None
     if case == "moe":
         model, tok = moe_model
@@ -268,7 +268,7 @@ def test_a_chunk_before_any_decode_step_is_checked_against_hugging_face(tool_mod
     model, tok = tool_model
     made = []
     make = fd.decoder
-    monkeypatch.setattr(rollout_module, "decoder", lambda m, n: made.append(make(m, n)) or made[-1])
+    monkeypatch.setattr(rollout_module, "decoder", lambda m, n, **kw: made.append(make(m, n, **kw)) or made[-1])
     prompt = tok("<|im_start|>user\n12*34=<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     one = sampling_params(tok, group_size=2, max_new_tokens=1)
     later = sampling_params(tok, group_size=1, max_new_tokens=6)

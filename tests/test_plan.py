@@ -75,7 +75,7 @@ def test_the_model_is_named_and_a_built_in_is_not_a_gguf_file(tmp_path):
 def test_lora(tmp_path):
     p = plan_of(tmp_path, lora_r=4)
     assert p["lora"] == {"r": 4, "alpha": 16.0, "dropout": 0.0, "target_modules": ["all-linear"]}
-    assert (p["decode"], p["decode_why"]) == ("hf", "a PEFT model")
+    assert (p["decode"], p["decode_why"]) == ("fast", None)  # the hand-written step applies the adapters
     assert "LoRA r=4 (alpha 16, all-linear)" in describe(p)
 
 

@@ -221,7 +221,7 @@ def test_the_compact_decode_step_is_greedy_as_transformers_generate(smol, monkey
 
     model, tok = smol
     made = []
-    monkeypatch.setattr(rollout_module, "decoder", lambda m, n: made.append(fd.decoder(m, n)) or made[-1])
+    monkeypatch.setattr(rollout_module, "decoder", lambda m, n, **kw: made.append(fd.decoder(m, n, **kw)) or made[-1])
     prompts = chat_prompts(tok, QUESTIONS)
     ro = generate(model, prompts, sampling_params(tok, group_size=1, max_new_tokens=20, temperature=0.0))
     assert type(made[0]) is fd.FastDecoder and not made[0].fallback  # the compact step decoded
@@ -260,7 +260,7 @@ def test_a_lora_run_on_a_reasoning_gym_task_by_name_and_its_export(gspo_cache, c
     captured = capsys.readouterr()
     err = captured.out + captured.err
     assert f"model: {GGUF_FILE} (GGUF llama Q4_1 (134.5M parameters), dequantised to float32 once" in err
-    assert "decode: Hugging Face's forward (a PEFT model)" in err and "LoRA r=8" in err, err
+    assert "decode: the compact decode step (gspo.sampling.fastdecode)" in err and "LoRA r=8" in err, err
     config = (run / "config.yaml").read_text()
     assert "task: reasoning_gym:basic_arithmetic" in config and "max_terms=2" in config
     samples = (run / "samples.jsonl").read_text()

@@ -315,8 +315,8 @@ def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
         model.lm_head.weight[tok.eos_token_id] += 50.0 * model.model.norm.weight.sign()
     made = []
 
-    def spy(m, max_len):
-        made.append(fd.decoder(m, max_len))
+    def spy(m, max_len, **kw):
+        made.append(fd.decoder(m, max_len, **kw))
         return made[-1]
 
     monkeypatch.setattr(rollout_module, "decoder", spy)
@@ -326,11 +326,11 @@ def test_kv_cache_grows_with_what_is_generated(char_tokenizer, monkeypatch):
     assert isinstance(made[0], fd.FastDecoder) and not made[0].fallback
     P = ro.prompt_ids.shape[1]
     assert int(ro.lengths.max()) < 20  # 3 banned steps, then EOS soon
-    assert made[0].k.shape[3] == P + fd.BLOCK < P + 1000
+    assert made[0].cols.capacity == P + fd.BLOCK < P + 1000
     # and it doubles when a rollout does run long (the recorded log-probs stay exact)
     long = generate(model, encode(tok, PROMPTS[:1]), sampling_params(tok, group_size=1, max_new_tokens=150,
                                                                       min_new_tokens=150))
-    assert made[-1].k.shape[3] >= long.prompt_ids.shape[1] + 150 > P + fd.BLOCK
+    assert made[-1].cols.capacity >= long.prompt_ids.shape[1] + 150 > P + fd.BLOCK
     from gspo.models.logprobs import completion_logprobs
 
     with torch.no_grad():

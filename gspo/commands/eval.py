@@ -153,7 +153,8 @@ def _evaluate(a: EvalArgs, threads: int) -> int:
     options = EvalOptions(n=cfg.eval.eval_size, k=a.k, temperature=sampling.temperature,
                           max_new_tokens=sampling.max_new_tokens, seed=a.seed, progress=cfg.run.progress,
                           stop=stop_token_ids(tok, model, sampling.stop_token), log=line_on_stderr,
-                          episode=EpisodeSpec.from_config(cfg, env, max_turns))  # progress: a bar, else lines
+                          episode=EpisodeSpec.from_config(cfg, env, max_turns),
+                          cuda_graphs=sampling.cuda_graphs)  # progress: a bar, else lines
     res = evaluate(model, tok, task, rewards, options)
     print(json.dumps({"model": model_path, "task": cfg.data.dataset or cfg.data.task,
                       "max_new_tokens": sampling.max_new_tokens, "threads": threads, **res}))

@@ -303,6 +303,11 @@ class Sampling:
     rollout_dtype: Literal["same", "float32", "bfloat16", "float16"] = opt("same",
         "Sample with a copy of the policy in this dtype, synced every step, to emulate an inference engine's "
         "precision (same = sample with the policy itself).")
+    cuda_graphs: bool = opt(True,
+        "gspo's own sampler on a CUDA device: capture the decode step in a CUDA graph (a static KV cache, the "
+        "batch padded to a bucket; once per rollout, checked against the eager step) where the model allows it "
+        "(not an MoE model); false: every decode step launched eagerly. No effect on the CPU or with vLLM.",
+        resume=True)
     integrity: Literal["stop", "warn"] = opt("stop",
         "What a breach of the integrity check does (a trained token that no sampler drew in that context, or "
         "an on-policy log-ratio past its tolerance; docs/agents.md, Integrity): stop the run before the step's "

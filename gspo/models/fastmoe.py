@@ -28,14 +28,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gspo.models.adapters import lin
+
 Tensor = torch.Tensor
 
 SPARSE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock")
 
 
 def dense_mlp(mlp, h: Tensor) -> Tensor:
-    """A bias-free SiLU-gated MLP: down(silu(gate(h)) · up(h))."""
-    return F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
+    """A bias-free SiLU-gated MLP: down(silu(gate(h)) · up(h)) (LoRA adapters on its projections applied:
+    gspo.models.adapters.lin)."""
+    return lin(mlp.down_proj, F.silu(lin(mlp.gate_proj, h)) * lin(mlp.up_proj, h))
 
 
 def _grouped(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
@@ -71,7 +74,7 @@ def sparse_moe(block, h: Tensor) -> Tensor:
     else:  # the model's own experts module (transformers' kernels for the device and dtype)
         out = block.experts(h, chosen, gates)
     if hasattr(block, "shared_expert"):  # Qwen2-MoE
-        out = out + torch.sigmoid(F.linear(h, block.shared_expert_gate.weight)) * dense_mlp(block.shared_expert, h)
+        out = out + torch.sigmoid(lin(block.shared_expert_gate, h)) * dense_mlp(block.shared_expert, h)
     return out
 
 

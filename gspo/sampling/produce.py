@@ -148,7 +148,7 @@ def rollout(run: SamplingSide, examples: list, step: int, purpose: str = "", rec
     cfg, dist, G = run.cfg, run.dist, run.cfg.sampling.group_size
     params = sampling_params(run.tokenizer, stop=run.stop_ids, group_size=G, max_new_tokens=cfg.sampling.max_new_tokens,
                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                             min_new_tokens=cfg.sampling.min_new_tokens)
+                             min_new_tokens=cfg.sampling.min_new_tokens, cuda_graphs=cfg.sampling.cuda_graphs)
     run.sampler.sync(run.policy, version=version)
     sampler = Recorded(run.sampler, receipts) if receipts is not None else run.sampler
     rows = (dist.rank * len(examples) * G, cfg.sampling.prompts_per_step * G)

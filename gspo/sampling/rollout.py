@@ -57,6 +57,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_new_tokens: int = 0  # no stop token before this many tokens
+    cuda_graphs: bool = True  # gspo's own sampler on a CUDA device: decode in CUDA graphs where the model allows it
 
 
 def stop_token_ids(tokenizer, model=None, extra: tuple[str, ...] = ()) -> tuple[int, ...]:
@@ -137,14 +138,14 @@ class PolicySampler:
             return _sample(self.model, prompts, params, (generator, rows), self.routing, turns)
 
 
-def fsdp_sampling_note(model, dtype: torch.dtype, max_len: int) -> str:
+def fsdp_sampling_note(model, dtype: torch.dtype, max_len: int, cuda_graphs: bool = True) -> str:
     """What a run says at its start under FSDP: how it samples and what that costs. `model`: the
     policy before sharding (the decode path is read from its plain parameters)."""
     size = dtype.itemsize * sum(p.numel() for p in model.parameters())  # tied weights count once
     size_text = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
     return (f"parallel: fsdp samples with the sharded policy itself: each rollout gathers all its parameters on "
             f"every process in {str(dtype).removeprefix('torch.')} ({size_text}, freed when the rollout ends; no "
-            f"copy is kept between rollouts) and decodes with {describe(model, max_len)}")
+            f"copy is kept between rollouts) and decodes with {describe(model, max_len, cuda_graphs=cuda_graphs)}")
 
 
 def encode_prompts(tokenizer, prompts: list, max_length: int = 0, tools: list | None = None) -> list[list[int]]:
@@ -314,7 +315,7 @@ def _prefill(model, prompts: list[list[int]], params: SamplingParams, keep: bool
     device = next(model.parameters()).device
     G = params.group_size
     prompt_ids, prompt_mask = left_pad(prompts, params.pad_token_id, device)  # (N, P)
-    dec = decoder(model, prompt_ids.shape[1] + params.max_new_tokens)
+    dec = decoder(model, prompt_ids.shape[1] + params.max_new_tokens, cuda_graphs=params.cuda_graphs)
     pos = position_ids_from_mask(prompt_mask)  # (N, P)
     logits = dec.prefill(prompt_ids, prompt_mask, pos)  # (N, V)
     dec.expand(G)  # one prefill per prompt, shared by its G samples

@@ -56,7 +56,8 @@ class EvalOptions:
     and with its `env` (an environment class, gspo.tasks.env) each row is an episode of up to
     `max_turns` model turns, scored on its final model turn, its reward that score plus the
     environment's turn rewards (gspo.train.trainer.score). trainer_state: what the rewards get as
-    `trainer_state` (a training run's progress)."""
+    `trainer_state` (a training run's progress). cuda_graphs: on a CUDA device, decode in CUDA graphs where
+    the model allows it (`--cuda-graphs`)."""
 
     n: int = 500
     k: int = 0
@@ -70,6 +71,7 @@ class EvalOptions:
     stop: tuple[int, ...] | None = None
     episode: EpisodeSpec = EpisodeSpec()
     trainer_state: TrainerState | None = None
+    cuda_graphs: bool = True
 
 
 @torch.no_grad()
@@ -88,9 +90,10 @@ def evaluate(model, tokenizer, task, rewards: list[Reward], options: EvalOptions
                           "failed"), 0.0)
     gen = torch.Generator().manual_seed(o.seed)
     stop = o.stop or stop_token_ids(tokenizer, model)
-    greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=o.max_new_tokens, temperature=0.0)
+    greedy = sampling_params(tokenizer, stop=stop, group_size=1, max_new_tokens=o.max_new_tokens, temperature=0.0,
+                             cuda_graphs=o.cuda_graphs)
     sampled = sampling_params(tokenizer, stop=stop, group_size=k, max_new_tokens=o.max_new_tokens,
-                              temperature=o.temperature)
+                              temperature=o.temperature, cuda_graphs=o.cuda_graphs)
     shown = _Shown(o, len(examples))
     for start in shown.bar(range(0, len(examples), batch_size)):
         chunk = examples[start:start + batch_size]

@@ -33,8 +33,8 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `micro_batch_tokens` | token budget of a forward/backward pass; 0: a whole minibatch per pass |
 | `lm_head` | `"chunked"` (gspo.models.lmhead: no (N, V) logits) or `"full"` (the model's own head) |
 | `lm_head_chunk` | tokens per chunk of the chunked head (None with the full head) |
-| `decode` | `"fast"` (gspo.sampling.fastdecode's compact decode step), `"hf"` (Hugging Face's forward) or `"vllm"` |
-| `decode_why` | why Hugging Face's forward decodes (None otherwise) |
+| `decode` | `"fast"` (gspo.sampling.fastdecode's hand-written compact decode step), `"layers"` (the compact decode step over the model's own layers, gspo.sampling.layerdecode), `"graphs"` (the same, captured in CUDA graphs), `"hf"` (Hugging Face's forward) or `"vllm"` |
+| `decode_why` | for `"layers"`, why not the hand-written step (and, on a GPU, why no CUDA graphs); for `"hf"`, why neither of gspo's steps; None otherwise |
 | `gradient_checkpointing` | bool |
 | `lora` | None, or `{"r", "alpha", "dropout", "target_modules"}` |
 | `moe` | the policy is a Mixture-of-Experts model whose routers are hooked (bool) |
@@ -170,8 +170,7 @@ def describe(p: dict, warnings: bool = True) -> str:
     if t.get("count"):
         layout += f" of {plural(t['count'], 'CPU thread')}" + (f" ({t['why']})" if t.get("why") else "")
     compute = f"compute {p['compute_dtype']}" + (" (autocast)" if p["autocast"] else "")
-    decode = {"fast": "the compact decode step (gspo.sampling.fastdecode)", "vllm": "vLLM's",
-              "hf": f"Hugging Face's forward ({p['decode_why']})"}[p["decode"]]
+    decode = "vLLM's" if p["decode"] == "vllm" else fastdecode.words(p["decode"], p["decode_why"])
     old = {"sampling": "the sampler's own log-probs", "recompute": "a training forward before the updates"}
     packing = f"{'on' if p['packing'] else 'off'} ({p['packing_why']})"
     micro = f"{p['micro_batch_tokens']} tokens" if p["micro_batch_tokens"] else "the whole minibatch"
@@ -290,11 +289,9 @@ def _decode(run: Run, engine: str, fsdp: bool) -> tuple[str, str | None]:
     if fsdp:
         said = [n.rpartition("decodes with ")[2] for n in run.notes if n.startswith("parallel: fsdp samples")]
         if said:
-            if said[0].startswith("the compact decode step"):
-                return "fast", None
-            return "hf", said[0].removeprefix("Hugging Face's forward (").removesuffix(")")
-    why = fastdecode.unsupported(run.sampler.model, cfg.data.max_prompt_length + cfg.sampling.max_new_tokens)
-    return ("fast", None) if why is None else ("hf", why)
+            return fastdecode.kind_of(said[0])
+    return fastdecode.path(run.sampler.model, cfg.data.max_prompt_length + cfg.sampling.max_new_tokens,
+                           cuda_graphs=cfg.sampling.cuda_graphs)
 
 
 def _chunked_head(policy, fsdp: bool) -> bool:

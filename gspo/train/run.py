@@ -300,7 +300,8 @@ def _training_side(run: Run, inputs: Inputs) -> None:
     mixed = DTYPES[cfg.policy.dtype] if cfg.policy.param_dtype != cfg.policy.dtype else None
     if isinstance(run.sampler, PolicySampler) and dist.enabled and dist.parallel == "fsdp":  # read before sharding
         run.notes.append(fsdp_sampling_note(policy, DTYPES[cfg.policy.dtype],
-                                            cfg.data.max_prompt_length + cfg.sampling.max_new_tokens))
+                                            cfg.data.max_prompt_length + cfg.sampling.max_new_tokens,
+                                            cfg.sampling.cuda_graphs))
     run.packed = _packing(cfg, policy, run.routing, run.notes)  # before sharding: an FSDP model has DTensor weights
     # what training forwards call: the log-prob forward (LM head included), DDP-wrapped or FSDP-sharded
     run.train_model = parallel.wrap(TokenLogprobs(policy), dist, find_unused=run.routing.moe, mixed=mixed)

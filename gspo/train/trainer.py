@@ -237,7 +237,8 @@ def _evaluate(run: Run, log, label: str) -> dict:
             n=cfg.eval.eval_size, max_new_tokens=cfg.sampling.max_new_tokens, stop=run.stop_ids,
             progress=cfg.run.progress and run.dist.is_main, log=log, label=label,
             episode=EpisodeSpec.from_config(cfg, run.env, run.max_turns),
-            trainer_state=TrainerState(run.progress.steps_done, cfg.run.steps)), dist=run.dist)
+            trainer_state=TrainerState(run.progress.steps_done, cfg.run.steps),
+            cuda_graphs=cfg.sampling.cuda_graphs), dist=run.dist)
 
 
 def finish(run: Run, reporter: Reporter | None, log=None) -> dict:
