@@ -14,6 +14,9 @@
 #   tests     `pytest -m gpu tests/` in $GSPO_PY; `pytest -m vllm tests/test_vllm.py tests/test_export.py`
 #             in $GSPO_VLLM_PY.
 #   model     scripts/make_qwen_shaped.py: random weights with Qwen2.5-0.5B's shapes (no download).
+#   decode    benchmarks/decode_graphs.py on that model: ms per decode step at 256 rows, eager launches against
+#             the step captured in a CUDA graph (--cuda-graphs); OUT/decode/decode.md, in the summary.
+#             --cpu: 16 rows, 8 steps, no graphs (the code path only).
 #   single    `gspo train` for --steps steps on the arithmetic task, one process: --rollout-engine vllm
 #             --dtype bfloat16 --param-dtype float32 --device cuda (reward: the share of even token
 #             ids, which varies between samples of a random model; see make_qwen_shaped.py).
@@ -44,7 +47,7 @@ cd "$(dirname "$0")/.."
 cpu="${GSPO_GPU_CHECK_CPU:-0}"
 out="${GSPO_GPU_CHECK_OUT:-runs/gpu-check}"
 steps=""
-stages="env,tests,model,single,torchrun,server,summary"
+stages="env,tests,model,decode,single,torchrun,server,summary"
 extra=()
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -156,6 +159,17 @@ else
 fi
 if want model || [ ! -f "$model/config.json" ]; then
     run_stage model "$train_py" scripts/make_qwen_shaped.py "$model" "${shape[@]}"
+fi
+
+# --- decode ---------------------------------------------------------------------------------
+if want decode; then
+    if [ "$cpu" = "1" ]; then
+        dec_args=(--device cpu --rows 16 --prompt-tokens 16 --steps 8 --repeats 1)
+    else
+        dec_args=(--device cuda --rows 256 --prompt-tokens 128 --steps 128 --repeats 2)
+    fi
+    mkdir -p "$out/decode"
+    run_stage decode "$py" benchmarks/decode_graphs.py --model "$model" "${dec_args[@]}" --out "$out/decode/decode.md"
 fi
 
 # --- the training runs ----------------------------------------------------------------------
@@ -408,6 +422,9 @@ else:
 server = out / "server" / "summary.md"
 if "server" in dict(stages) and server.is_file():  # the server stage ran in this invocation
     lines += ["", server.read_text().strip()]
+decode = out / "decode" / "decode.md"
+if "decode" in dict(stages) and decode.is_file():  # ms per decode step, eager and in CUDA graphs
+    lines += ["", "decode steps (benchmarks/decode_graphs.py):", "", decode.read_text().strip()]
 lines += ["", "median step, rollout, update: over steps 2.. (the first pays for warm-up); mismatch: median over steps;",
           "peak allocated: torch.cuda.max_memory_allocated, max over processes (vLLM's pools not included);",
           "peak used: nvidia-smi memory.used, max over GPUs and 200 ms samples (every process on the GPU)."]

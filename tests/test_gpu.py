@@ -42,3 +42,33 @@ def test_rollout_logprobs_match_on_cuda(char_tokenizer):
     with torch.no_grad():
         lp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask)
     torch.testing.assert_close(lp, ro.logp, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_cuda_graph_decode_records_the_training_forwards_logprobs(char_tokenizer, monkeypatch, family):
+    # on CUDA every dense model decodes over its own layers with its step captured in a CUDA graph: the graph
+    # is captured once, every later step is a replay, nothing falls back, and the recorded log-probs equal a
+    # full-sequence training forward (fp32)
+    import gspo.sampling.fastdecode as fd
+    import gspo.sampling.rollout as rollout_module
+    from tests.conftest import random_tiny_model
+    from tests.test_decode_families import build
+
+    tok = char_tokenizer
+    model = (random_tiny_model(tok) if family == "qwen3" else build(family, tok)).cuda()
+    assert fd.path(model, 64) == ("graphs", None)
+    made, real = [], fd.decoder
+    monkeypatch.setattr(rollout_module, "decoder", lambda m, n, **kw: made.append(real(m, n, **kw)) or made[-1])
+    ids = [tok(p)["input_ids"] for p in ["12+7=", "999-123=", "5+5="]]
+    ro = generate(model, ids, sampling_params(tok, group_size=4, max_new_tokens=20, min_new_tokens=20),
+                  generator=torch.Generator().manual_seed(0))
+    dec = made[0]
+    assert dec.static and dec.graphs.graph is not None and not dec.graphs.off and not dec.fallback
+    with torch.no_grad():
+        lp = completion_logprobs(model, ro.input_ids, ro.attention_mask, ro.completion_mask)
+    torch.testing.assert_close(lp, ro.logp, rtol=1e-4, atol=1e-4)
+    # --cuda-graphs false: the same tokens, launched eagerly
+    eager = generate(model, ids, sampling_params(tok, group_size=4, max_new_tokens=20, min_new_tokens=20,
+                                                 cuda_graphs=False), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(eager.completion_ids, ro.completion_ids)

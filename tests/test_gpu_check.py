@@ -73,7 +73,8 @@ def test_cpu_dry_run_prints_the_summary_table(tmp_path):
     md = (tmp_path / "check" / "gpu_check.md").read_text()
     assert md in proc.stdout  # printed as written, ready to paste into docs/gpu.md
     assert "tests: SKIPPED (CPU dry run)" in md and "single: ok" in md and "torchrun: ok" in md
-    rows = table_rows(md)
+    assert "decode: ok" in md and "| layers static |" in md and "no CUDA graphs: the model is on cpu" in md
+    rows = table_rows(md.split("decode steps (benchmarks/decode_graphs.py):")[0])  # the runs' table
     assert set(rows) == {"single", "torchrun"}
     assert rows["single"]["processes"] == "1" and rows["torchrun"]["processes"] == "2 (fsdp)"
     for r in rows.values():
