@@ -340,6 +340,12 @@ def test_where_graphs_serve_and_the_option_that_turns_them_off(char_tokenizer, m
     dense, gemma = random_tiny_model(tok), build("gemma3", tok)
     moe = tf.Qwen3MoeForCausalLM(tiny_moe_config(len(tok), num_hidden_layers=2)).eval()
     assert graphs.why_not(dense) == "the model is on cpu, not a CUDA device"
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = random_tiny_model(tok)
+    layer = sharded.model.layers[0]
+    layer.__class__ = type(f"FSDP{type(layer).__name__}", (FSDPModule, type(layer)), {})  # what fully_shard does
+    assert graphs.why_not(sharded) == "an FSDP-sharded model (its hooks run at every module call, outside any graph)"
     monkeypatch.setattr(graphs, "why_not", lambda m: None if m is not moe else "an MoE model's expert dispatch "
                                                                                 "depends on the data")
     # on a CUDA device (pretended): every model a graph can serve decodes over its own layers in graphs

@@ -55,7 +55,7 @@ class Cuda:
 
     def capture(self, fn):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # another thread's CUDA work is its own
             out = fn()
         return graph, out
 
@@ -150,12 +150,18 @@ def _say(what: str) -> None:
 
 def why_not(model) -> str | None:
     """Why a CUDA graph cannot serve `model`'s decode step; None when it can."""
+    cfg = model.config
+    if is_moe(model) or any(getattr(cfg, a, None) for a in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return "an MoE model's expert dispatch depends on the data"
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        FSDPModule = ()
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "an FSDP-sharded model (its hooks run at every module call, outside any graph)"
     device = next(model.parameters()).device
     if device.type != "cuda":
         return f"the model is on {device.type}, not a CUDA device"
     if not hasattr(torch.cuda, "CUDAGraph"):
         return "this torch has no torch.cuda.CUDAGraph"
-    cfg = model.config
-    if is_moe(model) or any(getattr(cfg, a, None) for a in ("num_experts", "num_local_experts", "n_routed_experts")):
-        return "an MoE model's expert dispatch depends on the data"
     return None

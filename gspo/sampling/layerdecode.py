@@ -84,8 +84,8 @@ class LayerDecoder(Checked):
         self.kinds = set(self.windows)
         w = [x for x in self.kinds if x is not None]
         self.window = w[0] if w else None
-        attn = getattr(text_config(model), "_attn_implementation", "sdpa")
-        self.mask_dtype = next(model.parameters()).dtype if attn == "eager" else None  # eager: additive masks
+        self.additive = getattr(text_config(model), "_attn_implementation", "sdpa") == "eager"
+        self.mask_dtype = None  # eager attention: additive masks in the computation's dtype (set at `expand`)
         self.static, self.graphs = static, graphs
         self.cols: Columns | None = None
         self.real = 0  # rows that are real (static mode: the rest of the bucket is padding)
@@ -93,6 +93,8 @@ class LayerDecoder(Checked):
     def expand(self, group_size: int) -> None:
         super().expand(group_size)  # Hugging Face's cache too: the fallback and the first step's reference
         self.real = self.cache.layers[0].keys.shape[0]
+        if self.additive:  # the keys' dtype is the forward's (under FSDP, the MixedPrecisionPolicy's)
+            self.mask_dtype = self.cache.layers[0].keys.dtype
         rows = bucket(self.real) if self.static else self.real
         self.cols = Columns.seed(self.cache, self.width, rows=rows, max_len=self.max_len, static=self.static)
 
