@@ -20,6 +20,7 @@ import json
 import os
 import resource
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -79,9 +80,18 @@ def model_path(name: str) -> str:
         tok = padded_char_tokenizer(vocab)
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(tiny_config(vocab, max_position_embeddings=4096, **kw))
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
+        # written beside it, then renamed into place: a build killed half-way, or two built at once
+        # (benchmarks/gate.py in CI, a test), never leaves a folder with a config and no weights
+        tmp = CACHE / f".{name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process put its build there first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (path / "config.json").exists():
+                raise
     return str(path)
 
 
