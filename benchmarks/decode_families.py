@@ -131,7 +131,8 @@ def main() -> None:
     for name in args.families:
         model = family(name)
         vocab = model.config.vocab_size
-        prompts = torch.randint(3, vocab, (args.prompts, args.prompt_tokens), generator=torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(1)
+        prompts = torch.randint(3, vocab, (args.prompts, args.prompt_tokens), generator=g)
         makers = decoders(model, args.prompt_tokens + args.tokens)
         ms = {k: [] for k in makers}
         for _ in range(args.repeats):

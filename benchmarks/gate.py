@@ -38,8 +38,8 @@ written, from the run-to-run spread measured then (`tolerance_for`: 1 + 2 x (max
 runs, at least `--min-tolerance`, 1.15); docs/performance.md says the spread measured and why.
 
 `--plant decode=X` is for the gate's own test (tests/test_gate.py): in this process only, every decode
-step of every decoder class in gspo.sampling.fastdecode takes X times as long (the step runs, then the
-thread spins for X - 1 times the CPU time it took). gspo's code is not changed.
+step of every decoder class (gspo.sampling.hfdecode.HFDecoder and its subclasses) takes X times as long
+(the step runs, then the thread spins for X - 1 times the CPU time it took). gspo's code is not changed.
 
 What it leaves out: multi-process runs, vLLM, GPUs, evaluation and checkpoints (`gspo train` does them,
 the default step does not); a regression that waits rather than computes (CPU time does not count a
@@ -187,21 +187,34 @@ def measure_all(names: list[str]) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def plant_decode(factor: float) -> list[str]:
-    """Make every decode step `factor` times as long, in this process: the `step` method of every class
-    gspo.sampling.fastdecode defines runs, then the thread spins for (factor - 1) times the CPU time it
-    took. A step that calls another class's (FastDecoder's first step checks itself against HFDecoder's)
-    is slowed once, as a whole. Returns the names of the classes patched."""
-    from gspo.sampling import fastdecode
+def _decoders() -> list[type]:
+    """Every decoder class: gspo.sampling.hfdecode.HFDecoder and its subclasses, wherever defined (the
+    hand-written step's, the layer step's, any added later), once each the decoding modules are imported."""
+    from gspo.sampling import fastdecode, hfdecode, layerdecode  # noqa: F401  (their classes, subclassed)
 
+    out, todo = [], [hfdecode.HFDecoder]
+    while todo:
+        cls = todo.pop()
+        if cls not in out:
+            out.append(cls)
+            todo.extend(cls.__subclasses__())
+    return out
+
+
+def plant_decode(factor: float) -> list[str]:
+    """Make every decode step `factor` times as long, in this process: the `step` method of every decoder
+    class that defines one (`_decoders`) runs, then the thread spins for (factor - 1) times the CPU time
+    it took. A step that calls another class's (a compact step's first step checks itself against
+    HFDecoder's; FastDecoder and LayerDecoder inherit Checked's) is slowed once, as a whole. Returns the
+    names of the classes patched."""
     inside = threading.local()
     patched = []
-    for name, cls in sorted(vars(fastdecode).items()):
-        if isinstance(cls, type) and cls.__module__ == fastdecode.__name__ and "step" in vars(cls):
+    for cls in sorted(_decoders(), key=lambda c: c.__name__):
+        if "step" in vars(cls):
             cls.step = _slowed(vars(cls)["step"], factor, inside)
-            patched.append(name)
+            patched.append(cls.__name__)
     if not patched:
-        raise SystemExit("gate: --plant decode: gspo.sampling.fastdecode defines no class with a step method")
+        raise SystemExit("gate: --plant decode: no decoder class defines a step method")
     return patched
 
 

@@ -69,9 +69,10 @@ def test_the_tolerance_follows_the_spread(gate):
 
 
 def test_the_plant_slows_every_decoder_once(gate, monkeypatch):
-    # the plant wraps the `step` of every class gspo.sampling.fastdecode defines, one added later included;
-    # a step that calls another's (FastDecoder's first step checks itself against HFDecoder's) is slowed once
-    from gspo.sampling import fastdecode
+    # the plant wraps the `step` of every decoder class (HFDecoder's subclasses, wherever defined), one added
+    # later included; a step that calls another's (a compact step's first step checks itself against
+    # HFDecoder's, and a fallen-back one calls it) is slowed once
+    from gspo.sampling import fastdecode, hfdecode
 
     class ThirdDecoder(fastdecode.HFDecoder):  # a decoder class the gate does not name
         def __init__(self):
@@ -80,14 +81,13 @@ def test_the_plant_slows_every_decoder_once(gate, monkeypatch):
         def step(self, tok, attn, pos):
             return "third"
 
-    ThirdDecoder.__module__ = fastdecode.__name__
-    monkeypatch.setattr(fastdecode, "ThirdDecoder", ThirdDecoder, raising=False)
-    for cls in (fastdecode.HFDecoder, fastdecode.FastDecoder, ThirdDecoder):
+    for cls in (hfdecode.HFDecoder, hfdecode.Checked, ThirdDecoder):
         monkeypatch.setattr(cls, "step", vars(cls)["step"])  # put back after the test
     monkeypatch.setattr(fastdecode.HFDecoder, "_forward", lambda self, tok, attn, pos: "hf")
     burns = []
     monkeypatch.setattr(gate, "_burn", burns.append)
-    assert {"HFDecoder", "FastDecoder", "ThirdDecoder"} <= set(gate.plant_decode(3.0))
+    assert {"HFDecoder", "Checked", "ThirdDecoder"} <= set(gate.plant_decode(3.0))
+    assert "step" not in vars(fastdecode.FastDecoder) and "step" not in vars(fastdecode.LayerDecoder)  # Checked's
 
     fast = object.__new__(fastdecode.FastDecoder)
     fast.fallback = True  # FastDecoder.step calls HFDecoder.step, itself wrapped
