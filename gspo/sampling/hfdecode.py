@@ -24,11 +24,49 @@ from packaging.version import Version
 from gspo.io.reporting import warn
 from gspo.models.lmhead import fused_head
 from gspo.models.moe import held, keep
-from gspo.sampling.kvcache import layer_kinds, windows
+from gspo.sampling.kvcache import bidirectional, layer_kinds, text_config, windows
 
 Tensor = torch.Tensor
 
 CHECK_TOL = {torch.float32: 1e-3, torch.float64: 1e-6}  # bf16/fp16: 0.25
+
+
+class DecodeError(ValueError):
+    """A rollout no decoder can sample so that the training forward gives its log-probs (`why_inexact`)."""
+
+
+def why_inexact(model, max_len: int) -> str | None:
+    """Why no decode step can record the training forward's log-probs for rollouts of up to `max_len`
+    positions; None when one can.
+    - Rotary scaling chosen by the sequence's length (transformers' `dynamic_rope_update`): LongRoPE
+      (Phi-3-128k) rotates with its short factors up to `original_max_position_embeddings` and its long
+      ones past it, dynamic NTK rescales past `max_position_embeddings`, each from the longest position
+      a forward sees. A decode step sees the positions so far, the training forward the whole sequence:
+      past the threshold the keys cached early were rotated otherwise than the training forward rotates them.
+    - A config that asks for bidirectional attention (`kvcache.bidirectional`)."""
+    why = bidirectional(text_config(model))
+    if why is not None:
+        return why
+    for m in model.modules():
+        kinds = getattr(m, "rope_type", None)
+        if kinds is None or not hasattr(m, "original_max_seq_len"):
+            continue
+        for layer_type, kind in (kinds.items() if isinstance(kinds, dict) else [(None, kinds)]):
+            if kind == "longrope":
+                params = getattr(m.config, "rope_parameters", None) or {}
+                params = params.get(layer_type, params) if layer_type else params
+                limit = params.get("original_max_position_embeddings") or \
+                    getattr(m.config, "original_max_position_embeddings", None) or m.original_max_seq_len
+            elif "dynamic" in kind:
+                limit = m.original_max_seq_len
+            else:
+                continue
+            if max_len > limit:
+                return (f"its rotary scaling ({kind}) is chosen by each forward's longest position: a rollout of "
+                        f"{max_len} positions, past {limit}, would be sampled with other rotary factors than the "
+                        f"training forward uses; keep prompt + completion within {limit} tokens "
+                        f"(--max-prompt-length, --max-new-tokens)")
+    return None
 # the KV cache's name, as a forward's argument and on its output: transformers 5.24 renamed
 # past_key_values to cache (the old name still works there, with a FutureWarning every call site sees)
 CACHE = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
@@ -54,19 +92,21 @@ class HFDecoder:
         return F.linear(out.last_hidden_state[:, -1], self.head.weight)  # (B, V)
 
     def prefill(self, ids: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
-        """A plain DynamicCache, every column kept: the one a model's forward makes from its config drops all
-        but the last window-1 columns of every layer whenever the config has a `sliding_window`, even where
-        the forward's masks never slide (a Llama config carrying one), and the decode then differs from the
-        training forward (gspo.sampling.kvcache.layer_kinds)."""
+        """A model of attention layers alone (gspo.sampling.kvcache.layer_kinds) gets a plain DynamicCache,
+        every column kept: the one its forward makes from its config drops all but the last window-1 columns
+        of every layer whenever the config has a `sliding_window`, even where the forward's masks never slide
+        (a Llama config carrying one), and the decode then differs from the training forward. Any other model
+        (state-space, convolution or linear-attention layers) gets the cache its own forward makes."""
         from transformers.cache_utils import DynamicCache
 
-        self.width = ids.shape[1]  # the cache's columns after it
-        self.cache = DynamicCache()
+        self.rows, self.width = ids.shape  # the prompts, and the cache's columns after it
+        self.cache = DynamicCache() if not isinstance(layer_kinds(self.model), str) else None
         return self._forward(ids, attn, pos)
 
     def expand(self, group_size: int) -> None:
         if group_size > 1:
-            self.cache.batch_repeat_interleave(group_size)
+            for layer in self.cache.layers:
+                _repeat_rows(layer, group_size, self.rows)
 
     def step(self, tok: Tensor, attn: Tensor, pos: Tensor) -> Tensor:
         """tok, pos (B,): one token per row; or (B, S): a chunk (a later turn, gspo.sampling.turncache), left-padded so
@@ -87,6 +127,28 @@ class HFDecoder:
         kinds = layer_kinds(self.model)
         return (all(type(layer) is DynamicLayer for layer in layers) and not isinstance(kinds, str)
                 and all(w is None for w in windows(self.model, max_len)))
+
+
+def _repeat_rows(layer, group_size: int, rows: int) -> None:
+    """Each of a cache layer's `rows` rows G times, in place of it: its keys and values by its own
+    `batch_repeat_interleave`, and any other state it holds, alone or in a dict or list (a linear-attention
+    or convolution layer's conv and recurrent states, which transformers 5.24's layers do not repeat), that
+    is a tensor whose first dimension is still `rows`."""
+    if hasattr(layer, "batch_repeat_interleave"):
+        layer.batch_repeat_interleave(group_size)
+
+    def rep(v):
+        return v.repeat_interleave(group_size, 0) if isinstance(v, Tensor) and v.dim() > 1 and v.shape[0] == rows else v
+
+    for name, value in list(vars(layer).items()):
+        if name in ("keys", "values"):
+            continue
+        if isinstance(value, dict):
+            setattr(layer, name, {k: rep(v) for k, v in value.items()})
+        elif isinstance(value, list):
+            setattr(layer, name, [rep(v) for v in value])
+        else:
+            setattr(layer, name, rep(value))
 
 
 class Checked(HFDecoder):

@@ -90,6 +90,13 @@ def layer_kinds(model) -> list[str] | str:
       else full."""
     cfg = text_config(model)
     n = cfg.num_hidden_layers
+    declared = getattr(cfg, "layer_types", None) or []
+    for i, kind in enumerate(declared):  # whatever the forward does with masks, these layers are not attention
+        if kind not in KINDS:
+            return f"layer {i} is a {kind} layer"
+    why = bidirectional(cfg)
+    if why is not None:
+        return why
     src = forward_source(backbone_of(model))
     if src is None:
         return "its forward's source cannot be read (gspo reads how it masks its layers)"
@@ -108,6 +115,18 @@ def layer_kinds(model) -> list[str] | str:
         if kind not in KINDS:
             return f"layer {i} is a {kind} layer"
     return list(types)
+
+
+def bidirectional(cfg) -> str | None:
+    """A config that asks its forward for attention to later tokens (EmbeddingGemma's
+    `use_bidirectional_attention`, `is_causal` false): the training forward then sees what no decode step
+    can. None when it asks for none."""
+    for name in sorted(vars(cfg)):
+        if "bidirectional" in name and getattr(cfg, name):
+            return f"its config asks for bidirectional attention ({name})"
+    if getattr(cfg, "is_causal", True) is False:
+        return "its config is not causal (is_causal false)"
+    return None
 
 
 def windows(model, max_len: int) -> list[int | None]:

@@ -40,6 +40,7 @@ from gspo.models.moe import NO_ROUTING
 from gspo.models.sequences import Rollout, left_pad, position_ids_from_mask
 from gspo.processes import parallel
 from gspo.sampling.fastdecode import decoder, describe
+from gspo.sampling.hfdecode import DecodeError, why_inexact
 from gspo.sampling.turncache import Start, TurnCache
 
 Tensor = torch.Tensor
@@ -112,11 +113,16 @@ class PolicySampler:
     keep_cache: keep each row's KV cache from one `sample` to the next, so that a later turn of
     multi-turn episodes feeds only its new tokens (gspo.sampling.turncache); `end_rollout` and `sync` drop
     it. False: every `sample` prefills its prompts whole.
+    strict: refuse (DecodeError, one line) a `sample` whose rollouts no decoder can sample as the training
+    forward computes them (gspo.sampling.hfdecode.why_inexact: rotary scaling chosen by the sequence's
+    length, past its threshold); a training run's sampler is strict, an evaluation's is not.
     """
 
-    def __init__(self, model, *, routing=NO_ROUTING, dist=None, root=None, keep_cache: bool = True):
+    def __init__(self, model, *, routing=NO_ROUTING, dist=None, root=None, keep_cache: bool = True,
+                 strict: bool = False):
         self.model, self.routing, self.dist, self.root = model, routing, dist, root
         self.turns = TurnCache() if keep_cache else None
+        self.strict = strict
 
     def end_rollout(self) -> None:
         """The rollout is over: the KV cache kept for its next turn is dropped (the sampler itself
@@ -132,6 +138,8 @@ class PolicySampler:
                     dst.copy_(src)
 
     def sample(self, prompts, params, *, generator=None, rows=None) -> Rollout:
+        if self.strict and (why := why_inexact(self.model, max(map(len, prompts)) + params.max_new_tokens)):
+            raise DecodeError(f"decode: {why}")
         turns = self.turns.begin(self.model) if self.turns is not None else None  # (FSDP: the sharded weights)
         with (parallel.gathered(self.root or self.model, self.dist) if self.dist is not None
               else contextlib.nullcontext()):

@@ -132,7 +132,7 @@ def sampler_and_routing(cfg: TrainConfig, policy, dist: Dist, inputs: Inputs) ->
     fsdp = dist.enabled and dist.parallel == "fsdp"
     model = (policy if fsdp or rollout_dtype == DTYPES[cfg.policy.param_dtype]
              else low_precision_copy(policy, rollout_dtype))
-    sampler = PolicySampler(model, dist=dist)
+    sampler = PolicySampler(model, dist=dist, strict=True)
     if not is_moe(policy):
         if cfg.moe.routing_replay or cfg.moe.router_aux_loss_coef > 0:
             option = "--routing-replay" if cfg.moe.routing_replay else "--router-aux-loss-coef"

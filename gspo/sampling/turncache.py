@@ -31,9 +31,10 @@ tokens are a full prefill's, the log-probs equal to float rounding (tests/test_m
 
 A full prefill instead, never a wrong result, when a row is not kept, a prompt does not extend
 its row's first prompt, G > 1, the weights changed since (the parameters' version counters: an
-optimizer step, a `sync`), or the decoder cannot go that far (`reach`: a sliding window the
-columns would pass, a cache other than Hugging Face's plain DynamicCache). Such a `sample` is a
-later turn's as before: its Rollout's routing (MoE) is assembled; a resumed one's is None.
+optimizer step, a `sync`; a PEFT model's active, disabled or merged adapters), or the decoder
+cannot go that far (`reach`: a sliding window the columns would pass, a cache other than Hugging
+Face's plain DynamicCache). Such a `sample` is a later turn's as before: its Rollout's routing
+(MoE) is assembled; a resumed one's is None.
 
 Cost. Columns are never compacted: a turn adds its chunk's width and its decode steps to every
 row it keeps, holes included, and the chunk's attention runs over its padded width. Nothing
@@ -79,9 +80,13 @@ class _Kept:
     index: dict[int, int]  # global row index -> kept row
 
 
-def weights_key(model) -> tuple[int, ...]:
-    """The parameters' version counters: any in-place update (an optimizer step, a copy) moves one."""
-    return tuple(p._version for p in model.parameters())
+def weights_key(model) -> tuple:
+    """The parameters' version counters: any in-place update (an optimizer step, a copy) moves one; and
+    a PEFT model's adapter state, which changes what the same parameters compute (the active adapters,
+    disabled or merged: `set_adapter`, `disable_adapter()`, `merge_adapter()`)."""
+    adapters = tuple((tuple(m.active_adapters), bool(m.disable_adapters), tuple(getattr(m, "merged_adapters", ())))
+                     for m in model.modules() if hasattr(m, "active_adapters") and hasattr(m, "base_layer"))
+    return tuple(p._version for p in model.parameters()), adapters
 
 
 def _common(a: list[int], b: list[int]) -> int:

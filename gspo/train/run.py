@@ -41,6 +41,7 @@ from gspo.processes.distributed import Dist
 from gspo.processes.threads import choose_threads
 from gspo.rewards.builtin import BUILTIN_REWARDS
 from gspo.rewards.judge import is_judge, is_local_judge
+from gspo.sampling.hfdecode import why_inexact
 from gspo.sampling.pipeline import Pipeline
 from gspo.sampling.produce import SamplingSide
 from gspo.sampling.rollout import PolicySampler, encode_prompts, fsdp_sampling_note, stop_token_ids
@@ -399,6 +400,10 @@ def _fit_lengths(cfg: TrainConfig, task, tokenizer, policy, *, default_length: b
                               f"+ {cfg.episodes.max_episode_tokens} "
                               f"exceed the model's max_position_embeddings ({limit})")
         cfg = dataclasses.replace(cfg, max_episode_tokens=cfg.episodes.max_episode_tokens or limit - longest)
+    span = longest + (cfg.episodes.max_episode_tokens if env is not None else cfg.sampling.max_new_tokens)
+    why = why_inexact(unwrap(policy), span)  # no sampler, an engine's neither, samples what training computes
+    if why is not None:  # (gspo's own sampler checks each rollout again: prompts longer than those checked here)
+        raise ConfigError(f"model {cfg.policy.model}: {why}")
     return cfg, notes
 
 
