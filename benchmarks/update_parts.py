@@ -60,7 +60,7 @@ def parts(run, batch, repeats: int, entropy: bool = True, head_too: bool = False
         fwd = bwd = opt = hd = 0.0
         t_update = time.perf_counter()
         for idx in order.split(B // cfg.loss.num_minibatches):
-            total = [float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum())]
+            total = trainer.Totals(float(agg_count(mask[idx], cfg.loss.loss_agg)), float(mask[idx].sum()))
             for m in passes(ro, Split(cfg.policy.micro_batch_tokens, 0, run.packed).groups(ro, idx),
                             cfg.policy.micro_batch_tokens):
                 t = time.perf_counter()

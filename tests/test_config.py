@@ -132,7 +132,7 @@ def test_every_option_is_declared_once_with_its_facts():
 
     fields = options()
     # unique across sections: flat flags and keys (107, then vllm-server's 7)
-    assert len({f.name for f in fields}) == len(fields) == 125  # 124, then --cuda-graphs
+    assert len({f.name for f in fields}) == len(fields) == 126  # 124, then --cuda-graphs and --malloc-heap
     assert all(f.metadata["help"].strip() for f in fields)
     assert list(to_dict(TrainConfig())) == [f.name for f in fields]  # config.yaml: section by section
     assert {"steps", "device", "save_every", "vllm_sleep"} <= set(RESUME_SAFE) and "lr" not in RESUME_SAFE

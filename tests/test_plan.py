@@ -28,7 +28,8 @@ def test_default_run(tmp_path):
     p = plan_of(tmp_path)
     assert p["engine"] == "hf" and p["processes"] == 1 and p["parallel"] == "none"
     # tests/conftest.py sets OMP_NUM_THREADS (runs compared bit for bit compute alike): gspo.processes.threads keeps it
-    assert p["threads"] == {"count": torch.get_num_threads(), "why": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"}
+    assert p["threads"] == {"count": torch.get_num_threads(), "why": f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}",
+                            "memory": "large CPU tensors from the heap (glibc's mmap threshold 2 GiB)"}
     assert (p["weights_dtype"], p["compute_dtype"], p["autocast"]) == ("float32", "float32", False)
     assert p["sampler"] == "the policy itself" and p["sampler_dtype"] == "float32"
     assert p["old_logp"] == "sampling"  # auto, in float32: the sampler's own log-probs

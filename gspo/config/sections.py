@@ -482,6 +482,10 @@ class RunOptions:
     threads: int = opt(0, "CPU threads for torch (0: half the cores, fewer when other processes keep them busy, at "
                           "least 1; OMP_NUM_THREADS, if set, instead; the count is in the plan and config.yaml: "
                           "gspo.processes.threads).", ge=0, resume=True)
+    malloc_heap: bool = opt(True,
+        "Linux/glibc: serve large CPU tensors (up to 2 GiB) from the heap instead of a fresh mmap each, whose "
+        "pages fault on first touch (the mid-size model's update 20% faster; freed memory stays in the process: "
+        "peak RSS +9%). false: glibc's own threshold (gspo.processes.memory).", resume=True)
     parallel: Literal["ddp", "fsdp"] = opt("ddp",
         "Under torchrun (several processes): ddp replicates the model, fsdp shards parameters, gradients and "
         "optimizer state (FSDP2).")

@@ -20,7 +20,7 @@ Keys (stable; another test checks each configuration's plan against its request)
 | `model` | `{"name", "gguf", "path"}`: the policy as named; for a .gguf file what its conversion records (gspo.models.gguf: source, architecture, quantization, parameters) and the converted directory |
 | `engine` | `"hf"` (gspo's own sampler), `"vllm"` (colocated) or `"vllm-server"` (vLLM servers: `sampler` names them) |
 | `processes` | number of processes (torchrun's world size; 1 without torchrun) |
-| `threads` | `{"count", "why"}`: torch's CPU threads in this process and how that count was chosen (gspo.processes.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started) |
+| `threads` | `{"count", "why", "memory"}`: torch's CPU threads in this process and how that count was chosen (gspo.processes.threads: `--threads`, OMP_NUM_THREADS, or the cores free when the run started), and where large CPU tensors are allocated, in words (gspo.processes.memory: `--malloc-heap`) |
 | `parallel` | `"none"` (one process), `"ddp"` or `"fsdp"` |
 | `weights_dtype` | the trained weights' dtype (`--param-dtype`), read from the policy |
 | `compute_dtype` | forwards' dtype (`--dtype`) |
@@ -103,7 +103,7 @@ def plan(run: Run) -> dict:
                      "mode": "ranks" if dist.link is not None else "processes" if workers else
                      "servers" if overlaps(run) else "this process", "partial": cfg.async_rl.partial_rollouts},
         "processes": dist.world,
-        "threads": {"count": torch.get_num_threads(), "why": run.threads},
+        "threads": {"count": torch.get_num_threads(), "why": run.threads, "memory": run.memory},
         "parallel": dist.parallel if dist.enabled else "none",
         "weights_dtype": weights,
         "compute_dtype": cfg.policy.dtype,
@@ -194,7 +194,8 @@ def describe(p: dict, warnings: bool = True) -> str:
         f"  objective: {o['loss']} ({clip}); advantages: {o['advantages']} ({o['advantages_summary']})",
         f"  decode: {decode}; pi_old ({p['old_logp']}): {old[p['old_logp']]}",
         f"  packing: {packing}; micro-batches: {micro}; LM head: {head}"
-        + ("; gradient checkpointing" if p["gradient_checkpointing"] else ""),
+        + ("; gradient checkpointing" if p["gradient_checkpointing"] else "")
+        + (f"; {t['memory']}" if t.get("memory") else ""),
         f"  {lora}; {moe}; {env}",
     ]
     if (m := p.get("model") or {}).get("gguf"):

@@ -38,6 +38,7 @@ from gspo.models.logprobs import TokenLogprobs, supports_packing
 from gspo.models.moe import NO_ROUTING, NoRouting, Routing
 from gspo.processes import distributed, parallel
 from gspo.processes.distributed import Dist
+from gspo.processes.memory import keep_large_on_heap
 from gspo.processes.threads import choose_threads
 from gspo.rewards.builtin import BUILTIN_REWARDS
 from gspo.rewards.judge import is_judge, is_local_judge
@@ -79,6 +80,7 @@ class Run(SamplingSide):
     packed: bool = False  # training forwards pack their sequences (--packing, where the model supports it)
     notes: list[str] = field(default_factory=list)  # warnings, said when the run starts
     threads: str = ""  # why torch has the CPU threads it has (gspo.processes.threads.choose_threads)
+    memory: str = ""  # where large CPU tensors are allocated, in words (gspo.processes.memory)
     progress: Progress = field(default_factory=Progress)
     # where each step's batch comes from (gspo.sampling.pipeline), once the loop starts
     pipeline: Pipeline | None = None
@@ -136,6 +138,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
     # the task's default: may be capped to the model
     default_length = resume is None and cfg.sampling.max_new_tokens is None
     cfg, dist, threads = _start(cfg, fresh=resume is None)
+    memory = keep_large_on_heap(cfg.run.malloc_heap)
     inputs = inputs or Inputs()
     _check_workers(cfg, inputs, dist)
     task = task_for(cfg, inputs)
@@ -157,7 +160,7 @@ def build_run(cfg: TrainConfig | None, resume: str | Path | None = None, inputs:
               progress=Progress(restart=restart, clip=clip_controller(cfg)),
               notes=list(getattr(task, "notes", [])) + prompt_note(task, cfg.policy.model) + idle + notes, env=env,
               max_turns=max_turns, play=play,
-              stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads)
+              stop_ids=stop_token_ids(tokenizer, policy, cfg.sampling.stop_token), threads=threads, memory=memory)
     _training_side(run, inputs)
     return run
 
