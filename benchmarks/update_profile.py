@@ -54,6 +54,9 @@ def main() -> None:
     from gspo.train.trainer import train_step
 
     peak = matmul_peak(args.threads)
+    from gspo.processes.memory import keep_large_on_heap
+
+    print(keep_large_on_heap(True))  # as gspo train does (--malloc-heap)
     run = build(args.threads)
     _, batch = train_step(run, 1)
     update_once(run, batch)  # warm-up

@@ -16,7 +16,8 @@ def full_logprobs(hidden, weight, targets, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_bytes", [None, 4 * 1000 * 16])  # one chunk; 16-token chunks (N=300 -> 19 chunks)
 @pytest.mark.parametrize("keep", [True, False])  # logits kept for the backward pass, or recomputed there
-def test_chunked_equals_full(monkeypatch, temperature, chunk_bytes, keep):
+@pytest.mark.parametrize("entropy", [False, True])  # the entropy's pass keeps exp(z - max) in a tensor of its own
+def test_chunked_equals_full(monkeypatch, temperature, chunk_bytes, keep, entropy):
     if chunk_bytes:
         monkeypatch.setattr(lmhead, "CHUNK_BYTES", chunk_bytes)
     if not keep:
@@ -28,8 +29,13 @@ def test_chunked_equals_full(monkeypatch, temperature, chunk_bytes, keep):
     y = torch.randint(0, V, (N,), generator=g)
     upstream = torch.randn(N, generator=g)  # an arbitrary dL/dlogp, as a policy loss would give
     h2, w2 = h1.detach().clone().requires_grad_(), w1.detach().clone().requires_grad_()
-    a = chunked_logprobs(h1, w1, y, temperature)
+    a = chunked_logprobs(h1, w1, y, temperature, entropy=entropy)
     b = full_logprobs(h2, w2, y, temperature)
+    if entropy:  # H = -Σ_v p_v log p_v of softmax(hW^T / τ), computed apart from the log-probs' graph
+        a, ent = a
+        with torch.no_grad():
+            lp = torch.log_softmax((h2 @ w2.T).float() / temperature, -1)
+            torch.testing.assert_close(ent, -(lp.exp() * lp).sum(-1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     (a * upstream).sum().backward()
     (b * upstream).sum().backward()

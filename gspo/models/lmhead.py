@@ -12,10 +12,17 @@ log π(y_t), and its gradient. The forward pass computes, chunk by chunk,
 
 and keeps logsumexp (N floats); the backward pass forms the gradient of the logits,
 (onehot(y_t) - softmax(z_t)) · g_t / τ, in place, then dL/dh = G W and dL/dW = G^T h, chunk
-by chunk. When all N × V logits fit in `SAVE_BYTES` they are kept from the forward pass;
-beyond that each chunk's logits are recomputed in the backward pass (one extra matmul per
-chunk), so peak memory is one chunk of logits (`CHUNK_BYTES`) whatever N and V. Either way
-what is saved is the full-size log-softmax, its backward and the scatter behind `gather`.
+by chunk. When all N × V logits fit in `SAVE_BYTES` the forward pass keeps exp(z - max) and
+its sum (the backward's softmax is then one in-place pass); beyond that each chunk's logits are
+recomputed in the backward pass (one extra matmul per chunk), so peak memory is one chunk of
+logits (`CHUNK_BYTES`) whatever N and V. Either way what is saved is the full-size
+log-softmax, its backward and the scatter behind `gather`.
+
+Passes. Each chunk's (c, V) logits are worked on in place where they can be (z - max, its exp),
+and the entropy's Σ_v e_v (z_v - max) is a batched matmul rather than a product tensor and a
+sum: at the benchmark's mid shapes (1,024 tokens a minibatch, a 32k vocabulary) torch.logsumexp,
+softmax and the product each wrote a fresh 131 MB tensor, a third of the update's time outside
+its matmuls (benchmarks/update_profile.py).
 
 Log-probs and gradients equal the full-logits computation to float rounding (tested to 1e-5).
 Logits are computed in the weights' dtype (or autocast's, under mixed precision) and promoted
@@ -81,12 +88,18 @@ class _ChunkedLogprobs(torch.autograd.Function):
             z = (hidden[s:s + step].to(dtype) @ w.T).to(acc)  # (c, V)
             if temperature != 1.0:
                 z.div_(temperature)
-            lse[s:s + step] = torch.logsumexp(z, -1)
-            logp[s:s + step] = z.gather(-1, targets[s:s + step, None]).squeeze(-1) - lse[s:s + step]
-            if entropy:  # H = lse - Σ_v softmax(z)_v z_v
-                ent[s:s + step] = lse[s:s + step] - (torch.softmax(z, -1) * z).sum(-1)
+            top = z.gather(-1, targets[s:s + step, None]).squeeze(-1)  # (c,) the targets' logits
+            m = z.amax(-1, keepdim=True)  # (c, 1)
+            d = z.sub_(m)  # (c, V) z - max, in place
+            e = d.exp() if entropy else d.exp_()  # (c, V) unnormalised probabilities (in place unless d is needed)
+            total = e.sum(-1)  # (c,) Σ_v e_v >= 1
+            log_total = total.log()
+            lse[s:s + step] = m.squeeze(-1) + log_total  # logsumexp(z), as torch.logsumexp computes it
+            logp[s:s + step] = top - lse[s:s + step]
+            if entropy:  # H = lse - Σ_v p_v z_v = log Σe - (Σ_v e_v d_v) / Σe; the dot product as a batched matmul
+                ent[s:s + step] = log_total - torch.bmm(e[:, None], d[:, :, None]).view(-1) / total
             if keep:
-                kept.append(z)
+                kept.append((e, total))  # softmax(z) = e / Σe: what the backward pass needs
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.kept, ctx.dtype = temperature, kept, dtype
         ctx.mark_non_differentiable(ent)
@@ -106,14 +119,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for i, s in enumerate(range(0, hidden.shape[0], step)):
             h = hidden[s:s + step].to(dtype)  # (c, H)
             g = grad[s:s + step].to(acc)  # (c,)
+            # d logp / d z = onehot(y) - softmax(z); times the upstream gradient and d z / d(hW^T) = 1/τ
             if kept:
-                gz = kept[i]  # (c, V) the forward's logits, consumed in place
+                e, total = kept[i]  # (c, V), (c,) the forward's exp(z - max) and its sum, consumed in place
+                gz = e.mul_((-g / total)[:, None])  # (c, V) -softmax · g, one pass
             else:
                 gz = (h @ w.T).to(acc)  # (c, V) recomputed
                 if tau != 1.0:
                     gz.div_(tau)
-            # d logp / d z = onehot(y) - softmax(z); times the upstream gradient and d z / d(hW^T) = 1/τ
-            gz.sub_(lse[s:s + step, None]).exp_().mul_(-g[:, None])  # (c, V) -softmax · g
+                gz.sub_(lse[s:s + step, None]).exp_().mul_(-g[:, None])  # (c, V) -softmax · g
             gz.scatter_add_(-1, targets[s:s + step, None], g[:, None])
             if tau != 1.0:
                 gz.div_(tau)
