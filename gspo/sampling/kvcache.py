@@ -51,7 +51,6 @@ Tensor = torch.Tensor
 
 BLOCK = 64  # columns beyond the prompt at first (eager mode); the capacity doubles when full
 
-
 KINDS = ("full_attention", "sliding_attention")
 
 

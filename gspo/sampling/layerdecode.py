@@ -40,6 +40,7 @@ from gspo.sampling.kvcache import Columns, backbone_of, forward_source, layer_ki
 
 Tensor = torch.Tensor
 
+
 def _takes_mask_dict(backbone) -> bool:
     """Whether the backbone's forward takes a dict of masks by layer type (transformers' hybrid models:
     `if not isinstance(causal_mask_mapping := attention_mask, dict)`)."""
