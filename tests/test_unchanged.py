@@ -24,7 +24,10 @@ import pytest
 ARGS = ["train", "--steps", "3", "--threads", "1", "--no-progress"]  # the defaults, 3 steps, one thread
 RECORDED = {
     "fingerprint": "929f6224c97ef859",
-    "metrics": "804ee511973a4967",  # 0.3.x: the integrity/* columns added (the rest, and samples, unchanged)
+    # 0.3.x: the integrity/* columns added (the rest, and samples, unchanged). 0.4: the chunked head's in-place passes
+    # (ea37aaa) round the log-probs and entropy differently in the last bits (relative 1e-7; the sampler and
+    # trainer log-probs now agree closer, integrity/log_ratio_row_max 3.1e-6 -> 1.2e-6); samples unchanged
+    "metrics": "15fce4c172bdad39",
     "samples": "c3c00ef45f4bd93e",
 }
 
