@@ -35,7 +35,7 @@ command. A figure more than its tolerance above its baseline fails the gate (exi
 `gate: tiny rollout 1.62x its baseline (ratio 13.4 against 8.2; tolerance 1.27x)`); more than its
 tolerance below it passes with a note to refresh the baseline. The tolerance is set when the baseline is
 written, from the run-to-run spread measured then (`tolerance_for`: 1 + 2 x (max - min) / median of the
-runs, at least `--min-tolerance`, 1.15); docs/performance.md says the spread measured and why.
+runs, at least `--min-tolerance`, 1.25); docs/performance.md says the spread measured and why.
 
 `--plant decode=X` is for the gate's own test (tests/test_gate.py): in this process only, every decode
 step of every decoder class (gspo.sampling.hfdecode.HFDecoder and its subclasses) takes X times as long
@@ -74,7 +74,8 @@ STEPS = {"tiny": 10, "mid": 3}  # timed steps after the warm-up step
 PARTS = ("rollout", "update", "step")
 GATED = ("rollout", "update")  # the step is printed, not gated: it is the two parts' sum
 REF_SHAPE, REF_REPEATS = (512, 512, 2048), 48  # ~0.8 s a reference on this machine
-MIN_TOLERANCE = 1.15  # no figure's tolerance is tighter (--min-tolerance): CI's machine is another of this kind
+MIN_TOLERANCE = 1.25  # no figure's tolerance is tighter (--min-tolerance): CI's machine is another of this kind, often
+# loaded (docs/performance.md#the-performance-gate: the same code read up to 1.23x its quiet baseline beside other jobs)
 SPREAD_FACTOR = 2.0
 
 
@@ -305,10 +306,10 @@ def tolerance_for(runs: list[float], floor: float = MIN_TOLERANCE) -> float:
     run of unchanged code that far above the median is rare enough not to fail CI by chance, and the
     range, unlike a standard deviation, widens with the one slow run a loaded machine gives.
 
-    >>> tolerance_for([10.0, 10.5, 11.0])   # range 1.0 of median 10.5: 1 + 2 x 0.095
-    1.19
-    >>> tolerance_for([10.0, 10.1])         # a tight spread gets the floor
-    1.15
+    >>> tolerance_for([10.0, 11.0, 12.0])   # range 2.0 of median 11.0: 1 + 2 x 0.182
+    1.36
+    >>> tolerance_for([10.0, 10.5])         # a tight spread gets the floor
+    1.25
     """
     spread = (max(runs) - min(runs)) / statistics.median(runs)
     return round(max(floor, 1 + SPREAD_FACTOR * spread), 2)

@@ -69,5 +69,38 @@ def test_models_with_special_heads_keep_the_full_path(tiny_random):
     assert fused_head(tiny_random) is None
     tiny_random.config.final_logit_softcapping = None
     assert fused_head(tiny_random) is not None
+    # RecurrentGemma's soft-cap (logits_soft_cap, 30 by default), Inkling's hidden state divided before the head and
+    # its logits sliced to the unpadded vocabulary: a chunked head over the plain weight computes other log-probs
+    # (-42.2 against -26.0 for the soft-cap, 0.53 off for the padded vocabulary: a breaker's finding)
+    V = tiny_random.lm_head.out_features
+    specials = (("logits_soft_cap", 30.0), ("logits_mup_width_multiplier", 2.0), ("unpadded_vocab_size", V - 5))
+    for attr, value in specials:
+        setattr(tiny_random.config, attr, value)
+        assert fused_head(tiny_random) is None, attr
+        setattr(tiny_random.config, attr, None)
+    tiny_random.config.unpadded_vocab_size = V  # nothing sliced: the plain head serves
+    assert fused_head(tiny_random) is not None
     tiny_random.lm_head.bias = torch.nn.Parameter(torch.zeros(tiny_random.lm_head.out_features))
     assert fused_head(tiny_random) is None
+
+
+@pytest.mark.parametrize("dtype, vocab, spread, tol", [(torch.bfloat16, 32_000, 0.3, 1e-4),
+                                                       (torch.float16, 262_144, 0.3, 1e-3)])
+def test_the_entropy_is_summed_in_float32_under_autocast(dtype, vocab, spread, tol):
+    # Under mixed precision (--dtype bfloat16/float16 over float32 weights) the forward runs in autocast; the
+    # entropy's dot product Σ_v e_v (z_v - max) must not be autocast with it: in bfloat16 it rounds the entropy
+    # to ~1e-3 relative (1.6e-2 absolute at a 32k vocabulary), in float16 a flat 262k-entry distribution's sum
+    # (about 262144 x e^-0.3 x 0.3 ≈ 6e4 in size, past float16's 65504 once the logits spread) overflows to inf.
+    # The reference: the full path, the autocast logits promoted to float32 before the softmax.
+    g = torch.Generator().manual_seed(0)
+    N, H = 8, 64
+    h = torch.randn(N, H, generator=g)
+    h = h / h.norm(dim=-1, keepdim=True)
+    w = spread * torch.randn(vocab, H, generator=g)
+    y = torch.randint(0, vocab, (N,), generator=g)
+    with torch.autocast("cpu", dtype=dtype):
+        _, ent = chunked_logprobs(h, w, y, entropy=True)
+        logits = h @ w.T
+    lp = torch.log_softmax(logits.float(), -1)
+    assert ent.isfinite().all()
+    torch.testing.assert_close(ent, -(lp.exp() * lp).sum(-1), rtol=tol, atol=tol)

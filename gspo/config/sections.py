@@ -485,7 +485,8 @@ class RunOptions:
     malloc_heap: bool = opt(True,
         "Linux/glibc: serve large CPU tensors (up to 2 GiB) from the heap instead of a fresh mmap each, whose "
         "pages fault on first touch (the mid-size model's update 20% faster; freed memory stays in the process: "
-        "peak RSS +9%). false: glibc's own threshold (gspo.processes.memory).", resume=True)
+        "peak RSS +9%). false: glibc's own threshold. Thresholds set in the environment (MALLOC_MMAP_THRESHOLD_, "
+        "MALLOC_TRIM_THRESHOLD_, GLIBC_TUNABLES) are kept either way (gspo.processes.memory).", resume=True)
     parallel: Literal["ddp", "fsdp"] = opt("ddp",
         "Under torchrun (several processes): ddp replicates the model, fsdp shards parameters, gradients and "
         "optimizer state (FSDP2).")

@@ -46,7 +46,8 @@ SAVE_BYTES = 512 * 2**20  # logits kept for the backward pass when all of them f
 
 # config attributes that change what the head computes; a model with any of them set keeps the full path
 _SPECIAL_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                       "logits_scaling")
+                       "logits_scaling", "logits_soft_cap", "logits_mup_width_multiplier")  # the last two:
+# RecurrentGemma's soft-cap, Inkling's hidden state divided before its head
 
 
 def chunk_tokens(vocab: int) -> int:
@@ -96,8 +97,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             log_total = total.log()
             lse[s:s + step] = m.squeeze(-1) + log_total  # logsumexp(z), as torch.logsumexp computes it
             logp[s:s + step] = top - lse[s:s + step]
-            if entropy:  # H = lse - Σ_v p_v z_v = log Σe - (Σ_v e_v d_v) / Σe; the dot product as a batched matmul
-                ent[s:s + step] = log_total - torch.bmm(e[:, None], d[:, :, None]).view(-1) / total
+            if entropy:  # H = lse - Σ_v p_v z_v = log Σe - (Σ_v e_v d_v) / Σe; the dot product as a batched matmul,
+                # in `acc` whatever autocast asks (bfloat16 would round it to 1e-3, float16 overflow past 65504)
+                with torch.autocast(hidden.device.type, enabled=False):
+                    ent[s:s + step] = log_total - torch.bmm(e[:, None], d[:, :, None]).view(-1) / total
             if keep:
                 kept.append((e, total))  # softmax(z) = e / Σe: what the backward pass needs
         ctx.save_for_backward(hidden, weight, targets, lse)
@@ -168,4 +171,7 @@ def fused_head(model):
     for attr in _SPECIAL_HEAD_ATTRS:
         if getattr(cfg, attr, None) not in (None, 1.0, 0.0):
             return None
+    unpadded = getattr(cfg, "unpadded_vocab_size", None)  # Inkling: the logits sliced to the real vocabulary
+    if unpadded is not None and unpadded < head.out_features:
+        return None
     return backbone, head

@@ -64,6 +64,7 @@ from gspo.models.loading import resolve_device
 from gspo.processes import distributed
 from gspo.processes.distributed import Dist
 from gspo.processes.links import LocalLink, RankEnd, RankLink, WorkerDied
+from gspo.processes.memory import keep_large_on_heap
 from gspo.sampling.produce import Produced, SamplingSide, produce
 
 Tensor = torch.Tensor
@@ -200,6 +201,7 @@ def worker_main(index: int, cfg: TrainConfig, device: str, shares: list[tuple[in
     end.start()  # SIGINT is the trainer's (it checkpoints, then stops us); we die with the trainer
     try:
         torch.set_num_threads(threads)
+        keep_large_on_heap(cfg.run.malloc_heap)  # the process's own allocator, as the trainer's (gspo.processes.memory)
         side = build(cfg, torch.device(device))
         params = dict(side.policy.named_parameters())
         t0 = time.perf_counter()
