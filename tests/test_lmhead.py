@@ -104,3 +104,12 @@ def test_the_entropy_is_summed_in_float32_under_autocast(dtype, vocab, spread, t
     lp = torch.log_softmax(logits.float(), -1)
     assert ent.isfinite().all()
     torch.testing.assert_close(ent, -(lp.exp() * lp).sum(-1), rtol=tol, atol=tol)
+
+
+def test_no_tokens_give_a_zero_weight_gradient_as_the_full_path_does():
+    # a micro-batch with no completion tokens: the full path's weight gradient is zeros, and a None would leave the
+    # parameter out of AdamW's step and of DDP's reduction (a breaker's finding)
+    h = torch.zeros(0, 8, requires_grad=True)
+    w = torch.randn(50, 8, requires_grad=True)
+    chunked_logprobs(h, w, torch.zeros(0, dtype=torch.long)).sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, torch.zeros_like(w)) and h.grad.shape == (0, 8)

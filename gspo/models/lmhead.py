@@ -142,6 +142,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                     grad_w = gz.T.to(acc) @ h.to(acc)  # (V, H)
                 else:
                     grad_w.addmm_(gz.T.to(acc), h.to(acc))
+        if grad_w is None and ctx.needs_input_grad[1]:  # no tokens: a zero gradient, as the full path's
+            grad_w = torch.zeros_like(weight, dtype=acc)
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None
 
 
