@@ -45,9 +45,9 @@ CHUNK_BYTES = 128 * 2**20  # fp32 logits computed at once: 128 MiB
 SAVE_BYTES = 512 * 2**20  # logits kept for the backward pass when all of them fit, else recomputed
 
 # config attributes that change what the head computes; a model with any of them set keeps the full path
+# (logits_soft_cap: RecurrentGemma's; logits_mup_width_multiplier: Inkling's hidden state divided before its head)
 _SPECIAL_HEAD_ATTRS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                       "logits_scaling", "logits_soft_cap", "logits_mup_width_multiplier")  # the last two:
-# RecurrentGemma's soft-cap, Inkling's hidden state divided before its head
+                       "logits_scaling", "logits_soft_cap", "logits_mup_width_multiplier")
 
 
 def chunk_tokens(vocab: int) -> int:

@@ -62,13 +62,13 @@ def keep_large_on_heap(on: bool) -> str:
         return ("large CPU tensors from the heap (set earlier in this process: --no-malloc-heap cannot undo it)"
                 if _set else "large CPU tensors mapped fresh (--no-malloc-heap)")
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, LIMIT) == 1
-        _set = _set or ok
-        ok = ok and libc.mallopt(M_TRIM_THRESHOLD, LIMIT) == 1
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl: no libc.so.6)
-        ok = False
-    if ok:
-        return "large CPU tensors from the heap (glibc's mmap threshold 2 GiB)"
-    return ("large CPU tensors from the heap, freed memory returned as glibc trims (its trim threshold refused)"
-            if _set else "large CPU tensors as this libc's allocator gives them (no glibc mallopt)")
+        mallopt = None
+    if mallopt is None or mallopt(M_MMAP_THRESHOLD, LIMIT) != 1:
+        return ("large CPU tensors from the heap, freed memory returned as glibc trims (its trim threshold refused)"
+                if _set else "large CPU tensors as this libc's allocator gives them (no glibc mallopt)")
+    _set = True
+    if mallopt(M_TRIM_THRESHOLD, LIMIT) != 1:
+        return "large CPU tensors from the heap, freed memory returned as glibc trims (its trim threshold refused)"
+    return "large CPU tensors from the heap (glibc's mmap threshold 2 GiB)"
