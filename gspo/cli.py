@@ -159,11 +159,15 @@ def cmd_compare(args: list[str]) -> int:
     preset_name, args = _take(args, "--preset")
     responses, args = _take(args, "--variance-responses")
     jobs, args = _take(args, "--jobs")
+    detect, args = _take_many(args, "--detect")
+    pilot, args = _take(args, "--pilot")
+    planning = "--plan" in args
+    args = [a for a in args if a != "--plan"]
     preset = COMPARE_PRESETS.get(preset_name or "paper")
     if preset is None:
         raise UsageError(f"--preset: unknown preset {preset_name!r}; presets: {', '.join(COMPARE_PRESETS)}")
     try:
-        seeds = [int(x) for x in seeds_arg] if seeds_arg else list(COMPARE_SEEDS)
+        seeds = [int(x) for x in seeds_arg] if seeds_arg else list(preset.seeds or COMPARE_SEEDS)
     except ValueError:
         raise UsageError(f"--seeds: expected integers, got {' '.join(seeds_arg)}") from None
     if responses is not None and not (responses.isdigit() and int(responses) > 0):
@@ -177,6 +181,11 @@ def cmd_compare(args: list[str]) -> int:
     out = cfg.run.output_dir or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
     study = _study(preset, configs, {"--lags": lags, "--precisions": precisions, "--tasks": tasks}, args,
                    _given_options(args, config_file))
+    if (detect or pilot) and not planning:
+        raise UsageError(f"{'--detect' if detect else '--pilot'}: only with --plan")
+    if planning:
+        return _plan(dataclasses.replace(cfg, output_dir=None), study or list(configs or preset.configs),
+                     preset_name or "paper", seeds, pilot, detect)
     report = compare(dataclasses.replace(cfg, output_dir=None), study or list(configs or preset.configs), seeds=seeds,
                      out_dir=out, options=CompareOptions(preset.variance_models, int(responses or 512),
                                                          int(jobs or 0)))
@@ -189,6 +198,20 @@ def cmd_compare(args: list[str]) -> int:
 
 
 COMPARE_SEEDS = (0, 1, 2)
+
+
+def _plan(base, configs, preset: str, seeds: list[int], pilot: str | None, detect: list[str]) -> int:
+    """`gspo compare --plan`: the lines of gspo.lab.plan.plan; nothing trained or written."""
+    from gspo.lab.plan import DETECT, plan
+
+    try:
+        points = tuple(float(x) / 100 for x in detect) if detect else DETECT
+    except ValueError:
+        raise UsageError(f"--detect: expected differences in points of accuracy, got {' '.join(detect)}") from None
+    if not all(0 < p <= 1 for p in points):
+        raise UsageError(f"--detect: each difference is in (0, 100] points, got {' '.join(detect)}")
+    print("\n".join(plan(base, configs, preset=preset, seeds=seeds, pilot_dir=pilot, detect=points)))
+    return 0
 
 
 def _given_options(args: list[str], config_file: str | None) -> set[str]:
@@ -225,7 +248,7 @@ def _study(preset, configs: list[str], given: dict[str, list[str]], args: list[s
     own = "--" + axis.option.replace("_", "-")
     if any(a == own or a.startswith(own + "=") for a in args):
         raise UsageError(f"{own}: the {preset.axis} study varies it; choose its values with {axis.flag}")
-    levels = levels_arg(axis, given[axis.flag]) if given[axis.flag] else axis.levels
+    levels = levels_arg(axis, given[axis.flag]) if given[axis.flag] else preset.levels or axis.levels
     return Study(axis.leaving(options), levels, tuple(parse_config(c) for c in configs or preset.configs))
 
 

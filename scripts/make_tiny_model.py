@@ -2,6 +2,8 @@
 
     python scripts/make_tiny_model.py                  # writes gspo/assets/tiny (dense)
     python scripts/make_tiny_model.py --arch moe       # writes gspo/assets/tiny-moe (8 experts, top-2)
+    python scripts/make_tiny_model.py --arch moe --experts 32 --top-k 8 --moe-size 48 --out gspo/assets/tiny-moe-wide
+                                                       # Qwen3-MoE's 128/8 shape scaled down (docs/moe.md)
     python scripts/make_tiny_model.py --out /tmp/tiny  # somewhere else
 
 What it makes. A 4-layer Qwen3 (0.8M parameters; `--arch moe`: a 4-layer Qwen3-MoE with 8
@@ -107,6 +109,9 @@ def main():
     ap.add_argument("--bug-rate", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--experts", type=int, default=8, help="--arch moe: experts per layer (default 8)")
+    ap.add_argument("--top-k", type=int, default=2, help="--arch moe: experts each token activates (default 2)")
+    ap.add_argument("--moe-size", type=int, default=192, help="--arch moe: each expert's intermediate size")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -115,7 +120,8 @@ def main():
     tokenizer = build_char_tokenizer()
     from transformers import AutoModelForCausalLM
 
-    config = tiny_moe_config(len(tokenizer)) if args.arch == "moe" else tiny_config(len(tokenizer))
+    config = tiny_config(len(tokenizer)) if args.arch != "moe" else tiny_moe_config(
+        len(tokenizer), num_experts=args.experts, num_experts_per_tok=args.top_k, moe_intermediate_size=args.moe_size)
     model = AutoModelForCausalLM.from_config(config)
     moe = args.arch == "moe"
     task = get_task(args.task)

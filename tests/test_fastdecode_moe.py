@@ -16,7 +16,10 @@ from gspo.models.sequences import left_pad, position_ids_from_mask
 from gspo.sampling.rollout import generate, sample_token, sampling_params
 
 PROMPTS = ["12+7=", "999-123=", "5+5=", "40+2="]
-MODELS = ["tiny-moe", "tiny-long-moe", "qwen2_moe", "qwen3_moe"]
+MODELS = ["tiny-moe", "tiny-moe-wide", "tiny-long-moe", "qwen2_moe", "qwen3_moe"]
+# tiny-moe-wide sums 8 experts a token in each layer (top-8 of 32): its logits (about ±3) differ between
+# the two decoders by up to 1.9e-4 after 20 steps (measured), 4x the rollout check's margin below 1e-3
+WIDE_ATOL = 3e-4
 COMPACT = "the compact decode step (gspo.sampling.fastdecode)"
 
 
@@ -107,7 +110,7 @@ def test_compact_step_logits_equal_hf_forward_step_by_step(models, char_tokenize
             tok_t, _ = sample_token(logits, 1.0, 1.0, torch.rand(N * G, generator=g))
             compact = fast.step(tok_t, attn[:, : P + t + 1], next_pos + t)
             logits = hf.step(tok_t, attn[:, : P + t + 1], next_pos + t)
-            torch.testing.assert_close(compact, logits, rtol=0, atol=1e-4)
+            torch.testing.assert_close(compact, logits, rtol=0, atol=WIDE_ATOL if name == "tiny-moe-wide" else 1e-4)
     assert fast.checked and not fast.fallback and fast.cache is None  # the compact step ran on its own
 
 

@@ -222,8 +222,11 @@ def test_report_verdicts_are_corrected_for_every_difference_judged(tmp_path):
     acc = {"a": a, "b": [x - d for x, d in zip(a, (0.03, 0.05, 0.04))], "c": [x + d for x, d in zip(a, (0.1, -0.1, 0))]}
     md = _report_of(tmp_path, acc, n=0)
     assert "- a - b: +4.0 ± 2.5 points of final accuracy (paired over 3 seeds" in md
+    # the smallest difference it could see (gspo.lab.power): the per-seed spreads 0.01, 0.1 and 0.09 pooled,
+    # sqrt((0.0001 + 0.01 + 0.0081) / 3) = 0.0779, at 3 seeds, Holm over 3: 44.1 points
     assert ("- a - b: +4.0 ± 2.5 points of final accuracy (paired over 3 seeds; p = 0.02, Holm-adjusted 0.061): "
-            "within the noise.") in md  # before the correction: "(paired over 3 seeds): outside the noise."
+            "within the noise (the smallest difference it could see: 44.1).") in md  # before the correction:
+    # "(paired over 3 seeds): outside the noise."
     assert "**3 differences judged**" in md and "**0 outside the noise.**" in md
     judged = json.loads((tmp_path / "compare.json").read_text())["a"]["judged"]
     (ab,) = [d for d in judged["differences"] if (d["a"], d["b"]) == ("a", "b")]

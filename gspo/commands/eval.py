@@ -27,7 +27,8 @@ class EvalArgs:
     model: str
     (
         "A model directory, a .gguf file, a Hugging Face Hub id (Qwen/Qwen2.5-0.5B-Instruct), a built-in name "
-        "(tiny, tiny-moe, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory (its newest "
+        "(tiny, tiny-moe, tiny-moe-wide, tiny-long, tiny-long-moe, tiny-tool), a checkpoint, or a run directory "
+        "(its newest "
         "checkpoint). A checkpoint or run directory brings its run's data, rewards and sampling settings; "
         "the options below change them."
     )

@@ -56,7 +56,8 @@ class Policy:
         "Hub id (Qwen/Qwen2.5-0.5B-Instruct: downloaded, or read from the local cache offline), the path of a "
         "local Hugging Face causal LM directory, a .gguf file (or a directory holding one: dequantised once, "
         "cached; needs pip install 'gspo[gguf]'), or a built-in model name (tiny, a dense Qwen3; tiny-moe, a "
-        "Qwen3-MoE; tiny-long and tiny-long-moe, the same for the chain task; tiny-tool, a chat model that "
+        "Qwen3-MoE, 8 experts, top-2; tiny-moe-wide, 32 experts, top-8; "
+        "tiny-long and tiny-long-moe, the same for the chain task; tiny-tool, a chat model that "
         "calls tools, for the calculator task).")
     revision: str | None = opt(None,
         "Hub revision of --model (a branch, tag or commit hash; None: main); also used for the reference "

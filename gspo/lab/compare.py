@@ -14,7 +14,7 @@ same prompts), each in `OUT/runs/<name>-seed<k>/` (an ordinary run directory). T
 
 - `compare.json`: configuration name -> {"accuracy", "accuracy_before", "accuracy_best",
   "accuracy_curve_mean", "clip_frac_mean", "drift_mean", "drift_in_ratio_mean", "mismatch_mean",
-  "mismatch_seq_mean", "seq_log_abs_mean", "token_spread_mean", "staleness_mean", "is_truncated_mean",
+  "mismatch_seq_mean", "seq_log_abs_mean", "token_spread_mean", "staleness_mean", "is_truncated_mean", "eps_high_mean",
   "reward_last10_mean", "grad_norm_max", "wall_seconds", "eval_seconds", "eval_n", "diverged", "diverged_count",
   "seeds": {...}}, averaged over seeds (the `_mean` figures: a metric's mean over the run's
   steps; `grad_norm_max` its largest gradient norm), each averaged `<name>` with a sibling
@@ -78,6 +78,8 @@ PRESETS: dict[str, dict] = {
     "cppo": {"algorithm": "cppo"},
     # GSPO with its clip range adapted to hold 15% of tokens clipped (the paper's Fig. 2 scale for GSPO)
     "gspo-target": {"algorithm": "gspo", "target_clip_frac": 0.15},
+    # the same, pi_old the behaviour policy's log-probs under --max-staleness (the clip sees the whole lag)
+    "gspo-target-behaviour": {"algorithm": "gspo", "target_clip_frac": 0.15, "old_logp": "sampling"},
     # sampler/trainer mismatch corrections, for a base with --rollout-dtype bfloat16 or --rollout-engine vllm
     "gspo-tis": {"algorithm": "gspo", "rollout_is": "token"},
     "gspo-icepop": {"algorithm": "gspo", "rollout_is": "token", "rollout_is_mode": "mask"},
@@ -105,6 +107,8 @@ class ComparePreset:
     variance_models: tuple[str, ...] = ()
     about: str = ""
     axis: str | None = None  # a study along a factor (gspo.lab.studies.AXES): every configuration at every level
+    levels: tuple | None = None  # the factor's levels when its flag is not given (None: the axis's own)
+    seeds: tuple[int, ...] | None = None  # its seeds when --seeds is not given (None: 0 1 2)
 
 
 # the studies' runs: the paper preset's (80 steps of tiny-moe on arithmetic, 500 held-out problems)
@@ -113,6 +117,14 @@ STUDY_BASE = {"model": "tiny-moe", "steps": 80, "eval_every": 10, "eval_size": 5
 COMPARE_PRESETS = {
     "paper": ComparePreset(DEFAULT_CONFIGS, {"model": "tiny-moe", "steps": 80, "eval_every": 10},
                            about="GSPO, GRPO, GRPO + Routing Replay on tiny-moe, arithmetic (4-token answers)"),
+    # where expert drift reaches the paper's ~10%: Qwen3-MoE's fine-grained routing scaled down (32 experts, top-8),
+    # 16 minibatches a rollout at lr 3e-4; 6 seeds and the task's 1000 held-out problems; docs/moe.md
+    "moe": ComparePreset(
+        DEFAULT_CONFIGS,
+        {"model": "tiny-moe-wide", "num_minibatches": 16, "lr": 3e-4, "steps": 40, "eval_every": 10,
+         "eval_size": 1000}, variance_models=("tiny-moe-wide", "tiny-moe"), seeds=(0, 1, 2, 3, 4, 5),
+        about="GSPO, GRPO, GRPO + RR on tiny-moe-wide where moe/drift reaches ~11% (6 seeds); ratio variance with "
+              "the router free and replayed"),
     # long answers (55-217 tokens): where token and sequence ratios part ways; docs/length.md
     "length": ComparePreset(
         ("gspo", "grpo", "grpo-rr", "gspo_token"),
@@ -125,6 +137,14 @@ COMPARE_PRESETS = {
         ("gspo", "grpo", "grpo-rr", "cispo", "gspo-behaviour", "grpo-behaviour"), STUDY_BASE, axis="staleness",
         about="GSPO, GRPO, GRPO + RR, CISPO (pi_old proximal) and GSPO, GRPO (behaviour) at lags K = 0, 2, 8; "
               "tiny-moe, arithmetic"),
+    # the same lags on the long-answer chains (verl#7356): GSPO's clip fraction at the paper's range and with a
+    # range that sets itself, pi_old proximal (recomputed) or the behaviour policy; docs/staleness.md
+    "staleness-chain": ComparePreset(
+        ("gspo", "gspo-target", "gspo-behaviour", "gspo-target-behaviour"),
+        {"model": "tiny-long-moe", "task": "chain", "steps": 20, "prompts_per_step": 8, "eval_every": 5,
+         "eval_size": 100, "lr": 2e-4, "samples_per_step": 2}, axis="staleness", levels=(0, 1, 2, 4, 8),
+        about="GSPO at the paper's clip range and holding clip/frac 0.15, pi_old proximal or behaviour, at lags "
+              "K = 0, 1, 2, 4, 8; tiny-long-moe, chain (long answers)"),
     # sampler and trainer computing in fp32 / bf16 / fp16 (fp32 master weights); docs/precision.md
     "precision": ComparePreset(
         ("gspo", "grpo", "gspo-tis", "grpo-tis"), {**STUDY_BASE, "steps": 60}, axis="precision",
@@ -164,7 +184,7 @@ def compare_help() -> str:
             f"{presets}\n"
             f"  --configs NAME ...   presets: {', '.join(PRESETS)}; or name:key=value,key=value\n"
             "                       (default: the preset's)\n"
-            "  --seeds N ...        seeds (default: 0 1 2); results are averaged over them\n"
+            "  --seeds N ...        seeds (default: 0 1 2; the moe preset 0-5); results are averaged over them\n"
             "  --lags K ...         the staleness preset's fixed lags (default: 0 2 8; the full grid: 0 1 2 4 8)\n"
             "  --precisions D ...   the precision preset's dtypes (default: float32 bfloat16 float16)\n"
             "  --tasks T ...        the objectives preset's tasks (default: chain arithmetic), each with its model\n"
@@ -173,6 +193,12 @@ def compare_help() -> str:
             "  --jobs N             runs trained at once, each in its own process (default 0: one per core\n"
             "                       up to 4 on a CPU, with the cores shared out as --threads; 1 on a GPU);\n"
             "                       each run equals `gspo train` alone with its --threads (gspo.lab.jobs)\n"
+            "  --plan               train nothing: the minimum detectable difference (80% power, Holm over the\n"
+            "                       differences the report will judge) at these seeds and --eval-size, the seeds\n"
+            "                       and held-out problems a difference needs, one seed against more problems per\n"
+            "                       CPU minute (gspo.lab.plan; the spreads from the preset's stored study)\n"
+            "  --detect POINTS ...  --plan: differences to size for, in points of accuracy (default: 5 10)\n"
+            "  --pilot DIR          --plan: take the spreads from this comparison's compare.json instead\n"
             "  --output-dir DIR     report directory (default: runs/compare-<date>-<time>); given again, its\n"
             "                       runs of the same configuration, gspo version and files (--dataset,\n"
             "                       --reward, ...) are reused or resumed, others set aside (<run>.replaced-<k>)\n"
@@ -245,6 +271,7 @@ def summarise(run_dir: Path) -> dict:
         "token_spread_mean": _mean([r.get("ratio/token_spread") for r in rows]),
         "staleness_mean": _mean([r.get("async/staleness_mean", 0.0) for r in rows]),
         "is_truncated_mean": _mean([r.get("is/truncated_frac") for r in rows]),  # with --rollout-is truncate
+        "eps_high_mean": _mean([r.get("clip/eps_high") for r in rows]),  # with --target-clip-frac: the range used
         "reward_last10_mean": _mean([r.get("reward/mean") for r in rows[-10:]]),
         "grad_norm_max": max((r["grad_norm"] for r in rows if not bad(r.get("grad_norm"))), default=None),
         "diverged": bool(nonfinite or (evals and final is not None and final < max(evals) - COLLAPSE_POINTS)),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gspo.io.files import atomic_write_text, json_clean, read_jsonl
+from gspo.lab.power import POWER, mdd, pooled_sd
 from gspo.lab.stats import FAMILY_LEVEL, ci95, eval_noise, holm, paired_test
 
 COLLAPSE_POINTS = 0.10  # "diverged": the final held-out accuracy this far below the run's best
@@ -217,15 +218,35 @@ def judge(report: dict, pairs: list[tuple[str, str]] | None = None, figures: tup
     tested = [r for r in rows if r["verdict"] is None and r["same_as"] is None]
     for r, adjusted, seeds_only in zip(tested, holm([r["p"] for r in tested]), holm([r["p_seeds"] for r in tested])):
         r.update(p_holm=adjusted, p_seeds_holm=seeds_only, verdict=VERDICTS[0] if adjusted <= level else VERDICTS[1])
+    detectable = _detectable(tested, level)
     by_pair = {(r["a"], r["b"], r["figure"]): r for r in tested}
     for r in rows:
         if r["same_as"] is not None:
             judged = by_pair[(*r["same_as"], r["figure"])]
             r.update(p_holm=judged["p_holm"], p_seeds_holm=judged["p_seeds_holm"], verdict=judged["verdict"],
-                     same_as=list(r["same_as"]))
-    return {"method": "holm", "level": level, "judged": len(tested),
+                     same_as=list(r["same_as"]), mdd=judged["mdd"])
+    return {"method": "holm", "level": level, "judged": len(tested), "mdd": detectable,
             "outside": sum(r["verdict"] == VERDICTS[0] for r in tested),
             "outside_seeds_only": sum(r["p_seeds_holm"] <= level for r in tested), "differences": rows}
+
+
+def _detectable(tested: list[dict], level: float) -> dict:
+    """Each tested row's minimum detectable difference (gspo.lab.power.mdd: 80% power, Holm over all
+    `tested`), from its figure's per-seed spread pooled over the report's differences of that figure
+    (gspo.lab.power.pooled_sd), its own seeds and its own held-out variance; figure -> {"sd", "df",
+    "differences", "power", "low", "high"} (the rows' smallest and largest)."""
+    out = {}
+    for key in dict.fromkeys(r["figure"] for r in tested):
+        rows = [r for r in tested if r["figure"] == key]
+        pooled = pooled_sd(rows)
+        for r in rows:
+            r["mdd"] = None if pooled is None else mdd(pooled[0], r["seeds"], len(tested), r["known_var"],
+                                                        level=level)
+        found = [r["mdd"] for r in rows if r["mdd"] is not None]
+        out[key] = {"sd": None if pooled is None else pooled[0], "df": None if pooled is None else pooled[1],
+                    "differences": len(rows), "power": POWER, "low": min(found, default=None),
+                    "high": max(found, default=None)}
+    return out
 
 
 def _difference(report: dict, a: str, b: str, key: str, eval_n: int | None) -> dict | None:
@@ -239,7 +260,9 @@ def _difference(report: dict, a: str, b: str, key: str, eval_n: int | None) -> d
         return None
     return {"a": a, "b": b, "figure": key, "seeds": est.n, "eval_n": problems, "mean": est.mean,
             "ci95": est.half, "df": est.df, "p": est.p, "p_holm": None, "verdict": None, "same_as": None,
-            "p_seeds": paired_test(xs, ys).p if problems else est.p, "p_seeds_holm": None}
+            "p_seeds": paired_test(xs, ys).p if problems else est.p, "p_seeds_holm": None,
+            "sd": None if est.seeds_var is None else math.sqrt(est.seeds_var * est.n), "known_var": est.known_var,
+            "mdd": None}
 
 
 def with_judged(report: dict, judged: dict) -> dict:
@@ -283,6 +306,7 @@ def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[s
                      f"rather than the task; `p_seeds_holm` in compare.json's \"judged\"), "
                      f"{judged['outside_seeds_only']} would be." if n and any(
                          r["eval_n"] for r in judged["differences"]) else "")]
+        lines += ["", *_detectable_lines(judged)]
     else:
         lines += ["", "No difference judged: " + ("one seed gives no interval." if judged["differences"]
                                                     else "nothing to compare.")]
@@ -297,9 +321,31 @@ def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[s
         else:
             again = "" if r["same_as"] is None else f"; the same runs as {r['same_as'][0]} - {r['same_as'][1]}, " \
                                                     "counted once"
+            seen = "" if r["verdict"] != VERDICTS[1] or r.get("mdd") is None else \
+                f" (the smallest difference it could see: {100 * r['mdd']:.1f})"
             lines.append(head + f"{100 * r['mean']:+.1f}{_pm(r['ci95'], True)} {what} (paired over {r['seeds']} "
-                         f"seeds; p = {_p(r['p'])}, Holm-adjusted {_p(r['p_holm'])}{again}): {r['verdict']}.")
+                         f"seeds; p = {_p(r['p'])}, Holm-adjusted {_p(r['p_holm'])}{again}): {r['verdict']}{seen}.")
     return lines + [""]
+
+
+def _detectable_lines(judged: dict) -> list[str]:
+    """The minimum detectable difference of each figure judged, in words (judged["mdd"])."""
+    parts = []
+    for key, m in (judged.get("mdd") or {}).items():
+        if m["low"] is None:
+            continue
+        size = f"{100 * m['low']:.1f}" if round(100 * m["low"], 1) == round(100 * m["high"], 1) else \
+            f"{100 * m['low']:.1f} to {100 * m['high']:.1f}"
+        parts.append(f"{size} points of {JUDGED[key]} (its paired per-seed spread, pooled over the report's "
+                     f"{m['differences']} differences of it: {100 * m['sd']:.1f} points on {m['df']} degrees of "
+                     "freedom)")
+    if not parts:
+        return []
+    return [f"**Minimum detectable difference**: {'; '.join(parts)}. That is the true difference these seeds and "
+            f"held-out problems find outside the noise {100 * POWER:.0f}% of the time, Holm over all "
+            f"{judged['judged']} judged (gspo.lab.power, docs/compare.md \"Power\"); a difference within the noise "
+            "and smaller than it is not evidence of no difference. `gspo compare --plan` gives the seeds a smaller "
+            "one needs."]
 
 
 def trained_minutes(out: Path, report: dict) -> tuple[int, float, float | None]:

@@ -99,6 +99,7 @@ FIGURES = {
     "mismatch_seq_mean": ("mean mismatch/seq_log_ratio", False),
     "is_truncated_mean": ("mean is/truncated_frac (the correction's truncated tokens)", False),
     "staleness_mean": ("mean async/staleness_mean", False),
+    "eps_high_mean": ("mean clip/eps_high (the upper clip range used; with --target-clip-frac, set by it)", False),
 }
 PLOTTED = ("accuracy", "accuracy_curve_mean", "clip_frac_mean", "seq_log_abs_mean", "mismatch_mean",
            "mismatch_seq_mean")

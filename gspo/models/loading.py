@@ -40,6 +40,8 @@ import torch
 
 ASSETS = Path(__file__).parents[1] / "assets"  # gspo/assets
 BUILTIN_MODELS = {"tiny": ASSETS / "tiny", "tiny-moe": ASSETS / "tiny-moe",
+                  # Qwen3-MoE's fine-grained shape scaled down: 32 experts, top-8 (docs/moe.md, the moe preset)
+                  "tiny-moe-wide": ASSETS / "tiny-moe-wide",
                   # for the long-answer `chain` task (scripts/make_long_model.py)
                   "tiny-long": ASSETS / "tiny-long", "tiny-long-moe": ASSETS / "tiny-long-moe",
                   # a chat model that calls tools, for the multi-turn `calculator` task (scripts/make_tool_model.py)
