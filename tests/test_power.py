@@ -95,6 +95,63 @@ def test_the_mdd_has_the_power_it_claims(n, known_var):
     assert simulated_power(d, 0.02, n, 3, known_var) == pytest.approx(0.80, abs=0.006)
 
 
+def test_with_no_difference_the_power_is_the_tests_size_at_any_seeds():
+    # d = 0, no held-out noise: the test is Student's t, so it rejects with chance exactly alpha' = 0.05/judged
+    # (an even grid from log 1e-12 df missed the chi-squared's mass at many df: 1.0002 of it at 1000 seeds,
+    # 1.0044 at 2000)
+    for seeds in (3, 10, 100, 1000, 2000):
+        for judged in (1, 3, 50):
+            assert power_at(0.0, 1.0, seeds, judged) == pytest.approx(0.05 / judged, rel=1e-6)
+
+
+def _one_df_power(d, sd, judged):
+    """The power with 2 seeds by another road: with one degree of freedom s = sd |X| / sqrt(2), X ~ N(0, 1),
+    so the test rejects when |Z + d sqrt(2)/sd| > t |X|: 2 x the integral over x > 0 of phi(x) (Phi(delta - t x)
+    + Phi(-delta - t x)), by Simpson's rule on 1.2 million intervals of [0, 12]."""
+    t, delta = t_quantile(1 - 0.05 / (2 * judged), 1), d * math.sqrt(2) / sd
+    x = np.linspace(0.0, 12.0, 1_200_001)
+    erf = np.vectorize(math.erf)
+    phi = lambda u: 0.5 * (1.0 + erf(u / math.sqrt(2.0)))  # noqa: E731
+    f = np.exp(-x * x / 2) / math.sqrt(2 * math.pi) * (phi(delta - t * x) + phi(-delta - t * x))
+    w = np.ones_like(x)
+    w[1:-1:2], w[2:-1:2] = 4, 2
+    return 2 * (x[1] - x[0]) / 3 * float((w * f).sum())
+
+
+@pytest.mark.parametrize("d", [2.0, 10.0, 20.0])
+def test_two_seeds_and_many_differences_where_the_rejection_steps_sharply(d):
+    # t(1 - 0.05/100, 1) = 636.6: the chance to reject falls from 1 to 0 within ~0.002 in log V, narrower than
+    # an even grid's step (the power at d = 20, 0.343, was 2.7e-4 off)
+    assert power_at(d, 0.1, 2, 50) == pytest.approx(_one_df_power(d, 0.1, 50), abs=2e-6)
+
+
+def test_the_mdd_scales_with_the_spread_and_bad_figures_are_refused():
+    import signal
+
+    def stuck(*_):
+        raise TimeoutError("the search did not end")
+
+    signal.signal(signal.SIGALRM, stuck)
+    signal.alarm(20)  # before, a spread whose square underflows, or NaN, was searched for ever
+    try:
+        assert mdd(1e-170, 3, 3) == pytest.approx(mdd(1.0, 3, 3) * 1e-170, rel=1e-6)
+        assert mdd(3e150, 3, 3) == pytest.approx(mdd(1.0, 3, 3) * 3e150, rel=1e-6)
+        for bad in (math.nan, math.inf, -0.01):
+            with pytest.raises(ValueError, match="finite and >= 0"):
+                mdd(bad, 3, 3)
+            with pytest.raises(ValueError, match="finite and >= 0"):
+                power_at(0.1, 0.02, 3, 3, bad)
+        for bad in (math.nan, math.inf, 0.0):
+            with pytest.raises(ValueError, match="finite and > 0"):
+                seeds_for(bad, 0.02, 3)  # NaN and inf answered 2 seeds
+        with pytest.raises(ValueError, match=">= 0"):
+            held_out_var(0.8, -500)  # a negative variance
+        with pytest.raises(ValueError, match="accuracy finite"):
+            held_out_var(math.nan, 500)
+    finally:
+        signal.alarm(0)
+
+
 def test_the_textbook_formula_and_a_forgotten_correction_fall_short():
     # what the exact search is for: 3 seeds at the textbook's MDD have ~72% power; an MDD computed as if
     # the report judged one difference, used in a report of 3, ~39%
@@ -195,6 +252,20 @@ def test_plan_of_a_study_counts_what_its_report_will_judge(capsys):
     stored = json.loads((ROOT / "docs" / "compare-staleness" / "compare.json").read_text())
     family = next(iter(stored.values()))["judged"]["judged"]
     assert family == 50 and f"judged: {family} differences" in capsys.readouterr().out
+
+
+def test_a_pilot_that_did_not_record_its_steps_says_so():
+    # the objectives study stored no step count (pilots.json: "steps": null): the plan read "measured at None
+    # steps" and "scaled from None steps"
+    assert json.loads((ROOT / "gspo" / "lab" / "pilots.json").read_text())["objectives"]["steps"] is None
+    import io
+    from contextlib import redirect_stdout
+
+    with redirect_stdout(io.StringIO()) as out:
+        assert main(["compare", "--preset", "objectives", "--plan"]) == 0
+    text = out.getvalue()
+    assert "None" not in text and "3 seeds, unrecorded steps, 100 held-out problems" in text
+    assert "(the pilot's seconds per run; its steps not recorded)" in text
 
 
 def test_plan_from_a_pilot_directory_recomputes_its_spread(tmp_path, capsys):

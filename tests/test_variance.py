@@ -139,6 +139,6 @@ def test_compare_presets_in_help_and_unknown(capsys, tmp_path):
     assert done.value.code == 0 and "--preset NAME" in out and "length: GSPO, GRPO" in out
     assert main(["compare", "--preset", "lenght", "--output-dir", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
-    assert ("--preset: unknown preset 'lenght'; presets: paper, length, staleness, precision" in err
-            and "Traceback" not in err)
+    assert ("--preset: unknown preset 'lenght'; presets: paper, moe, length, staleness, staleness-chain, precision, "
+            "objectives\n" in err and "Traceback" not in err)
     assert not (tmp_path / "c").exists()
