@@ -193,7 +193,7 @@ def test_compare_json_has_an_interval_for_every_averaged_figure(tmp_path):
     # gspo - grpo, paired: +0.31 ± 0.0639453, p = 0.000393109 (by hand above); one difference, Holm's p is p
     assert ("- gspo - grpo: +31.0 ± 6.4 points of final accuracy (paired over 3 seeds; p = 0.00039, "
             "Holm-adjusted 0.00039): outside the noise.") in md
-    assert "**1 differences judged** (final accuracy, paired over the seeds), at a familywise level of 5%" in md
+    assert "**1 difference judged** (final accuracy, paired over the seeds), at a familywise level of 5%" in md
     # one accuracy on 500 problems, at the configurations' mean accuracies 0.66 and 0.35: the larger is
     # 1.959964 * sqrt(0.35 * 0.65 / 500) = 0.0418 (p nearer 0.5)
     assert "that alone is up to ±4.2 points" in md

@@ -111,7 +111,7 @@ def aggregate(per_seed: dict[int, dict], eval_n: int | None = None) -> dict:
     counts = [v.get("eval_n") for v in per_seed.values() if v.get("eval_n")]
     problems = int(min(counts)) if counts else eval_n
     agg = {}
-    for k in next(iter(per_seed.values())):
+    for k in dict.fromkeys(k for v in per_seed.values() for k in v):  # every seed's keys (the first may lack one)
         values = [v.get(k) for v in per_seed.values()]
         if k == "diverged":
             agg.update(diverged=any(values), diverged_count=sum(map(bool, values)))
@@ -275,7 +275,8 @@ def with_judged(report: dict, judged: dict) -> dict:
 
 
 def _p(p: float) -> str:
-    return "1" if p >= 0.995 else f"{p:.2g}" if p >= 1e-4 else "< 0.0001"
+    """'= 0.02', '= 1', '< 0.0001': a p-value after its name."""
+    return "= 1" if p >= 0.995 else f"= {p:.2g}" if p >= 1e-4 else "< 0.0001"
 
 
 def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[str]:
@@ -286,30 +287,38 @@ def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[s
              "compare.json): Student t over the seeds, and for a held-out accuracy also the held-out set's own "
              "noise, which the seeds cannot see (every seed is scored on the same problems): its binomial "
              "variance p(1-p)/n, its own 95% half-width added to the seeds' in quadrature (docs/compare.md)."]
-    n = min((int(c) for r in report.values() for c in [r.get("eval_n") or eval_n] if c), default=0)
+    counts = sorted({int(c) for r in report.values() for c in [r.get("eval_n") or eval_n] if c})
+    n = counts[0] if counts else 0
+    on = f"{n} problems" if len(counts) < 2 else f"{n} to {counts[-1]} problems (the configurations differ)"
     accs = [r["accuracy"] for r in report.values() if r.get("accuracy") is not None]
     if n and accs:
         worst = max(eval_noise(a, n) for a in accs)
-        lines.append(f"One held-out accuracy is measured on {n} problems: that alone is up to ±{100 * worst:.1f} "
+        lines.append(f"One held-out accuracy is measured on {on}: that alone is up to ±{100 * worst:.1f} "
                      "points (binomial, at these accuracies), whatever the training; a difference of two "
                      "configurations counts both evaluations' (as if independent: conservative).")
+    lines += ["", *_unrecorded(report)] if _unrecorded(report) else []
     figures = list(dict.fromkeys(JUDGED[r["figure"]] for r in judged["differences"]))
     level = 100 * judged["level"]
     if judged["judged"]:
-        lines += ["", f"**{judged['judged']} differences judged** ({' and '.join(figures)}, paired over the seeds), "
-                  f"at a familywise level of {level:g}%: Holm's step-down over all {judged['judged']}, so a "
+        many = f"{judged['judged']} difference{'s' * (judged['judged'] != 1)}"
+        lines += ["", f"**{many} judged** ({' and '.join(figures)}, paired over the seeds), "
+                  f"at a familywise level of {level:g}%: "
+                  + (f"Holm's step-down over all {judged['judged']}, so a " if judged["judged"] > 1 else
+                     "one alone, which Holm's step-down leaves as it is, so a ") +
                   f"difference is outside the noise when its Holm-adjusted p-value is at most {judged['level']:g} "
                   f"(the chance of calling any difference outside the noise when none is real: at most {level:g}%). "
                   f"**{judged['outside']} outside the noise.** Each line gives the difference ± its own 95% "
-                  "interval (not corrected), its p-value (paired t) and the adjusted one."
-                  + (f" Without the held-out set's noise (the seeds' alone, which speaks of these {n} problems "
-                     f"rather than the task; `p_seeds_holm` in compare.json's \"judged\"), "
+                  "interval (not corrected), its p-value (the level at which that interval reaches 0: paired t "
+                  "with the held-out noise) and the adjusted one."
+                  + (f" Without the held-out set's noise (the seeds' alone, which speaks of these held-out "
+                     "problems rather than the task; `p_seeds_holm` in compare.json's \"judged\"), "
                      f"{judged['outside_seeds_only']} would be." if n and any(
                          r["eval_n"] for r in judged["differences"]) else "")]
         lines += ["", *_detectable_lines(judged)]
     else:
-        lines += ["", "No difference judged: " + ("one seed gives no interval." if judged["differences"]
-                                                    else "nothing to compare.")]
+        why = {VERDICTS[2]: "one seed gives no interval", VERDICTS[3]: "the same runs (linked) are not compared"}
+        reasons = [why[v] for v in dict.fromkeys(r["verdict"] for r in judged["differences"])]
+        lines += ["", "No difference judged: " + ("; ".join(reasons) if reasons else "nothing to compare") + "."]
     lines.append("")
     for r in judged["differences"]:
         head = f"- {r['a']} - {r['b']}: "
@@ -323,8 +332,9 @@ def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[s
                                                     "counted once"
             seen = "" if r["verdict"] != VERDICTS[1] or r.get("mdd") is None else \
                 f" (the smallest difference it could see: {100 * r['mdd']:.1f})"
+            adjusted = _p(r["p_holm"]).removeprefix("= ")
             lines.append(head + f"{100 * r['mean']:+.1f}{_pm(r['ci95'], True)} {what} (paired over {r['seeds']} "
-                         f"seeds; p = {_p(r['p'])}, Holm-adjusted {_p(r['p_holm'])}{again}): {r['verdict']}{seen}.")
+                         f"seeds; p {_p(r['p'])}, Holm-adjusted {adjusted}{again}): {r['verdict']}{seen}.")
     return lines + [""]
 
 
@@ -336,14 +346,16 @@ def _detectable_lines(judged: dict) -> list[str]:
             continue
         size = f"{100 * m['low']:.1f}" if round(100 * m["low"], 1) == round(100 * m["high"], 1) else \
             f"{100 * m['low']:.1f} to {100 * m['high']:.1f}"
-        parts.append(f"{size} points of {JUDGED[key]} (its paired per-seed spread, pooled over the report's "
-                     f"{m['differences']} differences of it: {100 * m['sd']:.1f} points on {m['df']} degrees of "
-                     "freedom)")
+        over = "the report's one difference of it" if m["differences"] == 1 else \
+            f"pooled over the report's {m['differences']} differences of it"
+        parts.append(f"{size} points of {JUDGED[key]} (its paired per-seed spread, {over}: {100 * m['sd']:.1f} "
+                     f"points on {m['df']} degrees of freedom)")
     if not parts:
         return []
+    family = f"Holm over all {judged['judged']} judged" if judged["judged"] > 1 else "the one difference judged"
     return [f"**Minimum detectable difference**: {'; '.join(parts)}. That is the true difference these seeds and "
-            f"held-out problems find outside the noise {100 * POWER:.0f}% of the time, Holm over all "
-            f"{judged['judged']} judged (gspo.lab.power, docs/compare.md \"Power\"); a difference within the noise "
+            f"held-out problems find outside the noise {100 * POWER:.0f}% of the time, {family} (gspo.lab.power, "
+            "docs/compare.md \"Power\"); a difference within the noise "
             "and smaller than it is not evidence of no difference. `gspo compare --plan` gives the seeds a smaller "
             "one needs."]
 
@@ -356,9 +368,28 @@ def trained_minutes(out: Path, report: dict) -> tuple[int, float, float | None]:
     same = _same_runs(report)
     runs = [v for name, r in report.items() for seed, v in r["seeds"].items()
             if same[name] == name and not (out / "runs" / f"{name}-seed{seed}").is_symlink()]
-    wall = sum(v["wall_seconds"] for v in runs)
-    timed = [v["eval_seconds"] for v in runs if v.get("eval_seconds") is not None]
+    wall = sum(w for v in runs if _finite(w := v.get("wall_seconds")))  # a run without one counts 0 (said in report.md)
+    timed = [v["eval_seconds"] for v in runs if _finite(v.get("eval_seconds"))]
     return len(runs), wall / 60, (sum(timed) / wall if wall else 0.0) if timed else None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _unrecorded(report: dict) -> list[str]:
+    """Lines naming the seeds whose final accuracy or wall time is missing or not a number: left out of
+    their configuration's mean, its differences and the minutes (a diverged run's NaN would otherwise
+    make its configuration look as good as its surviving seeds)."""
+    lines = []
+    for name, r in report.items():
+        for key, what, left in (("accuracy", "final accuracy", "its mean and its differences"),
+                                ("wall_seconds", "wall time", "the minutes trained")):
+            missing = [s for s, v in r["seeds"].items() if not _finite(v.get(key))]
+            if missing:
+                lines.append(f"- {name}: seed{'s' * (len(missing) > 1)} {', '.join(missing)} of {len(r['seeds'])} "
+                             f"recorded no {what} (left out of {left}).")
+    return ["**Seeds with a figure missing:**", "", *lines, ""] if lines else []
 
 
 def _setting(cfg) -> str:
