@@ -1,6 +1,11 @@
 """`gspo compare --jobs`: runs side by side in processes of their own, each equal to its run alone."""
 
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -8,6 +13,8 @@ from gspo.cli import main
 from gspo.config import TrainConfig
 from gspo.lab.compare import ratio_variances
 from gspo.lab.jobs import MAX_AUTO_JOBS, plan_jobs
+from gspo.train import checkpoint as ckpt
+from gspo.train.lifecycle import check_no_writer
 
 
 @pytest.mark.parametrize("device,threads,cores,pending,jobs,want", [
@@ -86,3 +93,61 @@ def test_ratio_variances_side_by_side_equal_each_alone():
     assert [r["model"] for r in together] == ["tiny", "tiny-moe"]  # in order
     assert together == alone
     assert together[0] != together[1]  # the check can fail
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is `pid`, the multiprocessing resource tracker left out."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and b"resource_tracker" not in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow  # ~40 s
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_killing_the_comparison_stops_its_jobs_at_a_checkpoint(tmp_path):
+    # gspo compare --jobs 2 SIGKILLed while both runs train: before, the two jobs trained on for all their
+    # steps, orphaned, each holding its run directory's lock (the next gspo compare on it was refused). Now
+    # each is sent SIGTERM: it finishes its step, writes a checkpoint, releases its lock and exits
+    out = tmp_path / "cmp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["compare", "--configs", "gspo", "grpo", "--seeds", "0", "--jobs", "2", "--model", "tiny",
+            "--eval-size", "8", "--prompts-per-step", "4", "--group-size", "2", "--num-minibatches", "1",
+            "--no-progress", "--steps", "400", "--save-every", "1", "--output-dir", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "gspo", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    runs = [out / "runs" / f"{name}-seed0" for name in ("gspo", "grpo")]
+    deadline = time.monotonic() + 240
+    while not all(ckpt.checkpoint_dirs(r) and ckpt.checkpoint_dirs(r)[-1][0] >= 2 for r in runs):
+        assert proc.poll() is None and time.monotonic() < deadline, "the runs did not reach their second checkpoint"
+        time.sleep(0.5)
+    jobs = _children(proc.pid)
+    assert len(jobs) == 2
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while any(map(_alive, jobs)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(map(_alive, jobs)), "the jobs trained on without their comparison"
+    said = proc.stdout.read()
+    for run in runs:
+        check_no_writer(run)  # the lock is free: raises while a live run holds it
+        assert not (run / "summary.json").exists()  # stopped, not finished: 400 steps take minutes
+        step, newest = ckpt.checkpoint_dirs(run)[-1]  # trainer_state.pt is written last
+        assert (newest / "config.yaml").exists() and step < 400
+        assert f"interrupted by SIGTERM after step {step}; checkpoint written" in said
+    assert said.count("[compare] the comparison's process is gone") == 2

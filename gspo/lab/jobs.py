@@ -27,6 +27,13 @@ without one, an older gspo's, is not known to be). Otherwise it is set aside as
 
 Errors. The first run that fails stops the others from starting; those already training finish
 (each is resumable), and its error is raised with the run's name.
+
+Ends. A job dies with its comparison: when the `gspo compare` process is gone (killed, even by
+SIGKILL), each job is sent SIGTERM (Linux: the kernel's PR_SET_PDEATHSIG; elsewhere a thread that
+watches the parent), which a training run answers as `gspo train` does (gspo.train.lifecycle):
+the step under way finishes, a checkpoint is written, the run's lock is released. Before, the jobs
+trained on, orphaned, holding their run directories' locks, so the next `gspo compare` on the
+directory was refused until they ended.
 """
 
 from __future__ import annotations
@@ -34,11 +41,16 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from gspo.config import ConfigError, TrainConfig, options
 from gspo.config.yamlfile import load_yaml
+from gspo.processes.links import on_parent_death
 from gspo.train.fingerprint import changed_since
 from gspo.train.lifecycle import check_no_writer
 from gspo.train.resolve import absolute_paths, resolve
@@ -65,8 +77,9 @@ def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print, d
     they end (a run's `done in N s` line when that run ends). The first call that fails stops the
     calls not yet started (those running finish, `done` still said of them) and its error is
     raised, after a `[compare] LABEL: failed` line."""
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(fn, *args) for _, fn, args in calls]
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_job_process, initargs=(os.getpid(),)) as pool:
+        futures = [pool.submit(_in_job, fn, *args) for _, fn, args in calls]
         label = {f: name for f, (name, _, _) in zip(futures, calls)}
         failed = None
         for f in as_completed(futures):
@@ -81,6 +94,43 @@ def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print, d
             log(f"[compare] {label[failed]}: failed")
             raise failed.exception()
         return [f.result() for f in futures]
+
+
+WATCH_S = 1.0  # where the kernel cannot tell a job of its parent's death: how often it looks
+
+
+_PARENT = [0]  # in a job's process: the comparison's pid
+
+
+def _job_process(parent: int) -> None:
+    """In a job's process, before its first call: SIGTERM to it when the comparison's process dies
+    (the module docstring's "Ends")."""
+    _PARENT[0] = parent
+    if not on_parent_death(signal.SIGTERM):
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="gspo-job-parent-watch").start()
+    if os.getppid() != parent:  # gone before the kernel was asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _in_job(fn, *args):
+    """fn(*args) in a job's process; once the comparison is gone, the process ends with the call (it
+    would wait for the next call for ever: its siblings hold the call queue open)."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        if os.getppid() != _PARENT[0]:
+            print(f"[compare] the comparison's process is gone: {exc} (or the same `gspo compare` again)",
+                  file=sys.stderr, flush=True)
+        raise
+    finally:
+        if os.getppid() != _PARENT[0]:
+            os._exit(1)
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def for_job(cfg: TrainConfig, threads: int | None):

@@ -196,7 +196,7 @@ def remove_spool(spool: Path) -> None:
     shutil.rmtree(spool, ignore_errors=True)
 
 
-def _on_parent_death(sig: int) -> bool:
+def on_parent_death(sig: int) -> bool:
     """Ask the kernel to send `sig` to this process when its parent dies (Linux); False elsewhere."""
     if not sys.platform.startswith("linux"):
         return False
@@ -347,7 +347,7 @@ class ProcessEnd:
         """In the worker: die with the trainer, ignore SIGINT, honour SIGTERM when the trainer closes."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._sigterm)
-        if not _on_parent_death(signal.SIGKILL):
+        if not on_parent_death(signal.SIGKILL):
             threading.Thread(target=self._watch, daemon=True, name="gspo-parent-watch").start()
         if self.orphaned():  # the trainer died before the kernel was asked to tell us
             os._exit(1)
