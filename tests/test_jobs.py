@@ -15,6 +15,8 @@ from gspo.lab.compare import ratio_variances
 from gspo.lab.jobs import MAX_AUTO_JOBS, plan_jobs
 from gspo.train import checkpoint as ckpt
 from gspo.train.lifecycle import check_no_writer
+from tests.test_async import _children
+from tests.test_vllm_server import alive
 
 
 @pytest.mark.parametrize("device,threads,cores,pending,jobs,want", [
@@ -95,27 +97,6 @@ def test_ratio_variances_side_by_side_equal_each_alone():
     assert together[0] != together[1]  # the check can fail
 
 
-def _children(pid: int) -> list[int]:
-    """The pids whose parent is `pid`, the multiprocessing resource tracker left out."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            cmd = (stat.parent / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and b"resource_tracker" not in cmd:
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
 
 @pytest.mark.slow  # ~40 s
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
@@ -140,9 +121,9 @@ def test_killing_the_comparison_stops_its_jobs_at_a_checkpoint(tmp_path):
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 60
-    while any(map(_alive, jobs)) and time.monotonic() < deadline:
+    while any(map(alive, jobs)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not any(map(_alive, jobs)), "the jobs trained on without their comparison"
+    assert not any(map(alive, jobs)), "the jobs trained on without their comparison"
     said = proc.stdout.read()
     for run in runs:
         check_no_writer(run)  # the lock is free: raises while a live run holds it

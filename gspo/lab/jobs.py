@@ -79,7 +79,7 @@ def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print, d
     raised, after a `[compare] LABEL: failed` line."""
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=_job_process, initargs=(os.getpid(),)) as pool:
-        futures = [pool.submit(_in_job, fn, *args) for _, fn, args in calls]
+        futures = [pool.submit(_in_job, os.getpid(), fn, *args) for _, fn, args in calls]
         label = {f: name for f, (name, _, _) in zip(futures, calls)}
         failed = None
         for f in as_completed(futures):
@@ -99,31 +99,27 @@ def in_processes(calls: list[tuple[str, object, tuple]], jobs: int, log=print, d
 WATCH_S = 1.0  # where the kernel cannot tell a job of its parent's death: how often it looks
 
 
-_PARENT = [0]  # in a job's process: the comparison's pid
-
-
 def _job_process(parent: int) -> None:
     """In a job's process, before its first call: SIGTERM to it when the comparison's process dies
     (the module docstring's "Ends")."""
-    _PARENT[0] = parent
     if not on_parent_death(signal.SIGTERM):
         threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="gspo-job-parent-watch").start()
     if os.getppid() != parent:  # gone before the kernel was asked
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _in_job(fn, *args):
-    """fn(*args) in a job's process; once the comparison is gone, the process ends with the call (it
-    would wait for the next call for ever: its siblings hold the call queue open)."""
+def _in_job(parent: int, fn, *args):
+    """fn(*args) in a job's process of the comparison `parent`; once that is gone, the process ends
+    with the call (it would wait for the next call for ever: its siblings hold the call queue open)."""
     try:
         return fn(*args)
     except BaseException as exc:
-        if os.getppid() != _PARENT[0]:
+        if os.getppid() != parent:
             print(f"[compare] the comparison's process is gone: {exc} (or the same `gspo compare` again)",
                   file=sys.stderr, flush=True)
         raise
     finally:
-        if os.getppid() != _PARENT[0]:
+        if os.getppid() != parent:
             os._exit(1)
 
 

@@ -58,10 +58,9 @@ def stored_pilot(preset: str) -> Pilot:
     if preset not in pilots:
         raise ConfigError(f"--plan: no stored study of the {preset!r} preset to take a pilot from (stored: "
                           f"{', '.join(pilots)}); run a small comparison and give it as --pilot DIR")
-    p = pilots[preset]
+    p = pilots[preset]  # steps null (the objectives study's) would read "measured at None steps"
     return Pilot(p["source"], {k: (v["sd"], v["df"]) for k, v in p["figures"].items()}, p["seeds"],
                  p["steps"] or 0, p["eval_n"] or 0, p["accuracy"], p["run_seconds"], p["eval_seconds_per_problem"])
-    # steps null (the objectives study's) read "measured at None steps" and "scaled from None steps"
 
 
 def dir_pilot(path: Path) -> Pilot:

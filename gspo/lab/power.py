@@ -147,6 +147,11 @@ def _unit_mdd(sd: float, known_var: float, seeds: int, judged: int, power: float
     return hi
 
 
+def _check_difference(difference: float) -> None:
+    if not 0 < difference < math.inf:
+        raise ValueError(f"a difference to detect is finite and > 0, got {difference}")
+
+
 def _check(judged: int, sd: float, known_var: float) -> None:
     """A family of one difference or more, a finite spread and variance >= 0 (NaN was searched for ever)."""
     if judged < 1:
@@ -179,8 +184,7 @@ def seeds_for(difference: float, sd: float, judged: int, known_var: float = 0.0,
               level: float = FAMILY_LEVEL) -> int | None:
     """The fewest seeds (>= 2) whose MDD is at most `difference`; None when no number up to MAX_SEEDS
     does (the held-out noise's `floor` is above it, or the spread needs more)."""
-    if not 0 < difference < math.inf:  # NaN and inf answered 2 seeds
-        raise ValueError(f"a difference to detect is finite and > 0, got {difference}")
+    _check_difference(difference)  # NaN and inf answered 2 seeds
     if floor(judged, known_var, power=power, level=level) >= difference:
         return None
     lo, hi = 2, MAX_SEEDS  # mdd falls as seeds grow: the first n with mdd(n) <= difference, by bisection
@@ -197,8 +201,7 @@ def problems_for(difference: float, sd: float, seeds: int, judged: int, accuracy
     """The fewest held-out problems N (up to MAX_PROBLEMS) with which `seeds` seeds detect `difference`
     between two accuracies near `accuracy` (known_var = held_out_var(accuracy, N)); None when the
     seeds' part alone is already at or above it."""
-    if not 0 < difference < math.inf:
-        raise ValueError(f"a difference to detect is finite and > 0, got {difference}")
+    _check_difference(difference)
     held_out_var(accuracy, 1)  # an accuracy it can use
     seeds_part = mdd(sd, seeds, judged, power=power)
     if seeds_part is None or seeds_part >= difference:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from gspo.io.files import atomic_write_text, json_clean, read_jsonl
 from gspo.lab.power import POWER, mdd, pooled_sd
-from gspo.lab.stats import FAMILY_LEVEL, ci95, eval_noise, holm, paired_test
+from gspo.lab.stats import FAMILY_LEVEL, ci95, eval_noise, holm, is_number, paired_test
 
 COLLAPSE_POINTS = 0.10  # "diverged": the final held-out accuracy this far below the run's best
 # the held-out accuracies: measured on the same eval_n problems by every seed, so their intervals
@@ -275,8 +275,7 @@ def with_judged(report: dict, judged: dict) -> dict:
 
 
 def _p(p: float) -> str:
-    """'= 0.02', '= 1', '< 0.0001': a p-value after its name."""
-    return "= 1" if p >= 0.995 else f"= {p:.2g}" if p >= 1e-4 else "< 0.0001"
+    return "1" if p >= 0.995 else f"{p:.2g}" if p >= 1e-4 else "< 0.0001"
 
 
 def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[str]:
@@ -296,7 +295,8 @@ def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[s
         lines.append(f"One held-out accuracy is measured on {on}: that alone is up to ±{100 * worst:.1f} "
                      "points (binomial, at these accuracies), whatever the training; a difference of two "
                      "configurations counts both evaluations' (as if independent: conservative).")
-    lines += ["", *_unrecorded(report)] if _unrecorded(report) else []
+    if missing := _unrecorded(report):
+        lines += ["", *missing]
     figures = list(dict.fromkeys(JUDGED[r["figure"]] for r in judged["differences"]))
     level = 100 * judged["level"]
     if judged["judged"]:
@@ -332,9 +332,10 @@ def noise_lines(report: dict, judged: dict, eval_n: int | None = None) -> list[s
                                                     "counted once"
             seen = "" if r["verdict"] != VERDICTS[1] or r.get("mdd") is None else \
                 f" (the smallest difference it could see: {100 * r['mdd']:.1f})"
-            adjusted = _p(r["p_holm"]).removeprefix("= ")
+            p = _p(r["p"])
             lines.append(head + f"{100 * r['mean']:+.1f}{_pm(r['ci95'], True)} {what} (paired over {r['seeds']} "
-                         f"seeds; p {_p(r['p'])}, Holm-adjusted {adjusted}{again}): {r['verdict']}{seen}.")
+                         f"seeds; p {p if p.startswith('<') else '= ' + p}, Holm-adjusted {_p(r['p_holm'])}{again}): "
+                         f"{r['verdict']}{seen}.")
     return lines + [""]
 
 
@@ -368,13 +369,9 @@ def trained_minutes(out: Path, report: dict) -> tuple[int, float, float | None]:
     same = _same_runs(report)
     runs = [v for name, r in report.items() for seed, v in r["seeds"].items()
             if same[name] == name and not (out / "runs" / f"{name}-seed{seed}").is_symlink()]
-    wall = sum(w for v in runs if _finite(w := v.get("wall_seconds")))  # a run without one counts 0 (said in report.md)
-    timed = [v["eval_seconds"] for v in runs if _finite(v.get("eval_seconds"))]
+    wall = sum(w for v in runs if is_number(w := v.get("wall_seconds")))  # a run without one counts 0 (report.md says)
+    timed = [v["eval_seconds"] for v in runs if is_number(v.get("eval_seconds"))]
     return len(runs), wall / 60, (sum(timed) / wall if wall else 0.0) if timed else None
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _unrecorded(report: dict) -> list[str]:
@@ -385,7 +382,7 @@ def _unrecorded(report: dict) -> list[str]:
     for name, r in report.items():
         for key, what, left in (("accuracy", "final accuracy", "its mean and its differences"),
                                 ("wall_seconds", "wall time", "the minutes trained")):
-            missing = [s for s, v in r["seeds"].items() if not _finite(v.get(key))]
+            missing = [s for s, v in r["seeds"].items() if not is_number(v.get(key))]
             if missing:
                 lines.append(f"- {name}: seed{'s' * (len(missing) > 1)} {', '.join(missing)} of {len(r['seeds'])} "
                              f"recorded no {what} (left out of {left}).")

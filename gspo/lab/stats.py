@@ -219,8 +219,13 @@ def _fmean(values) -> float:
     return math.fsum(xs) / len(xs)
 
 
+def is_number(v) -> bool:
+    """Whether a figure counts: the statistics here leave out None and NaN or infinite values."""
+    return v is not None and math.isfinite(float(v))
+
+
 def _numbers(values) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return [float(v) for v in values if is_number(v)]
 
 
 def estimate(values: list[float | None], known_var: float = 0.0) -> Estimate | None:
@@ -264,8 +269,7 @@ def paired_test(a: list[float | None], b: list[float | None], eval_n: int | None
     variance then adds (p̄a(1 - p̄a) + p̄b(1 - p̄b))/eval_n (p̄: the means over those seeds), the
     two evaluations treated as independent (conservative when per-problem outcomes correlate
     positively across configurations, as they do)."""
-    pairs = [(float(x), float(y)) for x, y in zip(a, b) if x is not None and y is not None
-             and math.isfinite(float(x)) and math.isfinite(float(y))]
+    pairs = [(float(x), float(y)) for x, y in zip(a, b) if is_number(x) and is_number(y)]
     if not pairs:
         return None
     known = 0.0
